@@ -1,0 +1,1 @@
+"""Attention: the backend contract, the step batch, and the core's backends."""

@@ -1,0 +1,192 @@
+"""The AttentionBackend contract: paged attention over a mixed prefill/decode batch.
+
+A backend declares what it supports as class attributes, explains why a
+configuration does not fit (:meth:`AttentionBackend.validate`), says how its KV
+cache is shaped, turns the engine's per-step :class:`~dovetail.attention.batch.AttentionBatch`
+into its own metadata once per step (:class:`AttentionMetadataBuilder`), and
+provides an :class:`AttentionImpl` per attention layer.
+
+Semantics every backend must implement (``REFERENCE`` is the definition):
+
+- Tokens of all sequences are flattened; sequence ``i`` owns query rows
+  ``query_start_loc[i]:query_start_loc[i+1]``, which are the *last* tokens of
+  its context of ``seq_lens[i]`` tokens (the earlier ones are already cached).
+- Before attending, the new keys and values are written into the paged cache at
+  ``slot_mapping`` (slot = block number * block_size + offset; a negative slot
+  means "do not write", used for padding).
+- A query at absolute position ``p`` sees keys at positions ``j <= p``; with a
+  sliding window ``w``, only ``p - w < j <= p``.
+- Scores are ``scale * q . k``; with logit soft-capping ``c``, they become
+  ``c * tanh(score / c)`` before the softmax.
+- Grouped-query attention: query head ``h`` reads KV head
+  ``h // (num_heads // num_kv_heads)``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    import torch
+
+    from dovetail.attention.batch import AttentionBatch
+
+
+@dataclass(frozen=True)
+class AttentionRequirements:
+    """What a model, on a configuration, asks of its attention backend."""
+
+    platform: str
+    device_type: str
+    dtype: "torch.dtype"
+    kv_cache_dtype: str
+    block_size: int
+    head_size: int
+    num_heads: int
+    num_kv_heads: int
+    uses_sliding_window: bool = False
+    uses_logit_softcap: bool = False
+
+
+@dataclass(frozen=True)
+class AttentionLayerSpec:
+    """One attention layer's shape and options."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    scale: float
+    sliding_window: int | None = None
+    logit_softcap: float | None = None
+
+
+class AttentionMetadataBuilder:
+    """Turns the engine's step description into the backend's metadata, once per step.
+
+    The default passes the :class:`AttentionBatch` through unchanged. Backends
+    that plan (FlashInfer) or reorder override :meth:`build`; the result is
+    handed to every layer's :meth:`AttentionImpl.forward` in that step.
+    """
+
+    def __init__(self, backend: type["AttentionBackend"], layer_specs: list[AttentionLayerSpec],
+                 block_size: int, device: "torch.device", dtype: "torch.dtype"):
+        self.backend = backend
+        self.layer_specs = layer_specs
+        self.block_size = block_size
+        self.device = device
+        self.dtype = dtype
+
+    def build(self, batch: "AttentionBatch") -> Any:
+        return batch
+
+
+class AttentionImpl(ABC):
+    """The attention computation of one layer."""
+
+    def __init__(self, spec: AttentionLayerSpec):
+        self.spec = spec
+
+    @abstractmethod
+    def forward(self, q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor",
+                kv_cache: "torch.Tensor", metadata: Any) -> "torch.Tensor":
+        """Write ``k``/``v`` into ``kv_cache`` at the slots, then attend.
+
+        ``q`` is ``[tokens, num_heads, head_size]``, ``k`` and ``v`` are
+        ``[tokens, num_kv_heads, head_size]``; returns ``[tokens, num_heads, head_size]``
+        in ``q``'s dtype. ``kv_cache`` has the backend's :meth:`~AttentionBackend.kv_cache_shape`.
+        """
+
+
+class AttentionBackend(ABC):
+    """A paged-attention implementation and its declared capabilities.
+
+    Set the class attributes to declare what the backend supports; ``None`` for
+    a tuple means "any". ``supported_dtypes`` and ``supported_kv_cache_dtypes``
+    use names: ``"float32"``, ``"float16"``, ``"bfloat16"``; KV-cache dtypes
+    add ``"auto"`` (the model's dtype) and e.g. ``"fp8_e4m3"``.
+    """
+
+    name: ClassVar[str]
+    supported_head_sizes: ClassVar[tuple[int, ...] | None] = None
+    supported_dtypes: ClassVar[tuple[str, ...]] = ("float32", "float16", "bfloat16")
+    supported_kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("auto",)
+    supported_block_sizes: ClassVar[tuple[int, ...] | None] = None
+    supports_sliding_window: ClassVar[bool] = True
+    supports_logit_softcap: ClassVar[bool] = True
+    supports_gqa: ClassVar[bool] = True
+    supported_device_types: ClassVar[tuple[str, ...] | None] = None
+    #: Whether the backend's forward can be captured in a CUDA graph for decode.
+    supports_graph_capture: ClassVar[bool] = False
+
+    @classmethod
+    def available(cls) -> str | None:
+        """The reason the backend cannot run in this environment (a missing package), or None."""
+        return None
+
+    @classmethod
+    def validate(cls, req: AttentionRequirements) -> list[str]:
+        """Reasons this backend does not fit ``req``; empty when it fits.
+
+        The default checks the declared capabilities; override to add checks and
+        call ``super().validate(req)``.
+        """
+        reasons = []
+        missing = cls.available()
+        if missing:
+            reasons.append(missing)
+        if cls.supported_device_types is not None and req.device_type not in cls.supported_device_types:
+            reasons.append(f"device type {req.device_type!r} not supported by {cls.name} "
+                           f"(supported: {', '.join(cls.supported_device_types)})")
+        if cls.supported_head_sizes is not None and req.head_size not in cls.supported_head_sizes:
+            reasons.append(f"head size {req.head_size} not supported by {cls.name} "
+                           f"(supported: {', '.join(map(str, cls.supported_head_sizes))})")
+        dtype_name = str(req.dtype).removeprefix("torch.")
+        if dtype_name not in cls.supported_dtypes:
+            reasons.append(f"dtype {dtype_name} not supported by {cls.name} "
+                           f"(supported: {', '.join(cls.supported_dtypes)})")
+        if req.kv_cache_dtype not in cls.supported_kv_cache_dtypes:
+            reasons.append(f"kv_cache_dtype {req.kv_cache_dtype!r} not supported by {cls.name} "
+                           f"(supported: {', '.join(cls.supported_kv_cache_dtypes)})")
+        if cls.supported_block_sizes is not None and req.block_size not in cls.supported_block_sizes:
+            reasons.append(f"block size {req.block_size} not supported by {cls.name} "
+                           f"(supported: {', '.join(map(str, cls.supported_block_sizes))})")
+        if req.uses_sliding_window and not cls.supports_sliding_window:
+            reasons.append(f"sliding-window attention not supported by {cls.name}")
+        if req.uses_logit_softcap and not cls.supports_logit_softcap:
+            reasons.append(f"logit soft-capping not supported by {cls.name}")
+        if req.num_heads != req.num_kv_heads and not cls.supports_gqa:
+            reasons.append(f"grouped-query attention ({req.num_heads} query heads, "
+                           f"{req.num_kv_heads} KV heads) not supported by {cls.name}")
+        return reasons
+
+    @classmethod
+    def kv_cache_shape(cls, num_blocks: int, block_size: int, num_kv_heads: int,
+                       head_size: int) -> tuple[int, ...]:
+        """Shape of one layer's KV cache; the default is ``[2, blocks, block_size, kv_heads, head_size]``."""
+        return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+    @classmethod
+    def metadata_builder_cls(cls) -> type[AttentionMetadataBuilder]:
+        """The class that builds this backend's per-step metadata."""
+        return AttentionMetadataBuilder
+
+    @classmethod
+    @abstractmethod
+    def impl_cls(cls) -> type[AttentionImpl]:
+        """The per-layer implementation class."""
+
+    @classmethod
+    def capabilities(cls) -> dict[str, Any]:
+        """The declared capabilities, for documentation tables and ``dovetail plugins``."""
+        return {
+            "head_sizes": "any" if cls.supported_head_sizes is None else list(cls.supported_head_sizes),
+            "dtypes": list(cls.supported_dtypes),
+            "kv_cache_dtypes": list(cls.supported_kv_cache_dtypes),
+            "block_sizes": "any" if cls.supported_block_sizes is None else list(cls.supported_block_sizes),
+            "sliding_window": cls.supports_sliding_window,
+            "logit_softcap": cls.supports_logit_softcap,
+            "gqa": cls.supports_gqa,
+            "graph_capture": cls.supports_graph_capture,
+        }

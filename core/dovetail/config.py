@@ -1,0 +1,139 @@
+"""Engine configuration: pydantic models with vLLM's names and defaults.
+
+:class:`EngineArgs` is the flat form users pass (``LLM(**kwargs)``, CLI flags);
+:meth:`EngineArgs.create_engine_config` groups it into an :class:`EngineConfig`
+of model, cache, scheduler, device and parallel sections. Any invalid value
+raises :class:`dovetail.errors.ConfigError` naming the field and the rule.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from dovetail.errors import ConfigError
+
+DTYPE_CHOICES = ("auto", "float32", "float", "float16", "half", "bfloat16", "bf16")
+KV_CACHE_DTYPE_CHOICES = ("auto", "float32", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
+
+#: Default KV-cache budget on platforms without a profiling run (the CPU).
+DEFAULT_KV_CACHE_BYTES = 4 * 1024**3
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+
+
+class ModelConfig(_Section):
+    """Which model to load and how."""
+
+    model: str
+    tokenizer: Optional[str] = None
+    dtype: Literal[DTYPE_CHOICES] = "auto"  # type: ignore[valid-type]
+    max_model_len: Optional[int] = Field(default=None, gt=0)
+    seed: int = Field(default=0, ge=0)
+    load_format: Literal["auto", "safetensors", "dummy"] = "auto"
+    quantization: Optional[str] = None
+    served_model_name: Optional[str] = None
+
+
+class CacheConfig(_Section):
+    """The paged KV cache."""
+
+    block_size: int = Field(default=16, ge=1, le=1024)
+    gpu_memory_utilization: float = Field(default=0.9, gt=0.0, le=1.0)
+    enable_prefix_caching: bool = True
+    kv_cache_dtype: Literal[KV_CACHE_DTYPE_CHOICES] = "auto"  # type: ignore[valid-type]
+    #: Bytes of KV cache per device on platforms that do not profile (the CPU).
+    kv_cache_memory_bytes: Optional[int] = Field(default=None, gt=0)
+    num_gpu_blocks_override: Optional[int] = Field(default=None, gt=0)
+
+    @model_validator(mode="after")
+    def _block_size_power_of_two(self):
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two (got {self.block_size})")
+        return self
+
+
+class SchedulerConfig(_Section):
+    """Continuous batching limits."""
+
+    max_num_seqs: int = Field(default=256, ge=1)
+    max_num_batched_tokens: Optional[int] = Field(default=None, ge=1)
+    enable_chunked_prefill: bool = True
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    max_waiting_requests: Optional[int] = Field(default=None, ge=1)
+
+
+class DeviceConfig(_Section):
+    """Which hardware, attention backend and execution mode."""
+
+    device: Optional[str] = None
+    attention_backend: Optional[str] = None
+    enforce_eager: bool = False
+    cpu_threads: Optional[int] = Field(default=None, ge=1)
+
+
+class ParallelConfig(_Section):
+    """Parallelism across devices."""
+
+    tensor_parallel_size: int = Field(default=1, ge=1)
+
+    @model_validator(mode="after")
+    def _only_single_device(self):
+        if self.tensor_parallel_size != 1:
+            raise ValueError("tensor_parallel_size must be 1: tensor parallelism is not implemented yet")
+        return self
+
+
+class EngineConfig(BaseModel):
+    """The whole engine configuration, by section."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+
+    model: ModelConfig
+    cache: CacheConfig = CacheConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    device: DeviceConfig = DeviceConfig()
+    parallel: ParallelConfig = ParallelConfig()
+
+
+_SECTIONS = {
+    "model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
+    "device": DeviceConfig, "parallel": ParallelConfig,
+}
+_FIELD_SECTION = {name: section for section, cls in _SECTIONS.items() for name in cls.model_fields}
+
+
+def format_validation_error(exc: ValidationError, prefix: str = "") -> str:
+    """One line per problem: ``field: rule (got value)``."""
+    lines = []
+    for err in exc.errors():
+        loc = ".".join(str(part) for part in err["loc"]) or "config"
+        msg = err["msg"].removeprefix("Value error, ")
+        got = err.get("input")
+        shown = "" if isinstance(got, dict) or err["type"] == "missing" else f" (got {got!r})"
+        lines.append(f"{prefix}{loc}: {msg}{shown}")
+    return "; ".join(lines)
+
+
+class EngineArgs:
+    """Flat engine arguments, as ``LLM(**kwargs)`` and the CLI take them."""
+
+    def __init__(self, model: str, **kwargs):
+        self.kwargs = {"model": model, **kwargs}
+        unknown = [k for k in self.kwargs if k not in _FIELD_SECTION]
+        if unknown:
+            known = ", ".join(sorted(_FIELD_SECTION))
+            raise ConfigError(f"unknown engine argument(s) {', '.join(map(repr, unknown))}; known: {known}")
+
+    def create_engine_config(self) -> EngineConfig:
+        grouped: dict[str, dict] = {name: {} for name in _SECTIONS}
+        for key, value in self.kwargs.items():
+            if value is not None or key in ("model",):
+                grouped[_FIELD_SECTION[key]][key] = value
+        try:
+            return EngineConfig(**{name: cls(**grouped[name]) for name, cls in _SECTIONS.items()})
+        except ValidationError as exc:
+            raise ConfigError(f"invalid engine argument: {format_validation_error(exc)}") from None

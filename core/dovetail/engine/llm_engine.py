@@ -1,0 +1,343 @@
+"""LLMEngine: selection, model loading, and the add-request / step loop.
+
+Start-up: load plugins, choose the platform, read the model's config, resolve
+dtype and ``max_model_len``, choose the attention backend, the quantization
+method and the model class, build and load the model, size the KV cache, and
+set up the scheduler. Each :meth:`LLMEngine.step` schedules a batch, runs the
+model once, samples, applies stop rules and returns the requests' progress.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+from typing import Iterable, Union
+
+import torch
+
+from dovetail.attention.backend import AttentionRequirements
+from dovetail.config import DEFAULT_KV_CACHE_BYTES, EngineArgs, EngineConfig
+from dovetail.engine.kv_cache_manager import KVCacheManager
+from dovetail.engine.model_runner import ModelRunner
+from dovetail.engine.output_processor import OutputProcessor
+from dovetail.engine.request import Request
+from dovetail.engine.sampler import sample
+from dovetail.engine.scheduler import Scheduler
+from dovetail.errors import ConfigError, RequestError
+from dovetail.model_interface import ModelContext
+from dovetail import model_loader
+from dovetail.outputs import RequestOutput
+from dovetail.plugin_manager import get_plugin_manager
+from dovetail.sampling_params import SamplingParams
+from dovetail import selection
+
+logger = logging.getLogger("dovetail")
+
+#: vLLM's default cap on requested logprobs.
+MAX_LOGPROBS = 20
+
+PromptType = Union[str, list[int], dict]
+
+
+@dataclass
+class _Parent:
+    """A user request and its ``n`` sequences."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: list[Request]
+
+
+class LLMEngine:
+    """The synchronous engine behind :class:`dovetail.LLM` and the server."""
+
+    def __init__(self, config: EngineConfig):
+        t0 = time.monotonic()
+        self.config = config
+        manager = get_plugin_manager()
+        mc = config.model
+        self.model_path = model_loader.resolve_model_path(mc.model)
+        self.hf_config = model_loader.load_hf_config(self.model_path)
+
+        platform_name = selection.resolve_platform_name(config.device.device, manager)
+        self.platform = selection.create_platform(platform_name, manager)
+        config.device.device = platform_name
+        self.platform.check_and_update_config(config)
+        self.device = self.platform.device(0)
+        self.platform.set_device(0)
+
+        self.dtype = self._resolve_dtype()
+        self.max_model_len = self._resolve_max_model_len()
+        self._resolve_scheduler_limits()
+        self.platform.seed_everything(mc.seed)
+
+        self.model_choice = selection.select_model_class(getattr(self.hf_config, "architectures", None) or [], manager)
+        shape = self.model_choice.cls.attention_shape(self.hf_config)
+        requirements = AttentionRequirements(
+            platform=platform_name, device_type=self.platform.device_type, dtype=self.dtype,
+            kv_cache_dtype=config.cache.kv_cache_dtype, block_size=config.cache.block_size,
+            head_size=shape.head_size, num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads,
+            uses_sliding_window=shape.uses_sliding_window, uses_logit_softcap=shape.uses_logit_softcap)
+        self.attention_backend = selection.select_attention_backend(
+            self.platform, requirements, config.device.attention_backend, manager)
+        config.device.attention_backend = self.attention_backend.name
+        self.quant_method = selection.select_quant_method(
+            self.platform, self.dtype, mc.quantization, model_loader.quantization_config(self.hf_config), manager)
+
+        self.tokenizer = model_loader.load_tokenizer(self.model_path)
+        self.model = self._build_model()
+        self.vocab_size = int(self.hf_config.vocab_size)
+        self.eos_token_ids = self._eos_token_ids()
+
+        self.runner = ModelRunner(self.model, self.platform, self.attention_backend, config.cache.block_size,
+                                  self.dtype, config.cache.kv_cache_dtype, self.device)
+        self.num_blocks = self._num_kv_blocks()
+        self.runner.allocate_kv_cache(self.num_blocks)
+        self.kv_manager = KVCacheManager(self.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.kv_manager, self.max_model_len)
+        self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
+        self._parents: dict[str, _Parent] = {}
+        self._requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        self.startup_seconds = time.monotonic() - t0
+        logger.info("engine ready in %.1fs: model %s (%s) on %s, dtype %s, attention %s, %d KV blocks of %d tokens",
+                    self.startup_seconds, self.model_path, self.model_choice.architecture, platform_name,
+                    str(self.dtype).removeprefix("torch."), self.attention_backend.name, self.num_blocks,
+                    config.cache.block_size)
+
+    @classmethod
+    def from_engine_args(cls, model: str, **kwargs) -> "LLMEngine":
+        return cls(EngineArgs(model, **kwargs).create_engine_config())
+
+    # -- start-up steps ----------------------------------------------------------------------
+
+    def _resolve_dtype(self) -> torch.dtype:
+        requested = self.config.model.dtype
+        supported = self.platform.supported_dtypes()
+        if requested == "auto":
+            dtype = self.platform.resolve_dtype(model_loader.checkpoint_dtype(self.hf_config))
+        else:
+            dtype = model_loader.DTYPES[requested]
+            if dtype not in supported:
+                names = ", ".join(str(d).removeprefix("torch.") for d in supported)
+                raise ConfigError(f"dtype: {requested} is not supported on device {self.platform.name!r} "
+                                  f"(supported: {names})")
+        return dtype
+
+    def _resolve_max_model_len(self) -> int:
+        derived = model_loader.max_position_embeddings(self.hf_config)
+        requested = self.config.model.max_model_len
+        if requested is None:
+            if derived is None:
+                raise ConfigError("max_model_len: the model's config gives no maximum length; set max_model_len")
+            return derived
+        if derived is not None and requested > derived:
+            raise ConfigError(f"max_model_len: {requested} exceeds the model's maximum of {derived} "
+                              "(max_position_embeddings in config.json)")
+        return requested
+
+    def _resolve_scheduler_limits(self) -> None:
+        sched = self.config.scheduler
+        if sched.max_num_batched_tokens is None:
+            default = 8192 if sched.enable_chunked_prefill else max(8192, self.max_model_len)
+            sched.max_num_batched_tokens = max(default, sched.max_num_seqs)
+        if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < self.max_model_len:
+            raise ConfigError(
+                f"max_num_batched_tokens: {sched.max_num_batched_tokens} is smaller than max_model_len "
+                f"({self.max_model_len}); without chunked prefill a whole prompt must fit in one step")
+
+    def _build_model(self):
+        ctx = ModelContext(dtype=self.dtype, device=self.device, quant=self.quant_method,
+                           attention_backend=self.attention_backend, ops=self.platform.fused_ops())
+        with torch.device(self.device):
+            model = self.model_choice.cls(self.hf_config, "", ctx=ctx)
+        if self.config.model.load_format == "dummy":
+            model_loader.fill_dummy_weights(model, self.config.model.seed)
+        else:
+            model_loader.load_weights(model, self.model_path)
+        model_loader.process_weights_after_loading(model)
+        return model.eval()
+
+    def _eos_token_ids(self) -> set[int]:
+        ids: set[int] = set()
+        value = getattr(self.hf_config, "eos_token_id", None)
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+        gen_config = self.model_path / "generation_config.json"
+        if gen_config.is_file():
+            import json
+
+            value = json.loads(gen_config.read_text()).get("eos_token_id")
+            if isinstance(value, int):
+                ids.add(value)
+            elif isinstance(value, list):
+                ids.update(value)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        return ids
+
+    def _num_kv_blocks(self) -> int:
+        cache = self.config.cache
+        per_block = self.runner.bytes_per_block()
+        need_one = -(-self.max_model_len // cache.block_size)
+        if cache.num_gpu_blocks_override:
+            num_blocks = cache.num_gpu_blocks_override
+        elif self.platform.is_accelerator:
+            sched = self.config.scheduler
+            budget = self.platform.kv_cache_bytes(self.config, lambda: self.runner.profile(
+                sched.max_num_batched_tokens, sched.max_num_seqs, self.max_model_len))
+            num_blocks = budget // per_block
+        else:
+            budget = self.platform.kv_cache_bytes(self.config, lambda: 0) if cache.kv_cache_memory_bytes is None \
+                else cache.kv_cache_memory_bytes
+            num_blocks = budget // per_block
+            if cache.kv_cache_memory_bytes is None:
+                # No point zeroing more than every sequence at full length can use.
+                num_blocks = min(num_blocks, need_one * self.config.scheduler.max_num_seqs + need_one)
+        if num_blocks < need_one:
+            raise ConfigError(
+                f"the KV cache holds {num_blocks} blocks of {cache.block_size} tokens "
+                f"({num_blocks * per_block} bytes), fewer than one sequence of max_model_len={self.max_model_len} "
+                f"needs ({need_one}); raise kv_cache_memory_bytes / gpu_memory_utilization or lower max_model_len")
+        return int(num_blocks)
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
+        if self.tokenizer is None:
+            raise RequestError("prompt: this model has no tokenizer; pass prompt_token_ids", field="prompt")
+        return list(self.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids)
+
+    def _prompt_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenize(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return prompt["prompt"], self.tokenize(prompt["prompt"])
+            raise RequestError("prompt: a dict prompt needs 'prompt' or 'prompt_token_ids'", field="prompt")
+        if isinstance(prompt, (list, tuple)):
+            return None, list(prompt)
+        raise RequestError(f"prompt: expected a string, a list of token ids or a dict, got {type(prompt).__name__}",
+                           field="prompt")
+
+    def validate_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Reject what can never run, naming the field: bad token ids, lengths beyond the context."""
+        if not prompt_ids:
+            raise RequestError("prompt: the prompt is empty", field="prompt")
+        for t in prompt_ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                raise RequestError(f"prompt_token_ids: token id {t!r} is out of range [0, {self.vocab_size})",
+                                   field="prompt_token_ids")
+        if len(prompt_ids) >= self.max_model_len:
+            raise RequestError(f"prompt: the prompt has {len(prompt_ids)} tokens, but max_model_len is "
+                               f"{self.max_model_len} (at least one token must be generated)", field="prompt")
+        if params.max_tokens is not None and len(prompt_ids) + params.max_tokens > self.max_model_len:
+            raise RequestError(
+                f"max_tokens: the prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) "
+                f"exceeds max_model_len ({self.max_model_len})", field="max_tokens")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > MAX_LOGPROBS:
+                raise RequestError(f"{name}: {value} exceeds the maximum of {MAX_LOGPROBS}", field=name)
+        params.validate_for_vocab(self.vocab_size)
+
+    def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
+                    priority: int = 0, arrival_time: float | None = None) -> str:
+        """Queue a request; raise :class:`RequestError` if it can never run."""
+        params = params or SamplingParams()
+        request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        if request_id in self._parents:
+            raise RequestError(f"request_id: {request_id!r} is already in use", field="request_id")
+        if priority != 0 and self.config.scheduler.scheduling_policy != "priority":
+            raise RequestError("priority: set scheduling_policy='priority' to use request priorities",
+                               field="priority")
+        text, ids = self._prompt_ids(prompt)
+        self.validate_request(ids, params)
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        children = []
+        for i in range(params.n):
+            child_params = params.child(i) if params.n > 1 else params
+            if child_params.max_tokens is None:
+                child_params = child_params.model_copy(update={"max_tokens": self.max_model_len - len(ids)})
+            child_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            child = Request(child_id, text, ids, child_params, self.eos_token_ids, arrival, priority,
+                            parent_id=request_id, index=i)
+            self.outputs.attach(child)
+            children.append(child)
+        self._parents[request_id] = _Parent(request_id, text, ids, children)
+        for child in children:
+            self._requests[child.request_id] = child
+            self.scheduler.add(child)
+        return request_id
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> None:
+        """Stop requests now and free their KV-cache blocks."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        for rid in ids:
+            parent = self._parents.pop(rid, None)
+            if parent is None:
+                continue
+            for child in parent.children:
+                self._requests.pop(child.request_id, None)
+                if not child.is_finished:
+                    self.scheduler.abort(child)
+                    self.outputs.finish(child, "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._parents)
+
+    def num_unfinished_requests(self) -> int:
+        return len(self._parents)
+
+    # -- the step -------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduling step; return the progress of every request that advanced or finished."""
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        tables = [self.kv_manager.block_ids(r.request_id) for r in batch.requests]
+        logits = self.runner.execute(batch, tables)
+        for req, n in zip(batch.requests, batch.num_new_tokens):
+            req.num_computed_tokens += n
+        for request_id, (prompt_logits, predicted) in logits.prompt_logits.items():
+            self.outputs.add_prompt_logprobs(self._requests[request_id], prompt_logits, predicted)
+        touched: dict[str, None] = {}
+        if logits.sample_requests:
+            result = sample(logits.sample_logits, logits.sample_requests, self.vocab_size)
+            now = time.monotonic()
+            for req, token, info in zip(logits.sample_requests, result.token_ids, result.logprobs):
+                self.outputs.append_token(req, token, info, now)
+                if req.is_finished:
+                    self.scheduler.finish(req)
+                touched[req.parent_id] = None
+        return [self._parent_output(pid) for pid in touched if pid in self._parents]
+
+    def _parent_output(self, parent_id: str) -> RequestOutput:
+        parent = self._parents[parent_id]
+        output = self.outputs.request_output(parent.request_id, parent.prompt, parent.prompt_token_ids,
+                                             parent.children)
+        if output.finished:
+            del self._parents[parent_id]
+            for child in parent.children:
+                self._requests.pop(child.request_id, None)
+        return output
+
+    # -- introspection --------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        """Queue sizes and cache usage (for metrics)."""
+        return {
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "kv_cache_usage": self.kv_manager.usage(),
+            "prefix_cache_hit_rate": self.kv_manager.hit_rate(),
+            "num_preemptions": self.scheduler.num_preemptions,
+        }

@@ -1,0 +1,153 @@
+"""Continuous batching: which requests run this step, and how many tokens each.
+
+Each step spends a token budget (``max_num_batched_tokens``) on at most
+``max_num_seqs`` sequences: running decodes first, then running prefills that
+were chunked, then waiting requests in priority order (chunked to fit when
+``enable_chunked_prefill``). When blocks run out, the lowest-priority running
+request is preempted: its blocks are freed and it is recomputed later, keeping
+the tokens it already generated.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from dataclasses import dataclass, field
+
+from dovetail.config import EngineConfig
+from dovetail.engine.kv_cache_manager import KVCacheManager
+from dovetail.engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledBatch:
+    """One step's work: requests (decodes first) with the number of new tokens of each."""
+
+    requests: list[Request] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def __bool__(self):
+        return bool(self.requests)
+
+
+class Scheduler:
+    """Decides each step's batch under the token budget, the sequence limit and the KV cache."""
+
+    def __init__(self, config: EngineConfig, kv_manager: KVCacheManager, max_model_len: int):
+        self.config = config
+        self.kv = kv_manager
+        self.max_model_len = max_model_len
+        sched = config.scheduler
+        self.max_num_seqs = sched.max_num_seqs
+        self.token_budget = sched.max_num_batched_tokens
+        self.chunked = sched.enable_chunked_prefill
+        self.by_priority = sched.scheduling_policy == "priority"
+        self.waiting: list[Request] = []  # sorted by sort_key
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    # -- queue management -------------------------------------------------------------
+
+    def add(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        self._insert_waiting(request)
+
+    def _insert_waiting(self, request: Request) -> None:
+        key = request.sort_key() if self.by_priority else (0, request.metrics.arrival_time)
+        keys = [r.sort_key() if self.by_priority else (0, r.metrics.arrival_time) for r in self.waiting]
+        self.waiting.insert(bisect.bisect_right(keys, key), request)
+
+    def abort(self, request: Request) -> None:
+        """Remove a request wherever it is and free its blocks at once."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.kv.free(request)
+
+    def finish(self, request: Request) -> None:
+        if request in self.running:
+            self.running.remove(request)
+        self.kv.free(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- the step ----------------------------------------------------------------------
+
+    def _victim(self) -> Request:
+        if self.by_priority:
+            return max(self.running, key=lambda r: r.sort_key())
+        return self.running[-1]
+
+    def _preempt(self, victim: Request, batch: ScheduledBatch, budget: list[int]) -> None:
+        self.running.remove(victim)
+        self.kv.free(victim)
+        if victim in batch.requests:
+            i = batch.requests.index(victim)
+            budget[0] += batch.num_new_tokens.pop(i)
+            batch.requests.pop(i)
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        victim.status = RequestStatus.PREEMPTED
+        self.num_preemptions += 1
+        batch.preempted.append(victim)
+        self._insert_waiting(victim)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = [self.token_budget]
+        # Decodes first, then chunked prefills in progress.
+        order = sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens != 1)
+        for request in order:
+            if request not in self.running or budget[0] <= 0:
+                continue
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget[0])
+            while not self.kv.allocate(request, num_new):
+                victim = self._victim()
+                self._preempt(victim, batch, budget)
+                if victim is request:
+                    break
+            else:
+                batch.requests.append(request)
+                batch.num_new_tokens.append(num_new)
+                budget[0] -= num_new
+        if batch.preempted:
+            return self._ordered(batch)
+        now = time.monotonic()
+        while self.waiting and budget[0] > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            cached = self.kv.find_cached_prefix(request)
+            num_cached = len(cached) * self.kv.block_size
+            num_new = request.num_tokens - num_cached
+            if num_new > budget[0]:
+                if not self.chunked:
+                    break
+                num_new = budget[0]
+            request.num_computed_tokens = num_cached
+            if not self.kv.allocate(request, num_new, cached):
+                request.num_computed_tokens = 0
+                break
+            self.waiting.pop(0)
+            request.num_cached_tokens = num_cached
+            request.status = RequestStatus.RUNNING
+            if request.metrics.first_scheduled_time is None:
+                request.metrics.first_scheduled_time = now
+            self.running.append(request)
+            batch.requests.append(request)
+            batch.num_new_tokens.append(num_new)
+            budget[0] -= num_new
+        return self._ordered(batch)
+
+    @staticmethod
+    def _ordered(batch: ScheduledBatch) -> ScheduledBatch:
+        """Put single-token sequences first, as :class:`AttentionBatch` promises."""
+        pairs = sorted(zip(batch.requests, batch.num_new_tokens), key=lambda p: p[1] != 1)
+        batch.requests = [p[0] for p in pairs]
+        batch.num_new_tokens = [p[1] for p in pairs]
+        return batch

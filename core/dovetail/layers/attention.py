@@ -1,0 +1,40 @@
+"""The attention layer: calls the selected backend over the paged KV cache."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dovetail.attention.backend import AttentionLayerSpec
+from dovetail.forward_context import get_forward_context
+from dovetail.model_interface import ModelContext
+
+
+class Attention(nn.Module):
+    """Paged attention of one layer; the runner binds ``kv_cache`` after allocating it.
+
+    ``layer_index`` orders the caches; ``sliding_window`` and ``logit_softcap``
+    are per layer (Gemma alternates windowed and global layers).
+    """
+
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int, ctx: ModelContext,
+                 layer_index: int, sliding_window: int | None = None, logit_softcap: float | None = None):
+        super().__init__()
+        self.spec = AttentionLayerSpec(num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
+                                       scale=scale, sliding_window=sliding_window or None,
+                                       logit_softcap=logit_softcap or None)
+        self.layer_index = layer_index
+        self.impl = ctx.attention_backend.impl_cls()(self.spec)
+        self.kv_cache = torch.empty(0)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """``q``, ``k``, ``v`` flattened ``[tokens, heads * head_size]``; returns the same shape as ``q``."""
+        tokens = q.shape[0]
+        spec = self.spec
+        out = self.impl.forward(
+            q.view(tokens, spec.num_heads, spec.head_size),
+            k.view(tokens, spec.num_kv_heads, spec.head_size),
+            v.view(tokens, spec.num_kv_heads, spec.head_size),
+            self.kv_cache, get_forward_context().attn_metadata,
+        )
+        return out.reshape(tokens, spec.num_heads * spec.head_size)

@@ -1,0 +1,33 @@
+"""RMSNorm, fused with the residual add through the platform's ops."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dovetail.model_interface import ModelContext
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm; ``forward(x, residual)`` adds the residual first and returns both.
+
+    ``weight_offset=1.0`` gives Gemma's ``(1 + weight)`` form: the offset is folded
+    into a float32 weight after loading, so the multiply happens in float32 as HF does.
+    """
+
+    def __init__(self, hidden_size: int, eps: float, ctx: ModelContext, weight_offset: float = 0.0):
+        super().__init__()
+        self.eps = eps
+        self.ops = ctx.ops
+        self.weight_offset = weight_offset
+        dtype = torch.float32 if weight_offset else ctx.dtype
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
+
+    def process_weights_after_loading(self) -> None:
+        if self.weight_offset:
+            self.weight.data.add_(self.weight_offset)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return self.ops.rms_norm(x, self.weight, self.eps)
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)

@@ -1,0 +1,121 @@
+"""LLM: the offline API, with vLLM's names (``generate``, ``chat``)."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence, Union
+
+from tqdm.auto import tqdm
+
+from dovetail.config import EngineArgs
+from dovetail.engine.llm_engine import LLMEngine, PromptType
+from dovetail.errors import RequestError
+from dovetail.outputs import RequestOutput
+from dovetail.sampling_params import SamplingParams
+
+Message = dict[str, Any]
+
+
+def default_model() -> str:
+    """The directory of the small model bundled with Dovetail (it adds and subtracts numbers)."""
+    from importlib import resources
+
+    return str(resources.files("dovetail") / "assets" / "bundled-model")
+
+
+class LLM:
+    """Generate text offline from a local model directory.
+
+    ``LLM(model=..., device=..., attention_backend=..., quantization=..., dtype=..., **engine_args)``;
+    the engine arguments are those of :class:`dovetail.config.EngineArgs`
+    (``max_model_len``, ``block_size``, ``max_num_seqs``, ``enable_prefix_caching``, ...).
+    Without ``model``, the bundled model is used.
+    """
+
+    def __init__(self, model: str | None = None, *, device: str | None = None,
+                 attention_backend: str | None = None, quantization: str | None = None,
+                 dtype: str = "auto", **engine_args):
+        args = EngineArgs(model or default_model(), device=device, attention_backend=attention_backend,
+                          quantization=quantization, dtype=dtype, **engine_args)
+        self.llm_engine = LLMEngine(args.create_engine_config())
+        self._counter = 0
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
+        """Generate for each prompt; outputs come back in input order.
+
+        A prompt is a string, ``{"prompt_token_ids": [...]}`` or ``{"prompt": "..."}``.
+        ``sampling_params`` is one :class:`SamplingParams` for all prompts or one per prompt.
+        """
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params = self._params_list(sampling_params, len(prompts))
+        if priority is not None and len(priority) != len(prompts):
+            raise RequestError(f"priority: got {len(priority)} priorities for {len(prompts)} prompts", field="priority")
+        engine = self.llm_engine
+        ids = []
+        try:
+            for i, (prompt, p) in enumerate(zip(prompts, params)):
+                rid = f"llm-{self._counter}"
+                self._counter += 1
+                engine.add_request(rid, prompt, p, priority=priority[i] if priority else 0)
+                ids.append(rid)
+        except Exception:
+            engine.abort_request(ids)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages: Union[list[Message], list[list[Message]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, chat_template: str | None = None,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them, through the tokenizer's chat template."""
+        tokenizer = self.llm_engine.tokenizer
+        if tokenizer is None:
+            raise RequestError("messages: this model has no tokenizer, so it has no chat template", field="messages")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = []
+        for conversation in conversations:
+            try:
+                ids = tokenizer.apply_chat_template(conversation, chat_template=chat_template, tokenize=True,
+                                                    add_generation_prompt=add_generation_prompt)
+            except ValueError as exc:
+                raise RequestError(f"messages: cannot apply the chat template: {exc}", field="messages") from exc
+            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+                ids = ids["input_ids"]
+            prompts.append({"prompt_token_ids": list(ids)})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    @staticmethod
+    def _params_list(sampling_params, count: int) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams() for _ in range(count)]
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * count
+        params = list(sampling_params)
+        if len(params) != count:
+            raise RequestError(f"sampling_params: got {len(params)} for {count} prompts", field="sampling_params")
+        return params
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        pending = set(ids)
+        results: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        try:
+            while pending:
+                for out in engine.step():
+                    if out.finished and out.request_id in pending:
+                        results[out.request_id] = out
+                        pending.discard(out.request_id)
+                        bar.update(1)
+        except BaseException:
+            engine.abort_request(list(pending))
+            raise
+        finally:
+            bar.close()
+        return [results[i] for i in ids]

@@ -1,0 +1,169 @@
+"""Loading a local HF model directory: config, tokenizer and safetensors weights.
+
+Weights are read tensor by tensor through safetensors' memory map and copied
+straight into the model's parameters (converted to the model's dtype), so the
+peak memory stays close to the size of the weights. Nothing is downloaded: a
+hub id is accepted only if the hub's local cache already holds it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from dovetail.errors import ModelLoadError
+
+logger = logging.getLogger("dovetail")
+
+DTYPES = {
+    "float32": torch.float32, "float": torch.float32, "float16": torch.float16, "half": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+}
+
+
+def resolve_model_path(model: str) -> Path:
+    """The local directory of ``model``: a path, or a hub id found in the local hub cache."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"model directory {str(path)!r} has no config.json")
+        return path
+    if path.exists():
+        raise ModelLoadError(f"model {model!r} is a file; pass the model's directory")
+    looks_like_hub_id = model.count("/") == 1 and not model.startswith((".", "/", "~"))
+    if looks_like_hub_id:
+        cached = _from_hub_cache(model)
+        if cached is not None:
+            return cached
+        raise ModelLoadError(
+            f"model {model!r} is not a local directory and is not in the local Hugging Face cache; "
+            "Dovetail does not download models at run time. Download it first "
+            f"(e.g. `huggingface-cli download {model} --local-dir DIR`) and pass DIR")
+    raise ModelLoadError(f"model path {model!r} does not exist")
+
+
+def _from_hub_cache(repo_id: str) -> Path | None:
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        return None
+    try:
+        return Path(snapshot_download(repo_id, local_files_only=True))
+    except Exception:
+        return None
+
+
+def load_hf_config(path: Path):
+    """The model's ``config.json`` through transformers."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(path), trust_remote_code=False)
+    except Exception as exc:
+        raise ModelLoadError(f"cannot read {path / 'config.json'}: {exc}") from exc
+
+
+def load_tokenizer(path: Path):
+    """The tokenizer through transformers, or None when the directory has none."""
+    if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+    except Exception as exc:
+        raise ModelLoadError(f"cannot load the tokenizer in {str(path)!r}: {exc}") from exc
+
+
+def checkpoint_dtype(hf_config) -> torch.dtype | None:
+    value = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(value, str):
+        return DTYPES.get(value)
+    return value if isinstance(value, torch.dtype) else None
+
+
+def max_position_embeddings(hf_config) -> int | None:
+    for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length"):
+        value = getattr(hf_config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    """The checkpoint's safetensors files: from the shard index, or every ``*.safetensors``."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except Exception as exc:
+            raise ModelLoadError(f"cannot read the shard index {str(index)!r}: {exc}") from exc
+        files = sorted({path / name for name in weight_map.values()})
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise ModelLoadError(f"shard(s) named in {index.name} are missing: {', '.join(missing)}")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        other = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pt"))
+        hint = f" (found {', '.join(other)}: convert them to safetensors)" if other else ""
+        raise ModelLoadError(f"no safetensors weights in {str(path)!r}{hint}")
+    return files
+
+
+def iterate_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every checkpoint tensor, one at a time, memory-mapped from its file."""
+    from safetensors import safe_open
+
+    for file in safetensors_files(path):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def quantization_config(hf_config) -> dict | None:
+    value = getattr(hf_config, "quantization_config", None)
+    if value is None:
+        return None
+    return value if isinstance(value, dict) else value.to_dict()
+
+
+def fill_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
+    """Random weights at the real shapes (benchmarks): small uniform values, ones for norms."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    for name, param in model.named_parameters():
+        data = param.data
+        if data.dtype.is_floating_point:
+            if data.dim() == 1 and "norm" in name:
+                data.fill_(0.0 if getattr(param, "weight_offset", 0.0) else 1.0)
+            else:
+                src = torch.empty(data.shape, dtype=torch.float32).uniform_(-0.05, 0.05, generator=gen)
+                data.copy_(src)
+        else:
+            info = torch.iinfo(data.dtype)
+            data.copy_(torch.randint(max(info.min, -(2**31)), min(info.max, 2**31 - 1), data.shape,
+                                     generator=gen, dtype=torch.int64).to(data.dtype))
+
+
+def process_weights_after_loading(model: torch.nn.Module) -> None:
+    """Let each layer repack its weights (quantization) or fold constants (norm offsets)."""
+    for module in model.modules():
+        method = getattr(module, "method", None)
+        if method is not None and hasattr(method, "process_weights_after_loading"):
+            method.process_weights_after_loading(module)
+        elif hasattr(module, "process_weights_after_loading") and module is not model:
+            module.process_weights_after_loading()
+
+
+def load_weights(model, path: Path) -> None:
+    """Fill ``model`` from the checkpoint; any parameter left unfilled is an error naming it."""
+    loaded = model.load_weights(iterate_weights(path))
+    expected = {name for name, _ in model.named_parameters()}
+    missing = sorted(expected - set(loaded))
+    if missing:
+        shown = ", ".join(missing[:10]) + (f" and {len(missing) - 10} more" if len(missing) > 10 else "")
+        raise ModelLoadError(f"checkpoint in {str(path)!r} is missing tensor(s) for: {shown}")

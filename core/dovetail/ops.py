@@ -1,0 +1,64 @@
+"""Fused operations the model layers call, in plain torch.
+
+A platform returns a subclass from :meth:`dovetail.platform.Platform.fused_ops`
+overriding what it does faster (a C++ or Triton kernel); every override must
+match these definitions, which the conformance kit checks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class FusedOps:
+    """Plain-torch definitions of the fused operations models use."""
+
+    name = "torch"
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """``x / rms(x) * weight``, computed in float32 and returned in ``x``'s dtype."""
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        return (xf * weight.float()).to(dtype) if weight.dtype == torch.float32 else xf.to(dtype) * weight
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+        """Return ``(rms_norm(x + residual), x + residual)``."""
+        summed = x + residual
+        return self.rms_norm(summed, weight, eps), summed
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """``silu(x[..., :d]) * x[..., d:]`` where the last dimension is ``2 * d``."""
+        d = x.shape[-1] // 2
+        return F.silu(x[..., :d]) * x[..., d:]
+
+    def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """``gelu_tanh(x[..., :d]) * x[..., d:]`` where the last dimension is ``2 * d``."""
+        d = x.shape[-1] // 2
+        return F.gelu(x[..., :d], approximate="tanh") * x[..., d:]
+
+    def rotary_embedding(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                         cos_sin_cache: torch.Tensor, head_size: int, rotary_dim: int):
+        """Rotate the first ``rotary_dim`` features of each head of ``q`` and ``k`` (NeoX style).
+
+        ``q`` is ``[tokens, heads * head_size]`` and ``k`` is
+        ``[tokens, kv_heads * head_size]``; ``cos_sin_cache`` is
+        ``[max_position, rotary_dim]`` with the cosines in the first half and the
+        sines in the second. Returns new ``(q, k)``.
+        """
+        cos, sin = cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)
+        return (_rotate(q, cos, sin, head_size, rotary_dim), _rotate(k, cos, sin, head_size, rotary_dim))
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_size: int, rotary_dim: int):
+    shape = x.shape
+    x = x.view(shape[0], -1, head_size)
+    cos = cos.unsqueeze(1).to(x.dtype)
+    sin = sin.unsqueeze(1).to(x.dtype)
+    rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
+    x1, x2 = rot.chunk(2, dim=-1)
+    rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    if rest.shape[-1]:
+        rotated = torch.cat((rotated, rest), dim=-1)
+    return rotated.reshape(shape)

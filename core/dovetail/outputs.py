@@ -1,0 +1,62 @@
+"""What generation returns: vLLM's RequestOutput, CompletionOutput and Logprob."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass
+class Logprob:
+    """The log-probability of one token, its rank among all tokens (1 = most likely) and its text."""
+
+    logprob: float
+    rank: Optional[int] = None
+    decoded_token: Optional[str] = None
+
+
+#: For one position: token id -> Logprob (the sampled or prompt token and the top-k).
+PositionLogprobs = dict[int, Logprob]
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence of a request."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: Optional[float] = None
+    logprobs: Optional[list[PositionLogprobs]] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[int | str] = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    """Timestamps of a request (seconds, ``time.monotonic``)."""
+
+    arrival_time: float
+    first_scheduled_time: Optional[float] = None
+    first_token_time: Optional[float] = None
+    last_token_time: Optional[float] = None
+    finished_time: Optional[float] = None
+
+
+@dataclass
+class RequestOutput:
+    """The result (or, while streaming, the progress) of one request."""
+
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    prompt_logprobs: Optional[list[Optional[PositionLogprobs]]] = None
+    num_cached_tokens: int = 0
+    metrics: Optional[RequestMetrics] = None
+    #: For streaming: per output index, the text and token ids added since the last output.
+    deltas: list[tuple[str, list[int]]] = field(default_factory=list)

@@ -1,0 +1,163 @@
+"""The Platform contract: what Dovetail asks of a kind of hardware.
+
+A vendor subclasses :class:`Platform` and registers it with the
+``register_platforms`` hook (see :mod:`dovetail.hookspecs`). The engine asks the
+selected platform for its device, its memory, its dtypes, its preferred
+attention backends and its distributed backend; nothing in the core names a
+vendor.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, ClassVar
+
+if TYPE_CHECKING:
+    import torch
+
+    from dovetail.config import EngineConfig
+    from dovetail.ops import FusedOps
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """Whether a platform is usable on this machine, and if not, why."""
+
+    usable: bool
+    reason: str = ""
+
+    @classmethod
+    def ok(cls, detail: str = "") -> "ProbeResult":
+        return cls(True, detail)
+
+    @classmethod
+    def no(cls, reason: str) -> "ProbeResult":
+        return cls(False, reason)
+
+
+class Platform(ABC):
+    """A kind of hardware Dovetail can run on.
+
+    Class attributes to set:
+
+    - ``name``: the name users type (``--device``), e.g. ``"cuda"``.
+    - ``device_type``: the torch device type tensors live on, e.g. ``"cuda"``.
+      A platform may compute on another platform's device type (a vendor's
+      emulator on ``"cpu"``).
+    - ``dist_backend``: the torch.distributed backend, e.g. ``"nccl"``.
+    - ``is_accelerator``: True when the KV cache is sized by a profiling run and
+      ``gpu_memory_utilization``; False when it is a byte budget
+      (``kv_cache_memory_bytes``), as on the CPU.
+    - ``supports_graph_capture``: whether decode steps can be captured and
+      replayed (CUDA graphs); the engine disables capture otherwise.
+
+    The engine makes one instance per process, after selection, with no
+    arguments. The constructor may touch the device; the class body and the
+    probe must not.
+    """
+
+    name: ClassVar[str]
+    device_type: ClassVar[str]
+    dist_backend: ClassVar[str] = "gloo"
+    is_accelerator: ClassVar[bool] = True
+    supports_graph_capture: ClassVar[bool] = False
+
+    # -- discovery -------------------------------------------------------------------
+
+    @classmethod
+    @abstractmethod
+    def probe(cls) -> ProbeResult:
+        """Say cheaply whether this platform is usable here, without initialising a device."""
+
+    # -- devices and memory -----------------------------------------------------------
+
+    @abstractmethod
+    def device_count(self) -> int:
+        """Number of devices of this platform visible to the process."""
+
+    def device(self, index: int = 0) -> "torch.device":
+        """The torch device for device ``index``."""
+        import torch
+
+        return torch.device(self.device_type, index) if self.device_type != "cpu" else torch.device("cpu")
+
+    def set_device(self, index: int = 0) -> None:
+        """Make device ``index`` current for this process (no-op by default)."""
+
+    @abstractmethod
+    def memory_total(self, index: int = 0) -> int:
+        """Total memory of device ``index`` in bytes."""
+
+    @abstractmethod
+    def memory_free(self, index: int = 0) -> int:
+        """Free memory of device ``index`` in bytes."""
+
+    def memory_stats(self, index: int = 0) -> dict[str, int]:
+        """Allocator statistics in bytes; at least ``allocated`` and ``peak_allocated`` when known."""
+        return {}
+
+    def reset_peak_memory_stats(self, index: int = 0) -> None:
+        """Start a new peak-memory measurement (used by the profiling run)."""
+
+    def synchronize(self) -> None:
+        """Wait for every queued operation on the device to finish."""
+
+    def empty_cache(self) -> None:
+        """Return cached, unused allocator memory to the device."""
+
+    # -- numerics ----------------------------------------------------------------------
+
+    @abstractmethod
+    def supported_dtypes(self) -> list["torch.dtype"]:
+        """Activation dtypes this platform computes in, best first."""
+
+    def resolve_dtype(self, checkpoint_dtype: "torch.dtype | None") -> "torch.dtype":
+        """The dtype ``dtype="auto"`` means here for a checkpoint saved in ``checkpoint_dtype``."""
+        supported = self.supported_dtypes()
+        return checkpoint_dtype if checkpoint_dtype in supported else supported[0]
+
+    def fused_ops(self) -> "FusedOps":
+        """The fused operations models call (RMSNorm with residual, rotary, SiLU-and-mul).
+
+        Return a :class:`dovetail.ops.FusedOps` subclass instance overriding the
+        operations this platform does faster; the default is plain torch.
+        """
+        from dovetail.ops import FusedOps
+
+        return FusedOps()
+
+    # -- engine integration ------------------------------------------------------------
+
+    @abstractmethod
+    def default_attention_backends(self) -> list[str]:
+        """Attention backend names to try, most preferred first (installed or not)."""
+
+    def check_and_update_config(self, config: "EngineConfig") -> None:
+        """Check the engine config against this platform and adjust what it must.
+
+        Raise :class:`dovetail.errors.ConfigError` naming the field for a value the
+        platform cannot honour; adjust silently only what the user did not set,
+        and log every adjustment.
+        """
+
+    def kv_cache_bytes(self, config: "EngineConfig", profile: Callable[[], int]) -> int:
+        """Bytes to give the KV cache on one device.
+
+        ``profile()`` runs the model once on the largest batch the scheduler can
+        form and returns the peak bytes it used. The default, for accelerators,
+        is ``memory_total * gpu_memory_utilization - peak``.
+        """
+        peak = profile()
+        total = self.memory_total()
+        return int(total * config.cache.gpu_memory_utilization) - peak
+
+    def seed_everything(self, seed: int) -> None:
+        """Seed this platform's random generators."""
+        import torch
+
+        torch.manual_seed(seed)
+
+    def describe(self) -> str:
+        """A one-line description of the devices (for logs and ``dovetail plugins``)."""
+        return self.name

@@ -1,0 +1,1 @@
+"""Quantization methods: the contract and the unquantized method."""

@@ -1,0 +1,23 @@
+"""The unquantized linear method: a plain floating-point weight."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from dovetail.quantization.base import QuantMethod
+
+
+class UnquantizedMethod(QuantMethod):
+    """``y = x @ W.T + b`` with ``W`` in the model's dtype."""
+
+    name = "none"
+
+    def create_weights(self, layer, input_size, output_sizes, params_dtype):
+        weight = torch.nn.Parameter(torch.empty(sum(output_sizes), input_size, dtype=params_dtype),
+                                    requires_grad=False)
+        weight.output_dim = 0
+        layer.register_parameter("weight", weight)
+
+    def apply(self, layer, x, bias):
+        return F.linear(x, layer.weight, bias)

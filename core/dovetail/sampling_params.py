@@ -1,0 +1,127 @@
+"""SamplingParams: how to sample, with vLLM's field names; every field validated on construction."""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from dovetail.config import format_validation_error
+from dovetail.errors import RequestError
+
+_EPS = 1e-5
+
+
+class SamplingParams(BaseModel):
+    """Sampling parameters for one request (vLLM's names, defaults and rules).
+
+    Invalid values raise :class:`dovetail.errors.RequestError` naming the field.
+    """
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+
+    n: int = Field(default=1, ge=1, le=1024)
+    temperature: float = Field(default=1.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=-1)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    seed: Optional[int] = None
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0)
+    logit_bias: Optional[dict[int, float]] = None
+    stop: Union[None, str, list[str]] = None
+    stop_token_ids: Optional[list[int]] = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    max_tokens: Optional[int] = Field(default=16, ge=1)
+    min_tokens: int = Field(default=0, ge=0)
+    logprobs: Optional[int] = Field(default=None, ge=0)
+    prompt_logprobs: Optional[int] = Field(default=None, ge=0)
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+
+    def __init__(self, **data):
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            raise RequestError(f"invalid SamplingParams: {format_validation_error(exc)}",
+                               field=_first_field(exc)) from None
+
+    def __setattr__(self, name, value):
+        try:
+            super().__setattr__(name, value)
+        except ValidationError as exc:
+            raise RequestError(f"invalid SamplingParams: {format_validation_error(exc)}",
+                               field=_first_field(exc)) from None
+
+    @field_validator("seed")
+    @classmethod
+    def _seed_range(cls, v):
+        if v is not None and not (-(2**63) <= v < 2**64):
+            raise ValueError("must fit in 64 bits")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, v):
+        if isinstance(v, list) and any(not s for s in v):
+            raise ValueError("stop strings must not be empty")
+        if isinstance(v, str) and not v:
+            raise ValueError("stop strings must not be empty")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_range(cls, v):
+        if v:
+            for token, bias in v.items():
+                if token < 0:
+                    raise ValueError(f"token id {token} must be >= 0")
+                if not -100.0 <= bias <= 100.0:
+                    raise ValueError(f"bias {bias} for token {token} must be between -100 and 100")
+        return v
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_ids(cls, v):
+        if v and any(t < 0 for t in v):
+            raise ValueError("token ids must be >= 0")
+        return v
+
+    @model_validator(mode="after")
+    def _cross_field(self):
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        return self
+
+    @property
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _EPS
+
+    def child(self, index: int) -> "SamplingParams":
+        """The parameters of the ``index``-th of ``n`` samples (its own seed when seeded)."""
+        seed = None if self.seed is None else self.seed + index
+        return self.model_copy(update={"n": 1, "seed": seed})
+
+    def validate_for_vocab(self, vocab_size: int) -> None:
+        """Reject token ids outside the model's vocabulary."""
+        for field, ids in (("logit_bias", list((self.logit_bias or {}).keys())),
+                           ("stop_token_ids", self.stop_token_ids or [])):
+            bad = [t for t in ids if t >= vocab_size]
+            if bad:
+                raise RequestError(f"{field}: token id {bad[0]} is out of the vocabulary (size {vocab_size})",
+                                   field=field)
+
+
+def _first_field(exc: ValidationError) -> str | None:
+    errors = exc.errors()
+    if errors and errors[0]["loc"]:
+        return str(errors[0]["loc"][0])
+    return None

@@ -1,0 +1,1 @@
+"""Dovetail's CPU plugin."""

@@ -1,0 +1,1 @@
+"""Dovetail's model zoo."""
