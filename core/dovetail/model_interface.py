@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from dovetail.attention.backend import AttentionBackend
     from dovetail.ops import FusedOps
     from dovetail.quantization.base import QuantMethod
+    from dovetail.quantization.kernels import QuantKernels
 
 
 @dataclass
@@ -34,6 +35,7 @@ class ModelContext:
     quant: "QuantMethod"
     attention_backend: type["AttentionBackend"]
     ops: "FusedOps"
+    quant_kernels: "QuantKernels | None" = None
 
 
 @dataclass(frozen=True)

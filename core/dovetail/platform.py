@@ -59,6 +59,8 @@ class Platform(ABC):
 
     name: ClassVar[str]
     device_type: ClassVar[str]
+    #: Where this implementation was verified, or what was never run (shown by ``dovetail plugins``).
+    verification: ClassVar[str] = ""
     dist_backend: ClassVar[str] = "gloo"
     is_accelerator: ClassVar[bool] = True
     supports_graph_capture: ClassVar[bool] = False
@@ -126,6 +128,16 @@ class Platform(ABC):
         from dovetail.ops import FusedOps
 
         return FusedOps()
+
+    def quant_kernels(self):
+        """The kernels quantization methods call here (see :mod:`dovetail.quantization.kernels`).
+
+        Return a :class:`~dovetail.quantization.kernels.QuantKernels` subclass
+        instance overriding what this platform does faster; the default is plain torch.
+        """
+        from dovetail.quantization.kernels import QuantKernels
+
+        return QuantKernels()
 
     # -- engine integration ------------------------------------------------------------
 

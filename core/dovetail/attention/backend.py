@@ -109,6 +109,8 @@ class AttentionBackend(ABC):
     """
 
     name: ClassVar[str]
+    #: Where this implementation was verified, or what was never run (shown by ``dovetail plugins``).
+    verification: ClassVar[str] = ""
     supported_head_sizes: ClassVar[tuple[int, ...] | None] = None
     supported_dtypes: ClassVar[tuple[str, ...]] = ("float32", "float16", "bfloat16")
     supported_kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("auto",)

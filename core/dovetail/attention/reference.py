@@ -95,6 +95,7 @@ class ReferenceBackend(AttentionBackend):
     """The plain-torch oracle: every head size, dtype, block size and feature, on any device."""
 
     name = "REFERENCE"
+    verification = "verified on CPU (CI); the oracle of every other backend"
 
     @classmethod
     def impl_cls(cls):

@@ -151,7 +151,8 @@ class LLMEngine:
 
     def _build_model(self):
         ctx = ModelContext(dtype=self.dtype, device=self.device, quant=self.quant_method,
-                           attention_backend=self.attention_backend, ops=self.platform.fused_ops())
+                           attention_backend=self.attention_backend, ops=self.platform.fused_ops(),
+                           quant_kernels=self.platform.quant_kernels())
         with torch.device(self.device):
             model = self.model_choice.cls(self.hf_config, "", ctx=ctx)
         if self.config.model.load_format == "dummy":

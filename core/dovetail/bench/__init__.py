@@ -1,0 +1,1 @@
+"""Benchmarks of BENCHMARKS.md: ``dovetail bench throughput|latency|serve``."""

@@ -1,0 +1,1 @@
+"""The ``dovetail`` command line."""

@@ -1,0 +1,62 @@
+"""Engine flags shared by every command that builds an engine (vLLM's names)."""
+
+from __future__ import annotations
+
+import argparse
+
+from dovetail.config import DTYPE_CHOICES, KV_CACHE_DTYPE_CHOICES
+
+
+def _bool(value: str) -> bool:
+    if value.lower() in ("1", "true", "yes", "on"):
+        return True
+    if value.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser, model_positional: bool = False) -> None:
+    """Add the engine's flags; the model is positional for ``serve`` and ``--model`` elsewhere."""
+    if model_positional:
+        parser.add_argument("model", nargs="?", default=None,
+                            help="model directory (default: the bundled model)")
+    else:
+        parser.add_argument("--model", default=None, help="model directory (default: the bundled model)")
+    g = parser.add_argument_group("engine")
+    g.add_argument("--device", default=None, help="platform: cpu, cuda, rocm, xpu, ... (env DOVETAIL_DEVICE)")
+    g.add_argument("--attention-backend", default=None,
+                   help="REFERENCE, TRITON, CPU_SIMD, FLASHINFER, FLASH_ATTN, ROCM_AITER, ... "
+                        "(env DOVETAIL_ATTENTION_BACKEND)")
+    g.add_argument("--quantization", "-q", default=None, help="fp8, int8, gptq, awq")
+    g.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--block-size", type=int, default=None)
+    g.add_argument("--gpu-memory-utilization", type=float, default=None)
+    g.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="KV-cache budget on the CPU")
+    g.add_argument("--kv-cache-dtype", default=None, choices=KV_CACHE_DTYPE_CHOICES)
+    g.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    g.add_argument("--enable-prefix-caching", type=_bool, default=None, metavar="BOOL")
+    g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    g.add_argument("--enable-chunked-prefill", type=_bool, default=None, metavar="BOOL")
+    g.add_argument("--max-num-seqs", type=int, default=None)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    g.add_argument("--scheduling-policy", default=None, choices=("fcfs", "priority"))
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--load-format", default=None, choices=("auto", "safetensors", "dummy"))
+    g.add_argument("--enforce-eager", action="store_true", default=None)
+    g.add_argument("--cpu-threads", type=int, default=None, help="CPU threads (default: OMP_NUM_THREADS or all)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=None)
+
+
+ENGINE_KEYS = (
+    "device", "attention_backend", "quantization", "dtype", "max_model_len", "block_size",
+    "gpu_memory_utilization", "kv_cache_memory_bytes", "kv_cache_dtype", "num_gpu_blocks_override",
+    "enable_prefix_caching", "enable_chunked_prefill", "max_num_seqs", "max_num_batched_tokens",
+    "scheduling_policy", "seed", "load_format", "enforce_eager", "cpu_threads", "tensor_parallel_size",
+)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    """The engine arguments the user set (unset flags keep the engine's defaults)."""
+    kwargs = {k: getattr(args, k) for k in ENGINE_KEYS if getattr(args, k, None) is not None}
+    return kwargs

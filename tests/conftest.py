@@ -1,0 +1,47 @@
+"""Shared fixtures: tiny HF models on disk, built once per session."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import tiny_models  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory):
+    """A 2-layer GQA Llama (float32) with a local BPE tokenizer."""
+    return tiny_models.save_model(tmp_path_factory.mktemp("tiny-llama"), tiny_models.tiny_llama_config())
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_hf(tiny_llama_dir):
+    return tiny_models.load_hf(tiny_llama_dir)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_plugin_manager():
+    """Each test sees plugins loaded under its own environment."""
+    from dovetail.plugin_manager import reset_plugin_manager
+
+    reset_plugin_manager()
+    yield
+    reset_plugin_manager()
+
+
+def pytest_collection_modifyitems(config, items):
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    except Exception:
+        has_cuda = False
+    skip_gpu = pytest.mark.skip(reason="needs an NVIDIA GPU")
+    for item in items:
+        if "gpu" in item.keywords and not has_cuda:
+            item.add_marker(skip_gpu)
