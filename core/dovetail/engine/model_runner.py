@@ -69,7 +69,7 @@ class ModelRunner:
         for layer in self.attention_layers:
             shape = self.backend.kv_cache_shape(num_blocks, self.block_size, layer.spec.num_kv_heads,
                                                 layer.spec.head_size)
-            cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+            cache = torch.empty(shape, dtype=self.kv_dtype, device=self.device)
             layer.kv_cache = cache
             self.kv_caches.append(cache)
 

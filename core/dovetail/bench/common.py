@@ -1,0 +1,53 @@
+"""What the benchmark commands share: arguments, engine construction, JSON output."""
+
+from __future__ import annotations
+
+import json
+import platform as _platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from dovetail.bench import shapes
+from dovetail.cli.engine_args import add_engine_arguments, engine_kwargs
+
+
+def add_common_arguments(p) -> None:
+    add_engine_arguments(p)
+    p.add_argument("--compare-hf", action="store_true", help="run HF transformers generate in the same run")
+    p.add_argument("--output-json", default=None, help="also write the result to this file")
+    p.add_argument("--workload-seed", type=int, default=0)
+
+
+def build_llm(args):
+    """The LLM for ``args.model`` (a directory or a named shape) and the directory used."""
+    from dovetail.llm import LLM
+
+    model = args.model or "c1"
+    model_dir, defaults = shapes.materialize(model)
+    kwargs = {**defaults, **engine_kwargs(args)}
+    t0 = time.perf_counter()
+    llm = LLM(model_dir, **kwargs)
+    return llm, model_dir, kwargs, time.perf_counter() - t0
+
+
+def environment() -> dict:
+    import torch
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=Path(__file__).resolve().parent, timeout=5).stdout.strip()
+    except Exception:
+        commit = ""
+    return {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "python": sys.version.split()[0],
+            "torch": torch.__version__, "machine": _platform.machine(), "processor": _platform.processor(),
+            "threads": torch.get_num_threads(), "commit": commit,
+            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+
+
+def emit(result: dict, path: str | None) -> None:
+    text = json.dumps(result, indent=2)
+    print(text)
+    if path:
+        Path(path).write_text(text + "\n")

@@ -1,0 +1,62 @@
+"""``dovetail bench latency``: B2 (GPU) / C2 (CPU) batch-1 decode, ms per output token, prefill excluded."""
+
+from __future__ import annotations
+
+import time
+
+from dovetail.bench.common import add_common_arguments, build_llm, emit, environment
+from dovetail.bench.workload import random_requests
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("latency", help="batch-1 decode latency (B2 on GPUs, C2 on the CPU)")
+    add_common_arguments(p)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=3, help="runs; the median is reported")
+    p.set_defaults(func=run)
+
+
+def _decode_ms(engine, prompt_ids: list[int], output_len: int, request_id: str) -> tuple[float, float]:
+    """(prefill ms, decode ms per token) of one request run alone."""
+    from dovetail.sampling_params import SamplingParams
+
+    engine.add_request(request_id, {"prompt_token_ids": prompt_ids},
+                       SamplingParams(temperature=0, ignore_eos=True, max_tokens=output_len))
+    t0 = time.perf_counter()
+    first = None
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        if first is None and outputs and outputs[0].outputs[0].token_ids:
+            first = time.perf_counter()
+    end = time.perf_counter()
+    return (first - t0) * 1000, (end - first) / (output_len - 1) * 1000
+
+
+def run(args) -> int:
+    import statistics
+
+    llm, model_dir, kwargs, load_s = build_llm(args)
+    engine = llm.llm_engine
+    prompt = random_requests(1, (args.input_len, args.input_len), (1, 1), engine.vocab_size,
+                             args.workload_seed)[0].prompt_token_ids
+    _decode_ms(engine, prompt, 8, "warmup")
+    runs = [_decode_ms(engine, prompt, args.output_len, f"r{i}") for i in range(args.repeats)]
+    result = {
+        "benchmark": "latency", "model": args.model or "c1", "engine_args": kwargs, "environment": environment(),
+        "input_len": args.input_len, "output_len": args.output_len,
+        "dovetail": {"ms_per_token": statistics.median(r[1] for r in runs),
+                     "ms_per_token_runs": [r[1] for r in runs], "prefill_ms": statistics.median(r[0] for r in runs),
+                     "device": engine.platform.name, "attention_backend": engine.attention_backend.name,
+                     "load_seconds": load_s},
+    }
+    if args.compare_hf:
+        from dovetail.bench.hf_peer import hf_latency, load_hf_model
+
+        del llm, engine
+        device = str(result["environment"]["gpu"] and "cuda" or "cpu")
+        model = load_hf_model(model_dir, kwargs.get("dtype", "auto"), device, kwargs.get("load_format") == "dummy")
+        result["hf"] = hf_latency(model, prompt, args.output_len, device)
+        result["hf_over_dovetail"] = result["hf"]["ms_per_token"] / result["dovetail"]["ms_per_token"]
+    emit(result, args.output_json)
+    return 0

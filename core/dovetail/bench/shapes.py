@@ -1,0 +1,60 @@
+"""Named benchmark shapes of BENCHMARKS.md, built as HF configs with dummy weights."""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A named model shape: its HF config factory and the dtype it is measured in."""
+
+    name: str
+    dtype: str
+    description: str
+
+    def config(self):
+        from transformers import LlamaConfig, Qwen3Config
+
+        if self.name == "qwen3-0.6b":
+            return Qwen3Config(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                               head_dim=128, intermediate_size=3072, vocab_size=151936, tie_word_embeddings=True,
+                               max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                               architectures=["Qwen3ForCausalLM"])
+        if self.name == "llama-3.1-8b":
+            return LlamaConfig(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                               intermediate_size=14336, vocab_size=128256, rope_theta=500000.0,
+                               max_position_embeddings=131072, rms_norm_eps=1e-5,
+                               rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+                               architectures=["LlamaForCausalLM"])
+        if self.name == "c1":
+            return LlamaConfig(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
+                               intermediate_size=1376, vocab_size=32000, max_position_embeddings=2048,
+                               rms_norm_eps=1e-6, architectures=["LlamaForCausalLM"])
+        raise KeyError(self.name)
+
+
+SHAPES = {
+    "qwen3-0.6b": Shape("qwen3-0.6b", "bfloat16", "Qwen3 0.6B shape (B1/B2 on GPUs)"),
+    "llama-3.1-8b": Shape("llama-3.1-8b", "bfloat16", "Llama 3.1 8B shape (B1/B2 on GPUs)"),
+    "c1": Shape("c1", "float32", "small Llama of C1/C2 (CPU)"),
+}
+
+
+def materialize(model: str) -> tuple[str, dict]:
+    """A model directory for ``model`` and the engine defaults it implies.
+
+    A named shape becomes a temporary directory holding only ``config.json``,
+    loaded with ``load_format="dummy"``; anything else is passed through.
+    """
+    shape = SHAPES.get(model)
+    if shape is None:
+        return model, {}
+    directory = Path(tempfile.mkdtemp(prefix=f"dovetail-{shape.name}-"))
+    config = shape.config()
+    config.dtype = shape.dtype
+    config.save_pretrained(str(directory))
+    return str(directory), {"load_format": "dummy", "dtype": shape.dtype}

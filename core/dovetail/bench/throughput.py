@@ -1,0 +1,67 @@
+"""``dovetail bench throughput``: B1 (GPU) / C1 (CPU) offline throughput, against HF if asked.
+
+Output tokens divided by the wall time of ``LLM.generate`` over the whole
+request set, after one warm-up call.
+"""
+
+from __future__ import annotations
+
+import time
+
+from dovetail.bench.common import add_common_arguments, build_llm, emit, environment
+from dovetail.bench.workload import parse_range, random_requests
+
+#: Defaults per named shape: (requests, prompt range, output range, HF batch size).
+DEFAULTS = {"c1": (64, "64:256", "64:128", 64), None: (256, "100:1024", "100:1024", 64)}
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("throughput", help="offline throughput (B1 on GPUs, C1 on the CPU)")
+    add_common_arguments(p)
+    p.add_argument("--num-prompts", type=int, default=None)
+    p.add_argument("--input-len", default=None, help="LOW:HIGH prompt lengths (uniform)")
+    p.add_argument("--output-len", default=None, help="LOW:HIGH output lengths (uniform)")
+    p.add_argument("--hf-batch-size", type=int, default=None)
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from dovetail.sampling_params import SamplingParams
+
+    num, in_range, out_range, hf_batch = DEFAULTS.get(args.model or "c1", DEFAULTS[None])
+    num = args.num_prompts or num
+    in_range = parse_range(args.input_len or in_range)
+    out_range = parse_range(args.output_len or out_range)
+    hf_batch = args.hf_batch_size or hf_batch
+
+    llm, model_dir, kwargs, load_s = build_llm(args)
+    engine = llm.llm_engine
+    requests = random_requests(num, in_range, out_range, engine.vocab_size, args.workload_seed)
+    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
+    params = [SamplingParams(temperature=0, ignore_eos=True, max_tokens=r.output_len) for r in requests]
+
+    llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
+    t0 = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - t0
+    out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    in_tokens = sum(len(r.prompt_token_ids) for r in requests)
+    result = {
+        "benchmark": "throughput", "model": args.model or "c1", "engine_args": kwargs, "environment": environment(),
+        "num_requests": num, "input_len": list(in_range), "output_len": list(out_range),
+        "dovetail": {"output_tokens": out_tokens, "prompt_tokens": in_tokens, "seconds": elapsed,
+                     "output_tokens_per_s": out_tokens / elapsed, "total_tokens_per_s": (out_tokens + in_tokens) / elapsed,
+                     "device": engine.platform.name, "attention_backend": engine.attention_backend.name,
+                     "load_seconds": load_s, "preemptions": engine.scheduler.num_preemptions},
+    }
+    if args.compare_hf:
+        from dovetail.bench.hf_peer import hf_throughput, load_hf_model
+
+        del llm, engine
+        device = str(result["environment"]["gpu"] and "cuda" or "cpu")
+        model = load_hf_model(model_dir, kwargs.get("dtype", "auto"), device, kwargs.get("load_format") == "dummy")
+        hf_throughput(model, requests[:2], 2, device)  # warm-up
+        result["hf"] = hf_throughput(model, requests, hf_batch, device)
+        result["speedup_vs_hf"] = result["dovetail"]["output_tokens_per_s"] / result["hf"]["output_tokens_per_s"]
+    emit(result, args.output_json)
+    return 0
