@@ -170,6 +170,20 @@ class AttentionBackend(ABC):
         return (2, num_blocks, block_size, num_kv_heads, head_size)
 
     @classmethod
+    def cache_from_reference(cls, ref_cache: "torch.Tensor") -> "torch.Tensor":
+        """This backend's cache holding the same contents as a REFERENCE-layout cache.
+
+        Used by the conformance kit; override together with :meth:`cache_to_reference`
+        when :meth:`kv_cache_shape` differs from the default layout.
+        """
+        return ref_cache.clone()
+
+    @classmethod
+    def cache_to_reference(cls, cache: "torch.Tensor") -> "torch.Tensor":
+        """The inverse of :meth:`cache_from_reference`."""
+        return cache
+
+    @classmethod
     def metadata_builder_cls(cls) -> type[AttentionMetadataBuilder]:
         """The class that builds this backend's per-step metadata."""
         return AttentionMetadataBuilder
