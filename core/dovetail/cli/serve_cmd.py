@@ -1,17 +1,52 @@
-"""``dovetail serve MODEL``: the OpenAI-compatible server."""
+"""``dovetail serve [MODEL]``: the OpenAI-compatible server."""
 
 from __future__ import annotations
 
 import argparse
+import os
 
-from dovetail.cli.engine_args import add_engine_arguments
+from dovetail.cli.engine_args import add_engine_arguments, engine_kwargs
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("serve", help="run the OpenAI-compatible server")
     add_engine_arguments(p, model_positional=True)
+    s = p.add_argument_group("server")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    s.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    s.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="name(s) clients use for the model (default: the MODEL argument); the first is reported")
+    s.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every endpoint but /health (env DOVETAIL_API_KEY)")
+    s.add_argument("--max-waiting-requests", type=int, default=None,
+                   help="answer 503 while this many sequences wait to be scheduled (default: no limit)")
+    s.add_argument("--max-body-bytes", type=int, default=32 * 1024 * 1024,
+                   help="answer 413 to larger request bodies (default 32 MiB)")
+    s.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds to let running requests finish before aborting them (default 30)")
+    s.add_argument("--uvicorn-log-level", default="info",
+                   choices=("critical", "error", "warning", "info", "debug", "trace"))
+    s.add_argument("--disable-uvicorn-access-log", action="store_true", help="do not log each HTTP request")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    raise SystemExit("dovetail serve: not available yet")
+    from dovetail.errors import ConfigError
+    from dovetail.llm import default_model
+    from dovetail.server.launcher import serve
+    from dovetail.server.state import ServerSettings
+
+    for flag in ("port", "max_waiting_requests", "max_body_bytes"):
+        value = getattr(args, flag)
+        if value is not None and value < (0 if flag == "port" else 1):
+            raise ConfigError(f"--{flag.replace('_', '-')}: must be positive (got {value})")
+    model = args.model or default_model()
+    names = args.served_model_name or [args.model or "bundled-model"]
+    kwargs = engine_kwargs(args)
+    if args.max_waiting_requests is not None:
+        kwargs["max_waiting_requests"] = args.max_waiting_requests
+    kwargs.setdefault("served_model_name", names[0])
+    settings = ServerSettings(served_model_names=names, api_key=args.api_key or os.environ.get("DOVETAIL_API_KEY"),
+                              max_body_bytes=args.max_body_bytes)
+    return serve(model, kwargs, settings, host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout,
+                 uvicorn_log_level=args.uvicorn_log_level, access_log=not args.disable_uvicorn_access_log)

@@ -1,0 +1,286 @@
+"""AsyncLLMEngine: one background thread drives an LLMEngine; coroutines stream its outputs.
+
+Every call into the engine (add, abort, step, stats) runs in that thread, one
+after another, so the engine itself needs no locks. Coroutines hand it
+commands through a thread-safe queue and read their requests' outputs from
+per-request asyncio queues, which the thread fills through the event loop. An
+exception raised by a step fails the requests in flight with
+:class:`EngineStepError`; the loop itself keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable, Sequence
+
+from dovetail.engine.llm_engine import LLMEngine, PromptType
+from dovetail.errors import DovetailError
+from dovetail.outputs import RequestOutput
+from dovetail.sampling_params import SamplingParams
+
+logger = logging.getLogger("dovetail.async_engine")
+
+
+class QueueFullError(DovetailError):
+    """The engine's waiting queue already holds ``max_waiting_requests`` sequences."""
+
+
+class EngineStepError(DovetailError):
+    """The engine failed while running a step that included this request."""
+
+
+class EngineStoppedError(DovetailError):
+    """The engine loop is shutting down or has stopped; no new requests are taken."""
+
+
+@dataclass
+class NewRequest:
+    """One prompt to add: its id, prompt and parameters."""
+
+    request_id: str
+    prompt: PromptType
+    params: SamplingParams
+    priority: int = 0
+
+
+@dataclass
+class TimedOutput:
+    """An output and the moment (``time.monotonic``) its step finished."""
+
+    output: RequestOutput
+    time: float
+
+
+class RequestStream:
+    """The outputs of a group of requests added together, as they arrive.
+
+    Iterating yields :class:`TimedOutput` until every request of the group has
+    finished. Leaving early (``abort()`` or an exception in the consumer)
+    aborts the unfinished ones, freeing their KV-cache blocks.
+    """
+
+    def __init__(self, engine: "AsyncLLMEngine", request_ids: list[str]):
+        self._engine = engine
+        self.request_ids = request_ids
+        self.unfinished = set(request_ids)
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    def __aiter__(self) -> AsyncIterator[TimedOutput]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[TimedOutput]:
+        while self.unfinished:
+            item = await self.queue.get()
+            if isinstance(item, BaseException):
+                self.unfinished.clear()
+                raise item
+            if item.output.finished:
+                self.unfinished.discard(item.output.request_id)
+            yield item
+
+    def abort(self) -> None:
+        """Abort the group's unfinished requests (a no-op once all finished)."""
+        if self.unfinished:
+            self._engine.abort(list(self.unfinished))
+            self.unfinished.clear()
+
+
+class AsyncLLMEngine:
+    """Serves one :class:`LLMEngine` to many coroutines through a single engine loop.
+
+    ``max_waiting_requests`` (default: the engine's ``scheduler.max_waiting_requests``)
+    caps the sequences waiting to be scheduled; past it, :meth:`add` raises
+    :class:`QueueFullError`.
+    """
+
+    def __init__(self, engine: LLMEngine, max_waiting_requests: int | None = None):
+        self.engine = engine
+        self.max_waiting_requests = (max_waiting_requests if max_waiting_requests is not None
+                                     else engine.config.scheduler.max_waiting_requests)
+        self._commands: queue.SimpleQueue[Callable[[], Any] | None] = queue.SimpleQueue()
+        self._streams: dict[str, RequestStream] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._accepting = False
+        self._stats: dict = dict(engine.stats())
+        self.num_steps = 0
+        self.num_step_errors = 0
+
+    # -- life cycle ---------------------------------------------------------------------------
+
+    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """Start the engine thread; outputs are delivered on ``loop`` (default: the running loop)."""
+        if self._thread is not None:
+            raise RuntimeError("the engine loop is already started")
+        self._loop = loop or asyncio.get_running_loop()
+        self._accepting = True
+        self._thread = threading.Thread(target=self._run, name="dovetail-engine-loop", daemon=True)
+        self._thread.start()
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    async def shutdown(self) -> None:
+        """Stop taking requests, abort what still runs, and stop the engine thread."""
+        self._accepting = False
+        if self._thread is None:
+            return
+        self._commands.put(None)
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+        self._thread = None
+
+    # -- the coroutine side -----------------------------------------------------------------------
+
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """Run ``fn(engine)`` in the engine thread, between steps, and return its result."""
+        if not self.is_running or not self._accepting:
+            raise EngineStoppedError("the engine is shutting down")
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def command():
+            if not future.set_running_or_notify_cancel():
+                return
+            try:
+                future.set_result(fn(self.engine))
+            except BaseException as exc:  # handed to the caller, never raised in the loop
+                future.set_exception(exc)
+
+        self._commands.put(command)
+        return await asyncio.wrap_future(future)
+
+    async def add(self, requests: Sequence[NewRequest], arrival_time: float | None = None) -> RequestStream:
+        """Queue requests together: all are added, or none (the first error is raised).
+
+        Raises :class:`dovetail.errors.RequestError` for invalid input and
+        :class:`QueueFullError` when the waiting queue is full.
+        """
+        stream = RequestStream(self, [r.request_id for r in requests])
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+
+        def add_all(engine: LLMEngine) -> None:
+            self._check_capacity(engine, requests)
+            added: list[str] = []
+            try:
+                for r in requests:
+                    engine.add_request(r.request_id, r.prompt, r.params, priority=r.priority,
+                                       arrival_time=arrival)
+                    added.append(r.request_id)
+            except BaseException:
+                engine.abort_request(added)
+                raise
+            for rid in added:
+                self._streams[rid] = stream
+
+        await self.call(add_all)
+        return stream
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Abort requests (thread-safe, does not wait); their blocks are freed before the next step."""
+        def abort_now():
+            self.engine.abort_request(request_ids)
+            for rid in request_ids:
+                self._streams.pop(rid, None)
+
+        self._commands.put(abort_now)
+
+    def stats(self) -> dict:
+        """The engine's stats as of the end of the loop's last iteration."""
+        return self._stats
+
+    # -- the engine thread ------------------------------------------------------------------------
+
+    def _check_capacity(self, engine: LLMEngine, requests: Sequence[NewRequest]) -> None:
+        if self.max_waiting_requests is None:
+            return
+        waiting = engine.stats()["waiting"]
+        if waiting >= self.max_waiting_requests:
+            raise QueueFullError(f"the waiting queue is full ({waiting} of max_waiting_requests="
+                                 f"{self.max_waiting_requests}); retry later")
+
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                if not self._drain_commands(block=not engine.has_unfinished_requests()):
+                    break
+                if engine.has_unfinished_requests():
+                    self._step()
+                self._stats = dict(engine.stats())
+        finally:
+            self._abort_all(EngineStoppedError("the engine stopped before the request finished"))
+            self._stats = dict(engine.stats())
+
+    def _drain_commands(self, block: bool) -> bool:
+        """Run queued commands (waiting for one when ``block``); False once asked to stop."""
+        try:
+            command = self._commands.get() if block else self._commands.get_nowait()
+        except queue.Empty:
+            return True
+        while True:
+            if command is None:
+                return False
+            command()
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:
+            self.num_step_errors += 1
+            logger.exception("engine step failed; failing the %d request(s) in flight",
+                             self.engine.num_unfinished_requests())
+            self._abort_all(EngineStepError(f"the engine failed while running this request: "
+                                            f"{type(exc).__name__}: {exc}"))
+            return
+        self.num_steps += 1
+        if not outputs:
+            return
+        now = time.monotonic()
+        deliveries = []
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            if out.finished:
+                del self._streams[out.request_id]
+            for completion in out.outputs:
+                # The engine keeps appending to this list; hand the other thread a snapshot.
+                if completion.logprobs is not None:
+                    completion.logprobs = list(completion.logprobs)
+            deliveries.append((stream, TimedOutput(out, now)))
+        self._deliver(deliveries)
+
+    def _abort_all(self, error: BaseException) -> None:
+        ids = list(self._streams)
+        try:
+            self.engine.abort_request(ids)
+        except Exception:
+            logger.exception("aborting the requests in flight failed")
+        deliveries = []
+        for stream in {id(s): s for s in self._streams.values()}.values():
+            deliveries.append((stream, error))
+        self._streams.clear()
+        self._deliver(deliveries)
+
+    def _deliver(self, deliveries: list[tuple[RequestStream, Any]]) -> None:
+        if not deliveries or self._loop is None or self._loop.is_closed():
+            return
+
+        def put_all():
+            for stream, item in deliveries:
+                stream.queue.put_nowait(item)
+
+        try:
+            self._loop.call_soon_threadsafe(put_all)
+        except RuntimeError:  # the event loop closed under us during shutdown
+            pass

@@ -1,0 +1,92 @@
+"""The FastAPI application: routes, middleware, error handlers, and the engine loop's life cycle."""
+
+from __future__ import annotations
+
+import time
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request, Response
+
+from dovetail import __version__
+from dovetail.engine.async_engine import AsyncLLMEngine
+from dovetail.server.chat import create_chat_completion
+from dovetail.server.completions import create_completion
+from dovetail.server.errors import APIError, install_error_handlers
+from dovetail.server.metrics import ServerMetrics
+from dovetail.server.middleware import APIKeyMiddleware, BodyLimitMiddleware
+from dovetail.server.state import ServerSettings, ServerState
+from dovetail.server.tokens import detokenize, tokenize
+
+
+def _model_card(state: ServerState, name: str) -> dict:
+    return {"id": name, "object": "model", "created": state.created, "owned_by": "dovetail",
+            "root": state.model_path, "parent": None, "max_model_len": state.max_model_len,
+            "vocab_size": state.vocab_size}
+
+
+async def health(request: Request) -> Response:
+    """200 while the engine loop runs, else 503 (never needs the API key)."""
+    state: ServerState = request.app.state.server
+    return Response(status_code=200 if state.engine.is_running else 503)
+
+
+async def version() -> dict:
+    return {"version": __version__}
+
+
+async def list_models(request: Request) -> dict:
+    state: ServerState = request.app.state.server
+    return {"object": "list", "data": [_model_card(state, n) for n in state.settings.served_model_names]}
+
+
+async def retrieve_model(model: str, request: Request) -> dict:
+    state: ServerState = request.app.state.server
+    if model not in state.settings.served_model_names:
+        raise APIError(404, f"model: {model!r} does not exist", param="model", code="model_not_found")
+    return _model_card(state, model)
+
+
+async def metrics(request: Request) -> Response:
+    from prometheus_client import CONTENT_TYPE_LATEST
+
+    state: ServerState = request.app.state.server
+    return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
+    """The OpenAI-compatible app over ``engine``; the engine loop runs while the app's lifespan does."""
+    from dovetail import model_loader
+
+    llm = engine.engine
+    # The HTTP layer tokenizes with its own tokenizer object; the engine thread keeps the engine's.
+    tokenizer = model_loader.load_tokenizer(llm.model_path) if llm.tokenizer is not None else None
+    state = ServerState(engine=engine, settings=settings, metrics=ServerMetrics(engine.stats), tokenizer=tokenizer,
+                        max_model_len=llm.max_model_len, vocab_size=llm.vocab_size, model_path=str(llm.model_path),
+                        created=int(time.time()))
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        try:
+            yield
+        finally:
+            await engine.shutdown()
+
+    app = FastAPI(title="Dovetail", version=__version__, lifespan=lifespan,
+                  description="OpenAI-compatible server of the Dovetail inference engine")
+    app.state.server = state
+    install_error_handlers(app)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    if settings.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
+
+    app.get("/health")(health)
+    app.get("/version")(version)
+    app.get("/metrics")(metrics)
+    app.get("/v1/models")(list_models)
+    app.get("/v1/models/{model:path}")(retrieve_model)
+    app.post("/tokenize")(tokenize)
+    app.post("/detokenize")(detokenize)
+    app.post("/v1/completions", response_model=None)(create_completion)
+    app.post("/v1/chat/completions", response_model=None)(create_chat_completion)
+    return app

@@ -1,0 +1,121 @@
+"""``POST /v1/chat/completions``: a conversation through the model's chat template, streaming or not."""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import Request, Response
+from fastapi.responses import JSONResponse
+
+from dovetail.engine.async_engine import NewRequest
+from dovetail.outputs import CompletionOutput, RequestOutput
+from dovetail.server.logprobs import chat_logprobs
+from dovetail.server.metrics import RequestTracker
+from dovetail.server.protocol import ChatCompletionRequest
+from dovetail.server.state import ServerState
+from dovetail.server.streaming import ClientDisconnected, collect, event_stream, sse, start
+
+
+class _Chat:
+    """One chat request: the rendered prompt, its engine request and how to format its output."""
+
+    def __init__(self, state: ServerState, body: ChatCompletionRequest):
+        self.state, self.body = state, body
+        self.model = state.check_model(body.model)
+        self.id = state.new_id("chatcmpl")
+        self.created = int(time.time())
+        self.n = body.n or 1
+        body.check_stream_options()
+        body.check_supported()
+        self.top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        self.prompt_text, self.prompt_ids = state.render_chat(body.conversation(), body.add_generation_prompt
+                                                              is not False)
+        state.check_prompt(self.prompt_ids, "messages")
+
+    def engine_requests(self) -> list[NewRequest]:
+        body = self.body
+        if body.max_completion_tokens is not None:
+            max_tokens = self.state.max_tokens(len(self.prompt_ids), body.max_completion_tokens, None,
+                                               "max_completion_tokens")
+        else:
+            max_tokens = self.state.max_tokens(len(self.prompt_ids), body.max_tokens, None)
+        params = body.sampling_params(max_tokens, self.top_logprobs)
+        prompt = {"prompt_token_ids": self.prompt_ids, "prompt": self.prompt_text}
+        return [NewRequest(self.id, prompt, params)]
+
+    def decode(self, token_id: int) -> str:
+        return self.state.tokenizer.decode([token_id])
+
+    def logprobs(self, token_ids, positions) -> dict | None:
+        if self.top_logprobs is None:
+            return None
+        return chat_logprobs(token_ids, positions, self.top_logprobs, self.decode)
+
+    def usage(self, out: RequestOutput | None) -> dict:
+        completion_tokens = sum(len(c.token_ids) for c in out.outputs) if out else 0
+        return {"prompt_tokens": len(self.prompt_ids), "completion_tokens": completion_tokens,
+                "total_tokens": len(self.prompt_ids) + completion_tokens}
+
+    def choice(self, c: CompletionOutput) -> dict:
+        return {"index": c.index, "message": {"role": "assistant", "content": c.text},
+                "logprobs": self.logprobs(c.token_ids, c.logprobs or []),
+                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+
+    def response(self, out: RequestOutput) -> dict:
+        return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
+                "choices": [self.choice(c) for c in out.outputs], "usage": self.usage(out),
+                "system_fingerprint": None}
+
+    def chunk(self, index: int, delta: dict, logprobs=None, finish_reason=None, stop_reason=None) -> dict:
+        chunk = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+                 "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason,
+                              "stop_reason": stop_reason}]}
+        if self.body.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    async def events(self, stream, tracker: RequestTracker):
+        for index in range(self.n):
+            yield sse(self.chunk(index, {"role": "assistant", "content": ""}))
+        finished: set[int] = set()
+        final = None
+        async for item in stream:
+            tracker.observe(item)
+            out = item.output
+            if out.finished:
+                final = out
+            for c, (delta_text, delta_ids) in zip(out.outputs, out.deltas):
+                done = c.finish_reason is not None and c.index not in finished
+                if not (delta_text or delta_ids or done):
+                    continue
+                logprobs = None
+                if self.top_logprobs is not None:
+                    positions = c.logprobs[len(c.logprobs) - len(delta_ids):] if delta_ids else []
+                    logprobs = self.logprobs(list(delta_ids), positions)
+                if done:
+                    finished.add(c.index)
+                delta = {"content": delta_text} if delta_text or delta_ids or not done else {}
+                yield sse(self.chunk(c.index, delta, logprobs, c.finish_reason if done else None,
+                                     c.stop_reason if done else None))
+        if self.body.include_usage:
+            yield sse({"id": self.id, "object": "chat.completion.chunk", "created": self.created,
+                       "model": self.model, "choices": [], "usage": self.usage(final)})
+
+
+async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+    state: ServerState = request.app.state.server
+    tracker = RequestTracker(state.metrics, time.monotonic())
+    chat: list[_Chat] = []
+
+    def prepare():
+        chat.append(_Chat(state, body))
+        return chat[0].engine_requests()
+
+    stream = await start(state, tracker, prepare)
+    if body.stream:
+        return event_stream(stream, tracker, chat[0].events(stream, tracker))
+    try:
+        finals = await collect(stream, tracker, request)
+    except ClientDisconnected:
+        return Response(status_code=499)
+    return JSONResponse(chat[0].response(finals[chat[0].id]))

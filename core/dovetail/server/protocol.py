@@ -1,0 +1,210 @@
+"""Request bodies of the OpenAI-compatible API (OpenAI's fields plus vLLM's sampling extras).
+
+Types and ranges live here so that the OpenAPI schema documents them and a
+wrong value is rejected with the field's name; :meth:`SamplingFields.sampling_params`
+turns a request into :class:`dovetail.SamplingParams`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from dovetail.errors import RequestError
+from dovetail.sampling_params import SamplingParams
+
+MAX_LOGPROBS = 20
+TokenIds = list[int]
+
+
+class _Body(BaseModel):
+    # Unknown fields are ignored, as OpenAI clients send ones we do not use (e.g. ``store``, ``metadata``).
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, protected_namespaces=())
+
+
+class StreamOptions(_Body):
+    """``stream_options``: ``include_usage`` adds a last chunk with the token counts."""
+
+    include_usage: bool = False
+
+
+class SamplingFields(_Body):
+    """Fields shared by completions and chat completions."""
+
+    model: Optional[str] = Field(default=None, description="a served model name (default: the first one)")
+    n: Optional[int] = Field(default=None, ge=1, le=1024)
+    temperature: Optional[float] = Field(default=None, ge=0.0)
+    top_p: Optional[float] = Field(default=None, gt=0.0, le=1.0)
+    seed: Optional[int] = Field(default=None, ge=-(2**63), lt=2**64)
+    stop: Union[str, list[str], None] = None
+    presence_penalty: Optional[float] = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: Optional[float] = Field(default=None, ge=-2.0, le=2.0)
+    logit_bias: Optional[dict[str, float]] = None
+    user: Optional[str] = None
+    stream: Optional[bool] = False
+    stream_options: Optional[StreamOptions] = None
+    # vLLM's extra sampling fields.
+    top_k: Optional[int] = Field(default=None, ge=-1)
+    min_p: Optional[float] = Field(default=None, ge=0.0, le=1.0)
+    repetition_penalty: Optional[float] = Field(default=None, gt=0.0)
+    ignore_eos: Optional[bool] = False
+    min_tokens: Optional[int] = Field(default=None, ge=0)
+    stop_token_ids: Optional[list[int]] = None
+    include_stop_str_in_output: Optional[bool] = False
+    skip_special_tokens: Optional[bool] = True
+    spaces_between_special_tokens: Optional[bool] = True
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def check_stream_options(self) -> None:
+        if self.stream_options is not None and not self.stream:
+            raise RequestError("stream_options: only allowed when stream is true", field="stream_options")
+
+    def _logit_bias(self) -> Optional[dict[int, float]]:
+        if self.logit_bias is None:
+            return None
+        bias = {}
+        for key, value in self.logit_bias.items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise RequestError(f"logit_bias: key {key!r} is not a token id", field="logit_bias") from None
+            bias[token] = value
+        return bias
+
+    def sampling_params(self, max_tokens: int, logprobs: Optional[int],
+                        prompt_logprobs: Optional[int] = None) -> SamplingParams:
+        """The engine's parameters; unset fields keep SamplingParams' defaults."""
+        values: dict[str, Any] = dict(
+            n=self.n, temperature=self.temperature, top_p=self.top_p, seed=self.seed, stop=self.stop,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            logit_bias=self._logit_bias(), top_k=self.top_k, min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty, ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
+            stop_token_ids=self.stop_token_ids, include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+            max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+        return SamplingParams(**{k: v for k, v in values.items() if v is not None})
+
+
+def _is_token_id(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+class CompletionRequest(SamplingFields):
+    """``POST /v1/completions``."""
+
+    prompt: Union[str, list[str], TokenIds, list[TokenIds]] = Field(
+        description="a string, a list of strings, a list of token ids, or a list of lists of token ids")
+    max_tokens: Optional[int] = Field(default=None, ge=1, description="default 16 (less if the context is full)")
+    logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: Optional[bool] = False
+    best_of: Optional[int] = Field(default=None, ge=1)
+    suffix: Optional[str] = None
+    add_special_tokens: Optional[bool] = True
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, value):
+        if isinstance(value, str):
+            return value
+        if isinstance(value, list) and value:
+            if all(isinstance(v, str) for v in value) or all(_is_token_id(v) for v in value):
+                return value
+            if all(isinstance(v, list) and v and all(_is_token_id(t) for t in v) for v in value):
+                return value
+        if isinstance(value, list) and not value:
+            raise ValueError("the prompt is empty")
+        raise ValueError("must be a string, a list of strings, a list of token ids or a list of lists of "
+                         "token ids (none of them empty)")
+
+
+class ContentPart(_Body):
+    """One part of a message's content; only ``text`` parts are supported."""
+
+    type: str
+    text: Optional[str] = None
+
+
+class ChatMessage(BaseModel):
+    """One message of a conversation."""
+
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: Union[str, list[ContentPart], None] = None
+    name: Optional[str] = None
+
+    def text(self, index: int) -> Optional[str]:
+        if not isinstance(self.content, list):
+            return self.content
+        for part in self.content:
+            if part.type != "text" or part.text is None:
+                raise RequestError(f"messages.{index}.content: only text parts are supported "
+                                   f"(got type {part.type!r})", field=f"messages.{index}.content")
+        return "\n".join(part.text for part in self.content)
+
+
+def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """The messages as the chat template expects them (text content; extra keys such as tool calls kept)."""
+    result = []
+    for i, message in enumerate(messages):
+        entry = dict(message.model_extra or {})
+        entry.update(role=message.role, content=message.text(i))
+        if message.name is not None:
+            entry["name"] = message.name
+        result.append(entry)
+    return result
+
+
+class ResponseFormat(_Body):
+    """``response_format``: only plain text is supported."""
+
+    type: str = "text"
+
+
+class ChatCompletionRequest(SamplingFields):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: Optional[int] = Field(default=None, ge=1, description="deprecated: use max_completion_tokens")
+    max_completion_tokens: Optional[int] = Field(default=None, ge=1)
+    logprobs: Optional[bool] = False
+    top_logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    response_format: Optional[ResponseFormat] = None
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Union[Literal["none", "auto", "required"], dict[str, Any], None] = None
+    add_generation_prompt: Optional[bool] = True
+
+    def check_supported(self) -> None:
+        if self.tools:
+            raise RequestError("tools: tool calling is not supported by this server", field="tools")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise RequestError(f"response_format: only type 'text' is supported (got {self.response_format.type!r})",
+                               field="response_format")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise RequestError("top_logprobs: set logprobs to true to use top_logprobs", field="top_logprobs")
+
+    def conversation(self) -> list[dict[str, Any]]:
+        return conversation(self.messages)
+
+
+class TokenizeRequest(_Body):
+    """``POST /tokenize``: a ``prompt`` or chat ``messages`` (rendered with the chat template)."""
+
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[list[ChatMessage]] = None
+    add_special_tokens: Optional[bool] = True
+    add_generation_prompt: Optional[bool] = True
+    return_token_strs: Optional[bool] = False
+
+
+class DetokenizeRequest(_Body):
+    """``POST /detokenize``."""
+
+    model: Optional[str] = None
+    tokens: TokenIds

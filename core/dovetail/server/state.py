@@ -1,0 +1,107 @@
+"""What every endpoint shares: the engine loop, a tokenizer, the served names and the metrics."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from dovetail.engine.async_engine import AsyncLLMEngine
+from dovetail.errors import RequestError
+from dovetail.server.errors import APIError
+from dovetail.server.metrics import ServerMetrics
+
+
+@dataclass
+class ServerSettings:
+    """Options of the HTTP layer (the engine's own live in :class:`dovetail.config.EngineConfig`)."""
+
+    served_model_names: list[str]
+    api_key: Optional[str] = None
+    max_body_bytes: int = 32 * 1024 * 1024
+    #: Completions' ``max_tokens`` when the request gives none (OpenAI's default).
+    default_completion_max_tokens: int = 16
+
+
+@dataclass
+class ServerState:
+    """The engine loop and what the HTTP layer needs to prepare requests for it."""
+
+    engine: AsyncLLMEngine
+    settings: ServerSettings
+    metrics: ServerMetrics
+    tokenizer: Any
+    max_model_len: int
+    vocab_size: int
+    model_path: str
+    created: int = 0
+
+    @property
+    def model_name(self) -> str:
+        return self.settings.served_model_names[0]
+
+    def check_model(self, requested: Optional[str]) -> str:
+        """The served name the response reports; 404 for a model this server does not serve."""
+        if requested is None or requested == "":
+            return self.model_name
+        if requested not in self.settings.served_model_names:
+            names = ", ".join(repr(n) for n in self.settings.served_model_names)
+            raise APIError(404, f"model: {requested!r} does not exist; this server serves {names}",
+                           param="model", code="model_not_found")
+        return requested
+
+    def require_tokenizer(self, field_name: str) -> Any:
+        if self.tokenizer is None:
+            raise RequestError(f"{field_name}: this model has no tokenizer; send token ids", field=field_name)
+        return self.tokenizer
+
+    def tokenize(self, text: str, add_special_tokens: bool, field_name: str = "prompt") -> list[int]:
+        tokenizer = self.require_tokenizer(field_name)
+        return list(tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
+
+    def check_token_ids(self, ids: list[int], field_name: str) -> None:
+        for t in ids:
+            if not 0 <= t < self.vocab_size:
+                raise RequestError(f"{field_name}: token id {t} is out of the vocabulary [0, {self.vocab_size})",
+                                   field=field_name)
+
+    def check_prompt(self, ids: list[int], field_name: str = "prompt") -> None:
+        """400 for an empty prompt, bad token ids, or a prompt that leaves no room to generate."""
+        if not ids:
+            raise RequestError(f"{field_name}: the prompt is empty", field=field_name)
+        self.check_token_ids(ids, field_name)
+        if len(ids) >= self.max_model_len:
+            raise RequestError(f"{field_name}: the prompt has {len(ids)} tokens, but max_model_len is "
+                               f"{self.max_model_len} (at least one token must be generated)", field=field_name)
+
+    def max_tokens(self, prompt_len: int, requested: Optional[int], default: Optional[int],
+                   field_name: str = "max_tokens") -> int:
+        """The requested ``max_tokens`` if it fits the context (else 400); the default is clamped to fit."""
+        room = self.max_model_len - prompt_len
+        if requested is not None:
+            if requested > room:
+                raise RequestError(
+                    f"{field_name}: the prompt ({prompt_len} tokens) plus {field_name} ({requested}) exceeds "
+                    f"the context of {self.max_model_len} tokens (max_model_len)", field=field_name)
+            return requested
+        return room if default is None else min(default, room)
+
+    def render_chat(self, conversation: list[dict], add_generation_prompt: bool) -> tuple[str, list[int]]:
+        """Apply the chat template; return the prompt text and its token ids."""
+        tokenizer = self.require_tokenizer("messages")
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise RequestError("messages: this model's tokenizer has no chat template; use /v1/completions",
+                               field="messages")
+        try:
+            text = tokenizer.apply_chat_template(conversation, tokenize=False,
+                                                 add_generation_prompt=add_generation_prompt)
+        except Exception as exc:  # jinja raises its own errors for conversations the template rejects
+            raise RequestError(f"messages: the chat template rejected the conversation: {exc}",
+                               field="messages") from None
+        if not isinstance(text, str):
+            raise RequestError("messages: the chat template did not render to text", field="messages")
+        return text, self.tokenize(text, add_special_tokens=False, field_name="messages")
+
+    @staticmethod
+    def new_id(prefix: str) -> str:
+        return f"{prefix}-{uuid.uuid4().hex}"

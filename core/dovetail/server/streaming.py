@@ -1,0 +1,113 @@
+"""Running a generation request to its end: server-sent events or one response, aborted on disconnect.
+
+Whichever way a request ends, its engine requests are aborted if unfinished
+(freeing their KV-cache blocks at once) and its outcome is counted once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from typing import AsyncIterator, Callable
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from dovetail.engine.async_engine import NewRequest, RequestStream
+from dovetail.outputs import RequestOutput
+from dovetail.server.errors import APIError, error_body, to_api_error
+from dovetail.server.metrics import RequestTracker
+from dovetail.server.state import ServerState
+
+DONE = b"data: [DONE]\n\n"
+
+
+def finite(value: float) -> float:
+    """JSON has no infinities: clamp a -inf logprob as vLLM does."""
+    return -9999.0 if value is None or math.isinf(value) or math.isnan(value) else value
+
+
+def sse(data: dict) -> bytes:
+    return b"data: " + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+def outcome_of(status: int) -> str:
+    return "overloaded" if status == 503 else ("error" if status >= 500 else "rejected")
+
+
+async def start(state: ServerState, tracker: RequestTracker,
+                prepare: Callable[[], list[NewRequest]]) -> RequestStream:
+    """Prepare and queue the engine requests; count a refusal and raise it as an :class:`APIError`."""
+    try:
+        return await state.engine.add(prepare(), tracker.arrival)
+    except Exception as exc:
+        api = to_api_error(exc)
+        tracker.finish(outcome_of(api.status))
+        raise api from None
+
+
+async def wait_for_disconnect(request: Request) -> None:
+    """Return once the client has gone away (the body has been read already)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class ClientDisconnected(Exception):
+    """The client went away before its response was ready."""
+
+
+async def collect(stream: RequestStream, tracker: RequestTracker, request: Request) -> dict[str, RequestOutput]:
+    """The final output of every engine request of ``stream``; aborts them if the client disconnects."""
+    finals: dict[str, RequestOutput] = {}
+
+    async def consume():
+        async for item in stream:
+            tracker.observe(item)
+            if item.output.finished:
+                finals[item.output.request_id] = item.output
+
+    consumer = asyncio.ensure_future(consume())
+    watcher = asyncio.ensure_future(wait_for_disconnect(request))
+    try:
+        await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if not consumer.done():
+            tracker.finish("aborted")
+            raise ClientDisconnected()
+        error = consumer.exception()
+        if error is not None:
+            api = to_api_error(error)
+            tracker.finish(outcome_of(api.status))
+            raise api
+        tracker.finish("finished")
+        return finals
+    finally:
+        consumer.cancel()
+        watcher.cancel()
+        stream.abort()
+        if not tracker.done:
+            tracker.finish("aborted")
+
+
+def event_stream(stream: RequestStream, tracker: RequestTracker, events: AsyncIterator[bytes]) -> StreamingResponse:
+    """Server-sent events ending in ``data: [DONE]``; an engine failure becomes an error event."""
+
+    async def guarded():
+        try:
+            async for chunk in events:
+                yield chunk
+            tracker.finish("finished")
+        except Exception as exc:  # the stream has started: report in-band, as OpenAI does
+            api = exc if isinstance(exc, APIError) else to_api_error(exc)
+            tracker.finish(outcome_of(api.status))
+            yield sse(error_body(api.status, api.message, api.param, api.code))
+        finally:
+            stream.abort()
+            if not tracker.done:
+                tracker.finish("aborted")
+        yield DONE
+
+    return StreamingResponse(guarded(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

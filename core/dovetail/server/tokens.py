@@ -1,0 +1,32 @@
+"""``POST /tokenize`` and ``POST /detokenize`` (vLLM's endpoints)."""
+
+from __future__ import annotations
+
+from fastapi import Request
+
+from dovetail.errors import RequestError
+from dovetail.server.protocol import DetokenizeRequest, TokenizeRequest, conversation
+from dovetail.server.state import ServerState
+
+
+async def tokenize(body: TokenizeRequest, request: Request) -> dict:
+    state: ServerState = request.app.state.server
+    state.check_model(body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise RequestError("prompt: give exactly one of prompt and messages", field="prompt")
+    if body.messages is not None:
+        _, ids = state.render_chat(conversation(body.messages), body.add_generation_prompt is not False)
+    else:
+        ids = state.tokenize(body.prompt, body.add_special_tokens is not False)
+    result = {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
+    if body.return_token_strs:
+        result["token_strs"] = state.tokenizer.convert_ids_to_tokens(ids)
+    return result
+
+
+async def detokenize(body: DetokenizeRequest, request: Request) -> dict:
+    state: ServerState = request.app.state.server
+    state.check_model(body.model)
+    state.check_token_ids(body.tokens, "tokens")
+    tokenizer = state.require_tokenizer("tokens")
+    return {"prompt": tokenizer.decode(body.tokens)}
