@@ -1,0 +1,85 @@
+"""TRITON: the core's own paged attention in Triton, for the CUDA, ROCm and XPU platforms.
+
+Each layer's forward makes at most three launches: the KV-cache write, the
+decode sequences (which the batch puts first) with small query tiles and, when
+the batch is small, the keys split over several programs, then the remaining
+(prefill and chunked-prefill) sequences with larger query tiles. The kernels are
+in :mod:`dovetail.triton`; this module imports them (and triton) only when a
+layer is built, so it imports cleanly where triton is absent.
+"""
+
+from __future__ import annotations
+
+from dovetail.attention.backend import AttentionBackend, AttentionImpl, AttentionLayerSpec, AttentionRequirements
+
+
+class TritonAttentionImpl(AttentionImpl):
+    """Writes the new keys and values, then attends decodes and prefills with the Triton kernel."""
+
+    def __init__(self, spec: AttentionLayerSpec):
+        super().__init__(spec)
+        from dovetail.triton import kv_cache_write, paged_attention
+
+        self._kv_cache_write = kv_cache_write
+        self._paged_attention = paged_attention
+
+    def forward(self, q, k, v, kv_cache, metadata):
+        spec = self.spec
+        self._kv_cache_write.write_kv_cache(k, v, kv_cache, metadata.slot_mapping)
+        if q.stride(-1) != 1:
+            q = q.contiguous()
+        out = q.new_empty(q.shape)
+        attention = self._paged_attention
+        key_cache, value_cache = kv_cache[0], kv_cache[1]
+        options = dict(scale=spec.scale, sliding_window=spec.sliding_window, logit_softcap=spec.logit_softcap)
+        num_decodes = metadata.num_decodes
+        if num_decodes:
+            splits = attention.default_num_splits(num_decodes, spec.num_kv_heads, q.device)
+            attention.paged_attention(
+                q, key_cache, value_cache, out, metadata.block_table, metadata.seq_lens,
+                metadata.query_start_loc, num_tokens=num_decodes, num_seqs=num_decodes,
+                decode=True, num_splits=splits, **options)
+        if num_decodes < metadata.num_seqs:
+            attention.paged_attention(
+                q[num_decodes:], key_cache, value_cache, out[num_decodes:],
+                metadata.block_table[num_decodes:], metadata.seq_lens[num_decodes:],
+                metadata.query_start_loc[num_decodes:], num_tokens=metadata.num_tokens - num_decodes,
+                num_seqs=metadata.num_seqs - num_decodes, decode=False, **options)
+        return out
+
+
+class TritonBackend(AttentionBackend):
+    """Paged attention in Triton: prefill, chunked prefill and decode in one kernel; GQA,
+    sliding window and logit soft-capping; float16, bfloat16 and float32."""
+
+    name = "TRITON"
+    verification = ("run only under TRITON_INTERPRET=1 on the CPU (CI), against REFERENCE; "
+                    "not yet run on a GPU")
+    # Any head size works (padded to a power of two); these are the ones tested.
+    supported_head_sizes = (32, 64, 80, 96, 112, 128, 160, 192, 256)
+    supported_dtypes = ("float16", "bfloat16", "float32")
+    supported_kv_cache_dtypes = ("auto",)
+    supported_block_sizes = None
+    supports_sliding_window = True
+    supports_logit_softcap = True
+    supports_gqa = True
+    supported_device_types = ("cuda", "xpu")
+    supports_graph_capture = True
+
+    @classmethod
+    def available(cls) -> str | None:
+        from dovetail.triton import triton_missing_reason
+
+        return triton_missing_reason()
+
+    @classmethod
+    def validate(cls, req: AttentionRequirements) -> list[str]:
+        reasons = super().validate(req)
+        if req.num_kv_heads <= 0 or req.num_heads % req.num_kv_heads:
+            reasons.append(f"num_heads ({req.num_heads}) must be a multiple of num_kv_heads "
+                           f"({req.num_kv_heads}) for {cls.name}")
+        return reasons
+
+    @classmethod
+    def impl_cls(cls):
+        return TritonAttentionImpl

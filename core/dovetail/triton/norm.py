@@ -1,0 +1,67 @@
+"""RMSNorm, optionally fused with the residual add, one row per program."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dovetail.triton import next_power_of_2
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, residual_ptr, weight_ptr, out_ptr, summed_ptr,
+    stride_x, stride_residual, stride_out, stride_summed, hidden, eps,
+    HAS_RESIDUAL: tl.constexpr, WEIGHT_FP32: tl.constexpr, BLOCK: tl.constexpr,
+):
+    # Arithmetic in float32, rounded where the torch definition rounds (as torch's opmath does).
+    dtype = out_ptr.dtype.element_ty
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < hidden
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        residual = tl.load(residual_ptr + row * stride_residual + cols, mask=mask, other=0.0).to(tl.float32)
+        summed = (x + residual).to(dtype)
+        tl.store(summed_ptr + row * stride_summed + cols, summed, mask=mask)
+        x = summed.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / hidden + eps)
+    normed = x * rstd
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if WEIGHT_FP32:
+        y = normed * weight
+    else:
+        y = normed.to(dtype).to(tl.float32) * weight
+    tl.store(out_ptr + row * stride_out + cols, y.to(dtype), mask=mask)
+
+
+def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the kernel covers these inputs (else the caller uses the torch definition)."""
+    return (x.numel() > 0 and x.shape[-1] <= 65536 and weight.dim() == 1 and weight.shape[0] == x.shape[-1]
+            and weight.dtype in (torch.float32, x.dtype) and weight.is_contiguous())
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """``rms_norm(x [+ residual]) * weight``; with a residual, returns ``(normed, x + residual)``."""
+    hidden = x.shape[-1]
+    x2 = x.reshape(-1, hidden)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    if residual is not None:
+        r2 = residual.reshape(-1, hidden)
+        if r2.stride(-1) != 1:
+            r2 = r2.contiguous()
+        summed = torch.empty_like(out)
+    else:
+        r2, summed = x2, out
+    block = next_power_of_2(hidden)
+    _rms_norm_kernel[(x2.shape[0],)](
+        x2, r2, weight, out, summed, x2.stride(0), r2.stride(0), out.stride(0), summed.stride(0),
+        hidden, float(eps), HAS_RESIDUAL=residual is not None, WEIGHT_FP32=weight.dtype == torch.float32,
+        BLOCK=block, num_warps=min(16, max(1, block // 512)),
+    )
+    if residual is None:
+        return out.view(x.shape)
+    return out.view(x.shape), summed.view(x.shape)

@@ -1,0 +1,284 @@
+"""One paged-attention kernel for prefill, chunked prefill and decode.
+
+The grid is ``(query blocks, KV heads[, KV splits])``. A program takes up to
+``BLOCK_Q`` consecutive query tokens of one sequence and the ``QUERIES_PER_KV``
+query heads that share one KV head, stacked into ``BLOCK_M`` rows, so GQA reads
+each key once per group. It walks the sequence's keys in tiles of ``TILE_N``
+through the block table with an online softmax (float32 accumulation), skipping
+tiles that are entirely in the future or, with a sliding window, entirely too far
+in the past.
+
+Which sequence a program serves is found on the device by a binary search over
+``query_start_loc`` (sequence ``i``'s query blocks start at
+``(query_start_loc[i] - query_start_loc[0]) // BLOCK_Q + i``), so the launch
+depends only on the token and sequence counts: nothing is read back to the host
+and a decode step can be captured in a CUDA graph.
+
+With ``SPLIT_KV`` each of ``num_splits`` programs takes a share of the key tiles
+and writes a partial result (its output, row maximum and row sum);
+:func:`_reduce_splits_kernel` merges them. That keeps the GPU busy on decode
+batches too small to fill it (batch 1 has only ``num_kv_heads`` programs otherwise).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from dovetail.triton import next_power_of_2
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _tanh(x):
+    # Portable across backends and the interpreter; saturates cleanly at +-1.
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
+def _find_sequence(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr):
+    """The last sequence whose first query block is <= ``q_block``."""
+    base = tl.load(query_start_loc_ptr)
+    lo: tl.int32 = 0
+    hi: tl.int32 = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first_block = (tl.load(query_start_loc_ptr + mid) - base) // BLOCK_Q + mid
+        if first_block <= q_block:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit(do_not_specialize=["num_seqs", "window", "stride_table"])
+def _paged_attention_kernel(
+    q_ptr, key_cache_ptr, value_cache_ptr, out_ptr,
+    split_out_ptr, split_max_ptr, split_sum_ptr,
+    block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
+    num_seqs, scale, softcap, window,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_cache_block, stride_cache_slot, stride_cache_head, stride_table,
+    NUM_HEADS: tl.constexpr, QUERIES_PER_KV: tl.constexpr,
+    HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, SPLIT_KV: tl.constexpr, IEEE_DOT: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr,
+):
+    q_block = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = _find_sequence(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q)
+    base = tl.load(query_start_loc_ptr)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    local_block = q_block - ((q_start - base) // BLOCK_Q + seq)
+    if local_block * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_len = seq_len - q_len
+
+    rows = tl.arange(0, BLOCK_M)
+    q_index = local_block * BLOCK_Q + rows // QUERIES_PER_KV
+    head = kv_head * QUERIES_PER_KV + rows % QUERIES_PER_KV
+    row_valid = (rows // QUERIES_PER_KV < BLOCK_Q) & (q_index < q_len)
+    token = (q_start - base + q_index).to(tl.int64)
+    q_pos = context_len + q_index
+    dims = tl.arange(0, HEAD_PAD)
+    dim_valid = dims < HEAD_SIZE
+    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
+                mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
+
+    # Keys this program may see: up to its last query, from the window of its first.
+    first_pos = context_len + local_block * BLOCK_Q
+    kv_end = tl.minimum(first_pos + BLOCK_Q, seq_len)
+    kv_start = 0
+    if USE_WINDOW:
+        kv_start = tl.maximum(first_pos - window + 1, 0)
+    tile_lo = kv_start // TILE_N
+    tile_hi = tl.cdiv(kv_end, TILE_N)
+    if SPLIT_KV:
+        split = tl.program_id(2)
+        per_split = tl.cdiv(tile_hi - tile_lo, tl.num_programs(2))
+        tile_lo = tile_lo + split * per_split
+        tile_hi = tl.minimum(tile_lo + per_split, tile_hi)
+
+    table_row = block_table_ptr + seq.to(tl.int64) * stride_table
+    cache_head = kv_head * stride_cache_head
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+    for tile in range(tile_lo, tile_hi):
+        key_pos = tile * TILE_N + tl.arange(0, TILE_N)
+        key_valid = key_pos < kv_end
+        block = tl.load(table_row + key_pos // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
+        kv_offset = block * stride_cache_block + (key_pos % BLOCK_SIZE) * stride_cache_slot + cache_head
+        k = tl.load(key_cache_ptr + kv_offset[None, :] + dims[:, None],
+                    mask=key_valid[None, :] & dim_valid[:, None], other=0.0)
+        if IEEE_DOT:
+            s = tl.dot(q, k, input_precision="ieee")
+        elif DOT_IN_FP32:
+            s = tl.dot(q.to(tl.float32), k.to(tl.float32))
+        else:
+            s = tl.dot(q, k)
+        if USE_SOFTCAP:
+            s = (softcap * LOG2E) * _tanh(s * (scale / softcap))
+        else:
+            s = s * (scale * LOG2E)
+        visible = key_valid[None, :] & (key_pos[None, :] <= q_pos[:, None])
+        if USE_WINDOW:
+            visible = visible & (key_pos[None, :] > q_pos[:, None] - window)
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(value_cache_ptr + kv_offset[:, None] + dims[None, :],
+                    mask=key_valid[:, None] & dim_valid[None, :], other=0.0)
+        if IEEE_DOT:
+            pv = tl.dot(p, v, input_precision="ieee")
+        elif DOT_IN_FP32:
+            pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32))
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    if SPLIT_KV:
+        split_row = (token * NUM_HEADS + head) * tl.num_programs(2) + tl.program_id(2)
+        tl.store(split_out_ptr + split_row[:, None] * HEAD_PAD + dims[None, :], out, mask=row_valid[:, None])
+        tl.store(split_max_ptr + split_row, m_i, mask=row_valid)
+        tl.store(split_sum_ptr + split_row, l_i, mask=row_valid)
+    else:
+        tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & dim_valid[None, :])
+
+
+@triton.jit
+def _reduce_splits_kernel(
+    out_ptr, split_out_ptr, split_max_ptr, split_sum_ptr, stride_ot, stride_oh,
+    NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    splits = tl.arange(0, NUM_SPLITS)
+    dims = tl.arange(0, HEAD_PAD)
+    row = (token * NUM_HEADS + head) * NUM_SPLITS + splits
+    m = tl.load(split_max_ptr + row)
+    l = tl.load(split_sum_ptr + row)
+    m_all = tl.max(m, 0)
+    weight = tl.where(l > 0.0, tl.exp2(m - m_all) * l, 0.0)
+    partial = tl.load(split_out_ptr + row[:, None] * HEAD_PAD + dims[None, :])
+    out = tl.sum(partial * weight[:, None], 0) / tl.sum(weight, 0)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty),
+             mask=dims < HEAD_SIZE)
+
+
+#: Whether these kernels run in triton's CPU interpreter (``TRITON_INTERPRET=1``).
+#: Its numpy has no bfloat16, so there a bfloat16 dot forms its products in float32
+#: (exact, as the GPU's tensor cores do).
+INTERPRETED = type(_paged_attention_kernel).__name__ == "InterpretedFunction"
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Tile sizes of one launch: ``block_m`` query rows, ``tile_n`` keys per step."""
+
+    block_m: int
+    tile_n: int
+    num_warps: int
+    num_stages: int
+
+
+def default_config(head_size: int, queries_per_kv: int, decode: bool) -> LaunchConfig:
+    """Tiles for decode-only or prefill-carrying launches (a starting point for the H200)."""
+    head_pad = next_power_of_2(head_size)
+    block_m = max(16 if decode else 64, next_power_of_2(queries_per_kv))
+    tile_n = 64 if head_pad <= 128 else 32
+    return LaunchConfig(block_m=block_m, tile_n=tile_n, num_warps=4, num_stages=2 if head_pad > 128 else 3)
+
+
+_SM_COUNT: dict[torch.device, int] = {}
+
+
+def _multiprocessor_count(device: torch.device) -> int:
+    if device not in _SM_COUNT:
+        count = 0
+        try:
+            if device.type == "cuda":
+                count = torch.cuda.get_device_properties(device).multi_processor_count
+            elif device.type == "xpu":
+                count = torch.xpu.get_device_properties(device).gpu_subslice_count
+            elif device.type == "cpu":  # the interpreter
+                count = os.cpu_count() or 1
+        except Exception:
+            count = 0
+        _SM_COUNT[device] = count or 64
+    return _SM_COUNT[device]
+
+
+def default_num_splits(num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
+    """KV splits for a decode launch: enough programs to fill the device about twice, at most 16."""
+    programs = max(1, num_seqs * num_kv_heads)
+    target = 2 * _multiprocessor_count(device)
+    splits = 1
+    while splits < 16 and programs * splits * 2 <= target:
+        splits *= 2
+    return splits
+
+
+def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, out: torch.Tensor,
+                    block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                    num_tokens: int, num_seqs: int, scale: float, sliding_window: int | None = None,
+                    logit_softcap: float | None = None, decode: bool = False, num_splits: int = 1,
+                    config: LaunchConfig | None = None) -> None:
+    """Attend ``num_seqs`` sequences whose queries are ``num_tokens`` rows of ``q``, into ``out``.
+
+    ``q`` and ``out`` are ``[tokens, num_heads, head_size]``; their row 0 is the
+    first query of the first sequence, whatever ``query_start_loc[0]`` holds (so a
+    batch's tail is attended with ``q[n:]``, ``out[n:]`` and ``query_start_loc[i:]``).
+    ``key_cache`` and ``value_cache`` are ``[num_blocks, block_size, kv_heads, head_size]``.
+    ``decode`` picks the decode tiles (every query length is 1); ``num_splits`` > 1
+    splits each sequence's keys over that many programs and merges them after.
+    """
+    if num_seqs == 0 or num_tokens == 0:
+        return
+    num_heads, head_size = q.shape[1], q.shape[2]
+    num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
+    queries_per_kv = num_heads // num_kv_heads
+    cfg = config or default_config(head_size, queries_per_kv, decode)
+    block_q = cfg.block_m // queries_per_kv
+    head_pad = next_power_of_2(head_size)
+    num_q_blocks = num_tokens // block_q + num_seqs
+    split_kv = num_splits > 1
+    if split_kv:
+        split_out = torch.empty((num_tokens, num_heads, num_splits, head_pad), dtype=torch.float32, device=q.device)
+        split_max = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32, device=q.device)
+        split_sum = torch.empty_like(split_max)
+    else:
+        split_out = split_max = split_sum = out
+    grid = (num_q_blocks, num_kv_heads, num_splits)
+    _paged_attention_kernel[grid](
+        q, key_cache, value_cache, out, split_out, split_max, split_sum,
+        block_table, seq_lens, query_start_loc,
+        num_seqs, float(scale), float(logit_softcap or 1.0), int(sliding_window or 0),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_table.stride(0),
+        NUM_HEADS=num_heads, QUERIES_PER_KV=queries_per_kv, HEAD_SIZE=head_size, HEAD_PAD=head_pad,
+        BLOCK_SIZE=block_size, BLOCK_M=cfg.block_m, BLOCK_Q=block_q, TILE_N=cfg.tile_n,
+        USE_SOFTCAP=bool(logit_softcap), USE_WINDOW=bool(sliding_window), SPLIT_KV=split_kv,
+        IEEE_DOT=q.dtype == torch.float32, DOT_IN_FP32=INTERPRETED and q.dtype == torch.bfloat16,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if split_kv:
+        _reduce_splits_kernel[(num_tokens, num_heads)](
+            out, split_out, split_max, split_sum, out.stride(0), out.stride(1),
+            NUM_HEADS=num_heads, NUM_SPLITS=num_splits, HEAD_SIZE=head_size, HEAD_PAD=head_pad,
+            num_warps=4 if head_pad >= 128 else 2,
+        )

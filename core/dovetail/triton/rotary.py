@@ -1,0 +1,77 @@
+"""Rotary position embedding (NeoX style) of ``q`` and ``k`` together, one token per program.
+
+``cos_sin_cache`` is ``[max_position, rotary_dim]``: cosines in the first half,
+sines in the second (as :mod:`dovetail.layers.rotary` builds it). Features past
+``rotary_dim`` are copied unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dovetail.triton import next_power_of_2
+
+
+@triton.jit
+def _rotate_heads(src_ptr, dst_ptr, cos, sin, NUM_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr,
+                  HEAD_SIZE: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr):
+    heads = tl.arange(0, HEADS_PAD)[:, None]
+    cols = tl.arange(0, HALF_PAD)[None, :]
+    mask = (heads < NUM_HEADS) & (cols < HALF)
+    offset = heads * HEAD_SIZE + cols
+    x1 = tl.load(src_ptr + offset, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src_ptr + offset + HALF, mask=mask, other=0.0).to(tl.float32)
+    dtype = dst_ptr.dtype.element_ty
+    tl.store(dst_ptr + offset, (x1 * cos - x2 * sin).to(dtype), mask=mask)
+    tl.store(dst_ptr + offset + HALF, (x2 * cos + x1 * sin).to(dtype), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(
+    positions_ptr, q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_sin_ptr,
+    stride_q, stride_k, stride_q_out, stride_k_out, stride_cos_sin,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, KV_HEADS_PAD: tl.constexpr,
+    HEAD_SIZE: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    position = tl.load(positions_ptr + token).to(tl.int64)
+    cols = tl.arange(0, HALF_PAD)[None, :]
+    row = cos_sin_ptr + position * stride_cos_sin
+    # Rounded to the activations' dtype first, as the torch definition does.
+    dtype = q_out_ptr.dtype.element_ty
+    cos = tl.load(row + cols, mask=cols < HALF, other=0.0).to(dtype).to(tl.float32)
+    sin = tl.load(row + HALF + cols, mask=cols < HALF, other=0.0).to(dtype).to(tl.float32)
+    _rotate_heads(q_ptr + token * stride_q, q_out_ptr + token * stride_q_out, cos, sin,
+                  NUM_HEADS, HEADS_PAD, HEAD_SIZE, HALF, HALF_PAD)
+    _rotate_heads(k_ptr + token * stride_k, k_out_ptr + token * stride_k_out, cos, sin,
+                  NUM_KV_HEADS, KV_HEADS_PAD, HEAD_SIZE, HALF, HALF_PAD)
+
+
+def supports(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor,
+             head_size: int, rotary_dim: int) -> bool:
+    """Whether the kernel covers these inputs (else the caller uses the torch definition)."""
+    return (q.dim() == 2 and k.dim() == 2 and q.shape[0] > 0 and q.shape[0] == k.shape[0] == positions.numel()
+            and q.dtype == k.dtype and q.shape[1] % head_size == 0 and k.shape[1] % head_size == 0
+            and rotary_dim % 2 == 0 and 0 < rotary_dim <= head_size and cos_sin_cache.shape[-1] == rotary_dim
+            and cos_sin_cache.stride(-1) == 1 and q.stride(-1) == 1 and k.stride(-1) == 1)
+
+
+def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor,
+                     head_size: int, rotary_dim: int):
+    """Return ``(q, k)`` rotated at ``positions``; ``q``, ``k`` are ``[tokens, heads * head_size]``."""
+    partial = rotary_dim < head_size
+    q_out = q.clone(memory_format=torch.contiguous_format) if partial else torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = k.clone(memory_format=torch.contiguous_format) if partial else torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    num_heads, num_kv_heads = q.shape[1] // head_size, k.shape[1] // head_size
+    half = rotary_dim // 2
+    heads_pad = next_power_of_2(num_heads)
+    _rotary_kernel[(q.shape[0],)](
+        positions, q, k, q_out, k_out, cos_sin_cache,
+        q.stride(0), k.stride(0), q_out.stride(0), k_out.stride(0), cos_sin_cache.stride(0),
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEADS_PAD=heads_pad,
+        KV_HEADS_PAD=next_power_of_2(num_kv_heads), HEAD_SIZE=head_size, HALF=half,
+        HALF_PAD=next_power_of_2(half), num_warps=4 if heads_pad * next_power_of_2(half) >= 1024 else 1,
+    )
+    return q_out, k_out

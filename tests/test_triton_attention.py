@@ -1,0 +1,255 @@
+"""TRITON attention and the KV-cache write against REFERENCE, on random inputs (never zeros).
+
+Without a GPU the kernels run in triton's CPU interpreter, which must be switched
+on before triton is first imported: this module sets ``TRITON_INTERPRET=1`` when
+it is collected. With a GPU the same tests run the compiled kernels on it.
+Shapes are tiny: the interpreter runs every program in numpy.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+
+from dovetail.attention.backend import AttentionLayerSpec, AttentionRequirements  # noqa: E402
+from dovetail.attention.batch import AttentionBatch  # noqa: E402
+from dovetail.attention.reference import ReferenceAttentionImpl, write_kv_cache  # noqa: E402
+from dovetail.attention.triton_backend import TritonAttentionImpl, TritonBackend  # noqa: E402
+
+TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.float16: dict(atol=2e-3, rtol=2e-3),
+             torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2)}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels_can_run_here():
+    from dovetail.triton import interpreter_active
+
+    if DEVICE == "cpu" and not interpreter_active():
+        pytest.fail("triton was imported before TRITON_INTERPRET=1 was set, so its kernels cannot run on "
+                    "the CPU in this process; something collected earlier imports triton at import time")
+
+
+def make_case(query_lens, seq_lens, *, num_heads=4, num_kv_heads=2, head_size=32, block_size=4,
+              dtype=torch.float32, seed=0, spare_blocks=3):
+    """Random q/k/v, a random cache and a batch whose block tables are shuffled block numbers."""
+    gen = torch.Generator().manual_seed(seed)
+    needed = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(needed) + spare_blocks
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, used = [], 0
+    for n in needed:
+        tables.append(order[used:used + n])
+        used += n
+    batch = AttentionBatch.from_lists(query_lens, seq_lens, tables, block_size, DEVICE)
+    tokens = sum(query_lens)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(device=DEVICE, dtype=dtype)
+
+    q, k, v = rand(tokens, num_heads, head_size), rand(tokens, num_kv_heads, head_size), rand(tokens, num_kv_heads, head_size)
+    cache = rand(2, num_blocks, block_size, num_kv_heads, head_size)
+    return q, k, v, cache, batch
+
+
+def run_both(case, spec):
+    """Output and cache of REFERENCE and of TRITON on copies of the same inputs."""
+    q, k, v, cache, batch = case
+    ref_cache, tri_cache = cache.clone(), cache.clone()
+    expected = ReferenceAttentionImpl(spec).forward(q, k, v, ref_cache, batch)
+    actual = TritonAttentionImpl(spec).forward(q, k, v, tri_cache, batch)
+    return expected, actual, ref_cache, tri_cache
+
+
+def check(case, spec):
+    expected, actual, ref_cache, tri_cache = run_both(case, spec)
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    torch.testing.assert_close(tri_cache, ref_cache, rtol=0, atol=0)
+    torch.testing.assert_close(actual.float(), expected.float(), **TOLERANCE[expected.dtype])
+
+
+def spec_for(case, scale=None, sliding_window=None, logit_softcap=None):
+    q, k = case[0], case[1]
+    head_size = q.shape[-1]
+    return AttentionLayerSpec(num_heads=q.shape[1], num_kv_heads=k.shape[1], head_size=head_size,
+                              scale=scale if scale is not None else head_size ** -0.5,
+                              sliding_window=sliding_window, logit_softcap=logit_softcap)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(2, 2), (8, 2)])
+def test_prefill(num_heads, num_kv_heads):
+    case = make_case([5, 11], [5, 11], num_heads=num_heads, num_kv_heads=num_kv_heads)
+    check(case, spec_for(case))
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(2, 2), (8, 2)])
+def test_chunked_prefill_reads_context_from_cache(num_heads, num_kv_heads):
+    case = make_case([3, 6], [10, 7], num_heads=num_heads, num_kv_heads=num_kv_heads, seed=1)
+    check(case, spec_for(case))
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(2, 2), (8, 2)])
+def test_decode(num_heads, num_kv_heads):
+    case = make_case([1, 1, 1], [1, 9, 18], num_heads=num_heads, num_kv_heads=num_kv_heads, seed=2)
+    check(case, spec_for(case))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_ragged_mixed_batch(dtype):
+    case = make_case([1, 1, 4, 1, 7], [6, 13, 9, 2, 7], num_heads=4, num_kv_heads=1, dtype=dtype, seed=3)
+    check(case, spec_for(case))
+
+
+@pytest.mark.parametrize("head_size,block_size", [(64, 16), (80, 1), (128, 8), (256, 128)])
+def test_head_and_block_sizes(head_size, block_size):
+    case = make_case([1, 3], [5, 6], num_heads=2, num_kv_heads=1, head_size=head_size,
+                     block_size=block_size, seed=4)
+    check(case, spec_for(case))
+
+
+@pytest.mark.parametrize("window", [1, 4])
+def test_sliding_window(window):
+    case = make_case([1, 6, 9], [12, 14, 9], num_heads=4, num_kv_heads=2, seed=5)
+    check(case, spec_for(case, sliding_window=window))
+
+
+def test_logit_softcap_changes_and_matches():
+    case = make_case([1, 7], [9, 12], num_heads=4, num_kv_heads=2, seed=6)
+    capped = spec_for(case, scale=1.0, logit_softcap=2.0)
+    check(case, capped)
+    expected_capped = run_both(case, capped)[1]
+    uncapped = run_both(case, spec_for(case, scale=1.0))[1]
+    assert not torch.allclose(expected_capped, uncapped, atol=1e-3)
+
+
+def test_window_and_softcap_together_in_bfloat16():
+    case = make_case([1, 5], [11, 13], num_heads=4, num_kv_heads=1, dtype=torch.bfloat16, seed=7)
+    check(case, spec_for(case, sliding_window=3, logit_softcap=5.0))
+
+
+def test_negative_slots_are_not_written():
+    query_lens, seq_lens, block_size = [1, 4], [7, 4], 4
+    q, k, v, cache, batch = make_case(query_lens, seq_lens, seed=8)
+    slots = batch.slot_mapping.tolist()
+    skipped, written = [slots[0], slots[3]], [slots[1], slots[4]]
+    slots[0] = slots[3] = -1
+    tables = [row[: -(-s // block_size)] for row, s in zip(batch.block_table.tolist(), seq_lens)]
+    batch = AttentionBatch.build(query_lens, seq_lens, tables, slots, block_size, DEVICE)
+    expected, actual, ref_cache, tri_cache = run_both((q, k, v, cache, batch), spec_for((q, k)))
+    torch.testing.assert_close(tri_cache, ref_cache, rtol=0, atol=0)
+    torch.testing.assert_close(actual, expected, **TOLERANCE[torch.float32])
+    keys, old_keys = tri_cache[0].flatten(0, 1), cache[0].flatten(0, 1)
+    assert all(torch.equal(keys[s], old_keys[s]) for s in skipped)
+    assert torch.equal(keys[written[0]], k[1]) and torch.equal(keys[written[1]], k[4])
+
+
+def test_kv_cache_write_matches_reference_with_padding():
+    from dovetail.triton.kv_cache_write import write_kv_cache as triton_write
+
+    gen = torch.Generator().manual_seed(9)
+    k = torch.randn(6, 3, 40, generator=gen).half().to(DEVICE)
+    v = torch.randn(6, 3, 40, generator=gen).half().to(DEVICE)
+    cache = torch.randn(2, 5, 4, 3, 40, generator=gen).half().to(DEVICE)
+    slots = torch.tensor([17, -1, 0, 5, -1, 19], device=DEVICE)
+    expected, actual = cache.clone(), cache.clone()
+    write_kv_cache(k, v, expected, slots)
+    triton_write(k, v, actual, slots)
+    assert torch.equal(actual, expected)
+    assert not torch.equal(actual, cache)
+
+
+def test_kv_cache_write_accepts_strided_keys():
+    from dovetail.triton.kv_cache_write import write_kv_cache as triton_write
+
+    gen = torch.Generator().manual_seed(10)
+    qkv = torch.randn(3, (4 + 2 + 2) * 16, generator=gen).to(DEVICE)
+    k = qkv[:, 64:96].view(3, 2, 16)
+    v = qkv[:, 96:].view(3, 2, 16)
+    cache = torch.randn(2, 2, 4, 2, 16, generator=gen).to(DEVICE)
+    slots = torch.tensor([6, 1, 3], device=DEVICE)
+    expected, actual = cache.clone(), cache.clone()
+    write_kv_cache(k, v, expected, slots)
+    triton_write(k, v, actual, slots)
+    assert torch.equal(actual, expected)
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_kernel_tiles_splits_and_window_skipping(num_splits):
+    """Small key tiles so that windows skip whole tiles, with and without KV splits."""
+    from dovetail.triton.paged_attention import LaunchConfig, paged_attention
+
+    case = make_case([1, 1, 5], [40, 3, 37], num_heads=4, num_kv_heads=2, seed=11)
+    q, k, v, cache, batch = case
+    spec = spec_for(case, sliding_window=6)
+    ref_cache = cache.clone()
+    expected = ReferenceAttentionImpl(spec).forward(q, k, v, ref_cache, batch)
+    out = torch.full_like(q, float("nan"))
+    paged_attention(q, ref_cache[0], ref_cache[1], out, batch.block_table, batch.seq_lens, batch.query_start_loc,
+                    num_tokens=batch.num_tokens, num_seqs=batch.num_seqs, scale=spec.scale, sliding_window=6,
+                    num_splits=num_splits, config=LaunchConfig(block_m=16, tile_n=16, num_warps=4, num_stages=1))
+    torch.testing.assert_close(out, expected, **TOLERANCE[torch.float32])
+
+
+def test_decode_split_path_matches():
+    """The backend's decode launch splits small batches; force both splits and none."""
+    from dovetail.triton.paged_attention import paged_attention
+
+    case = make_case([1, 1], [30, 17], num_heads=4, num_kv_heads=2, seed=12)
+    q, k, v, cache, batch = case
+    spec = spec_for(case)
+    ref_cache = cache.clone()
+    expected = ReferenceAttentionImpl(spec).forward(q, k, v, ref_cache, batch)
+    for splits in (1, 2, 16):
+        out = torch.full_like(q, float("nan"))
+        paged_attention(q, ref_cache[0], ref_cache[1], out, batch.block_table, batch.seq_lens,
+                        batch.query_start_loc, num_tokens=2, num_seqs=2, scale=spec.scale, decode=True,
+                        num_splits=splits)
+        torch.testing.assert_close(out, expected, **TOLERANCE[torch.float32])
+
+
+def requirements(**overrides):
+    base = dict(platform="cuda", device_type="cuda", dtype=torch.bfloat16, kv_cache_dtype="auto", block_size=16,
+                head_size=128, num_heads=32, num_kv_heads=8, uses_sliding_window=True, uses_logit_softcap=True)
+    base.update(overrides)
+    return AttentionRequirements(**base)
+
+
+def test_backend_declares_and_validates():
+    assert TritonBackend.available() is None
+    assert TritonBackend.validate(requirements()) == []
+    caps = TritonBackend.capabilities()
+    assert {64, 80, 96, 128, 256} <= set(caps["head_sizes"])
+    assert set(caps["dtypes"]) == {"float16", "bfloat16", "float32"}
+    reasons = TritonBackend.validate(requirements(head_size=48, kv_cache_dtype="fp8", device_type="cpu",
+                                                  num_heads=12, num_kv_heads=5))
+    text = "\n".join(reasons)
+    assert "head size 48" in text and "kv_cache_dtype 'fp8'" in text and "device type 'cpu'" in text
+    assert "multiple of num_kv_heads" in text
+
+
+def test_registered_path_resolves_to_the_backend():
+    from dovetail.lazy_import import resolve
+
+    assert resolve("dovetail.attention.triton_backend:TritonBackend") is TritonBackend
+
+
+def test_import_is_lazy_and_absence_of_triton_is_explained():
+    code = (
+        "import sys\n"
+        "import dovetail.attention.triton_backend as m\n"
+        "assert 'triton' not in sys.modules, 'triton imported at module import'\n"
+        "sys.modules['triton'] = None\n"
+        "print(m.TritonBackend.available())\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "triton cannot be imported" in result.stdout and "pip install" in result.stdout

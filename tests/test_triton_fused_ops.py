@@ -1,0 +1,118 @@
+"""TritonFusedOps against the torch definitions of :mod:`dovetail.ops`, on random inputs.
+
+Without a GPU the kernels run in triton's CPU interpreter (``TRITON_INTERPRET=1``
+is set when this module is collected, before triton is first imported); with a
+GPU the same tests run the compiled kernels on it. The interpreter rounds float32
+to bfloat16 by truncation, the GPU to nearest: the bfloat16 tolerance covers both.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+
+from dovetail.layers.rotary import compute_cos_sin_cache  # noqa: E402
+from dovetail.ops import FusedOps  # noqa: E402
+from dovetail.triton.fused_ops import TritonFusedOps  # noqa: E402
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3),
+             torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+TORCH, TRITON = FusedOps(), TritonFusedOps()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels_can_run_here():
+    from dovetail.triton import interpreter_active
+
+    if DEVICE == "cpu" and not interpreter_active():
+        pytest.fail("triton was imported before TRITON_INTERPRET=1 was set, so its kernels cannot run on "
+                    "the CPU in this process; something collected earlier imports triton at import time")
+
+
+def rand(*shape, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=gen).to(device=DEVICE, dtype=dtype)
+
+
+def assert_close(actual, expected):
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    torch.testing.assert_close(actual.float(), expected.float(), **TOLERANCE[expected.dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("weight_fp32", [False, True])
+def test_rms_norm(dtype, weight_fp32):
+    x = rand(2, 3, 96, dtype=dtype, seed=1) * 3
+    weight = rand(96, dtype=torch.float32 if weight_fp32 else dtype, seed=2)
+    assert_close(TRITON.rms_norm(x, weight, 1e-6), TORCH.rms_norm(x, weight, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_rms_norm_returns_normed_sum_and_sum(dtype):
+    x, residual = rand(5, 100, dtype=dtype, seed=3), rand(5, 100, dtype=dtype, seed=4)
+    weight = rand(100, dtype=dtype, seed=5)
+    residual_before = residual.clone()
+    normed, summed = TRITON.add_rms_norm(x, residual, weight, 1e-5)
+    expected_normed, expected_summed = TORCH.add_rms_norm(x, residual, weight, 1e-5)
+    assert_close(summed, expected_summed)
+    assert_close(normed, expected_normed)
+    assert torch.equal(residual, residual_before)
+
+
+def test_rms_norm_of_a_strided_view():
+    wide = rand(4, 160, seed=6)
+    x = wide[:, :64]
+    weight = rand(64, seed=7)
+    assert_close(TRITON.rms_norm(x, weight, 1e-6), TORCH.rms_norm(x, weight, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul(dtype):
+    x = rand(3, 2, 2 * 72, dtype=dtype, seed=8) * 4
+    assert_close(TRITON.silu_and_mul(x), TORCH.silu_and_mul(x))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gelu_tanh_and_mul(dtype):
+    x = rand(4, 2 * 40, dtype=dtype, seed=9) * 4
+    assert_close(TRITON.gelu_tanh_and_mul(x), TORCH.gelu_tanh_and_mul(x))
+
+
+def test_silu_and_mul_wider_than_one_program():
+    x = rand(2, 2 * 1500, seed=10)
+    assert_close(TRITON.silu_and_mul(x), TORCH.silu_and_mul(x))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_size,rotary_dim", [(32, 32), (48, 24)])
+def test_rotary_on_views_of_a_fused_qkv(dtype, head_size, rotary_dim):
+    num_heads, num_kv_heads, tokens = 4, 2, 6
+    params = {"rope_theta": 10000.0, "rope_type": "default"}
+    cos_sin = compute_cos_sin_cache(rotary_dim, 128, params, 128).to(DEVICE)
+    qkv = rand(tokens, (num_heads + 2 * num_kv_heads) * head_size, dtype=dtype, seed=11)
+    q = qkv[:, : num_heads * head_size]
+    k = qkv[:, num_heads * head_size: (num_heads + num_kv_heads) * head_size]
+    positions = torch.tensor([0, 1, 2, 17, 64, 127], device=DEVICE)
+    qkv_before = qkv.clone()
+    q_out, k_out = TRITON.rotary_embedding(positions, q, k, cos_sin, head_size, rotary_dim)
+    q_ref, k_ref = TORCH.rotary_embedding(positions, q, k, cos_sin, head_size, rotary_dim)
+    assert_close(q_out, q_ref)
+    assert_close(k_out, k_ref)
+    assert torch.equal(qkv, qkv_before)
+    assert not torch.allclose(q_out.float(), q.float(), atol=1e-2)
+
+
+def test_empty_inputs_use_the_torch_definition():
+    x = rand(0, 16)
+    weight = rand(16, seed=12)
+    assert TRITON.rms_norm(x, weight, 1e-6).shape == (0, 16)
+    assert TRITON.silu_and_mul(rand(0, 32)).shape == (0, 16)
