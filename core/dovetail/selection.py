@@ -108,14 +108,19 @@ def create_platform(name: str, manager: PluginManager | None = None) -> Platform
 
 
 def attention_backend_candidates(platform: Platform, manager: PluginManager | None = None) -> list[str]:
-    """Installed backends serving ``platform``, in the order auto-selection tries them."""
+    """Installed backends serving ``platform``, in the order auto-selection tries them.
+
+    The platform's own preferences first, then other backends serving it by
+    priority; backends with a negative priority (fallbacks such as REFERENCE) last.
+    """
     manager = manager or get_plugin_manager()
     backends = manager.registry.attention_backends
     preferred = [n for n in platform.default_attention_backends()
                  if n in backends and backends[n].serves(platform.name)]
     others = sorted((r for n, r in backends.items() if n not in preferred and r.serves(platform.name)),
                     key=lambda r: -r.priority)
-    return preferred + [r.name for r in others]
+    order = preferred + [r.name for r in others]
+    return [n for n in order if backends[n].priority >= 0] + [n for n in order if backends[n].priority < 0]
 
 
 def select_attention_backend(platform: Platform, req: AttentionRequirements, requested: str | None = None,
