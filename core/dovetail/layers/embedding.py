@@ -10,14 +10,20 @@ from dovetail.model_interface import ModelContext
 
 
 class VocabEmbedding(nn.Module):
-    """Token embedding table ``[vocab, hidden]``."""
+    """Token embedding table ``[vocab, hidden]``.
 
-    def __init__(self, vocab_size: int, hidden_size: int, ctx: ModelContext):
+    ``scale`` multiplies the embeddings (Gemma's ``sqrt(hidden_size)``); like HF,
+    the factor is first rounded to the model's dtype.
+    """
+
+    def __init__(self, vocab_size: int, hidden_size: int, ctx: ModelContext, scale: float | None = None):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=ctx.dtype), requires_grad=False)
+        self.scale = None if scale is None else torch.tensor(scale, dtype=torch.float32).to(ctx.dtype).item()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.weight)
+        embeddings = F.embedding(input_ids, self.weight)
+        return embeddings if self.scale is None else embeddings * self.scale
 
 
 class LMHead(nn.Module):

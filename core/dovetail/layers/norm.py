@@ -22,6 +22,7 @@ class RMSNorm(nn.Module):
         self.weight_offset = weight_offset
         dtype = torch.float32 if weight_offset else ctx.dtype
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
+        self.weight.weight_offset = weight_offset
 
     def process_weights_after_loading(self) -> None:
         if self.weight_offset:

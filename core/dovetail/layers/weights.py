@@ -1,4 +1,4 @@
-"""Mapping checkpoint tensors onto a model's parameters, merged projections included."""
+"""Mapping checkpoint tensors onto a model's parameters, merged projections and stacked experts included."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from torch import nn
 
 from dovetail.errors import ModelLoadError
 from dovetail.layers.linear import Linear
+from dovetail.layers.moe import FusedMoE
 
 #: (parameter part, checkpoint part, shard index): the merged projections of most models.
 DEFAULT_STACKED = (
@@ -20,6 +21,17 @@ DEFAULT_STACKED = (
     (".gate_up_proj.", ".up_proj.", 1),
 )
 
+#: Per-expert checkpoint projection -> (:class:`FusedMoE` parameter, shard): HF's names and Mixtral's.
+DEFAULT_EXPERT_PROJECTIONS = {
+    "gate_proj": ("w13_weight", 0), "up_proj": ("w13_weight", 1), "down_proj": ("w2_weight", None),
+    "w1": ("w13_weight", 0), "w3": ("w13_weight", 1), "w2": ("w2_weight", None),
+}
+#: transformers 5's own layout: every expert in one tensor.
+STACKED_EXPERT_TENSORS = {"gate_up_proj": "w13_weight", "down_proj": "w2_weight"}
+
+_PER_EXPERT = re.compile(r"^(?P<module>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
+_ALL_EXPERTS = re.compile(r"^(?P<module>.+\.experts)\.(?P<proj>gate_up_proj|down_proj)$")
+
 
 class WeightMapper:
     """Loads ``(name, tensor)`` pairs into ``model`` and reports what was filled.
@@ -27,12 +39,17 @@ class WeightMapper:
     - ``stacked``: checkpoint name parts that load as a shard of a merged parameter.
     - ``ignore``: regular expressions of checkpoint names to skip (e.g. rotary buffers).
     - ``rename``: ``(pattern, replacement)`` regex substitutions applied first.
+    - ``expert_projections``: per-expert checkpoint names (``...experts.<e>.<name>.weight``)
+      and the :class:`FusedMoE` parameter and shard each fills.
     """
 
     def __init__(self, model: nn.Module, stacked=DEFAULT_STACKED, ignore: Iterable[str] = (),
-                 rename: Iterable[tuple[str, str]] = ()):
+                 rename: Iterable[tuple[str, str]] = (), expert_projections=None):
         self.model = model
         self.stacked = tuple(stacked)
+        self.expert_projections = dict(DEFAULT_EXPERT_PROJECTIONS if expert_projections is None
+                                       else expert_projections)
+        self.moe_layers = {name: m for name, m in model.named_modules() if isinstance(m, FusedMoE)}
         self.ignore = [re.compile(p) for p in (r"rotary_emb\.inv_freq$", *ignore)]
         self.rename = [(re.compile(p), r) for p, r in rename]
         self.params: dict[str, tuple[nn.Module, nn.Parameter]] = {}
@@ -49,6 +66,11 @@ class WeightMapper:
                 name = pattern.sub(replacement, name)
             if any(p.search(name) for p in self.ignore):
                 continue
+            if self.moe_layers:
+                done = self._load_experts(name, tensor)
+                if done is not None:
+                    loaded.update(done)
+                    continue
             target, shard = self._target(name)
             if target is None:
                 raise ModelLoadError(f"unexpected tensor {name!r} in the checkpoint: the model "
@@ -69,6 +91,25 @@ class WeightMapper:
                 if len(got) == len(module.output_sizes):
                     loaded.add(target)
         return loaded
+
+    def _load_experts(self, name: str, tensor: torch.Tensor) -> set[str] | None:
+        """Load an expert tensor into its :class:`FusedMoE`; None when ``name`` is not one."""
+        match = _PER_EXPERT.match(name)
+        if match and match["module"] in self.moe_layers:
+            layer = self.moe_layers[match["module"]]
+            if match["proj"] not in self.expert_projections:
+                known = ", ".join(sorted(self.expert_projections))
+                raise ModelLoadError(f"unexpected tensor {name!r} in the checkpoint: expert projection "
+                                     f"{match['proj']!r} is not one of {known}")
+            param, shard = self.expert_projections[match["proj"]]
+            complete = layer.load_expert(param, tensor, int(match["expert"]), shard, name)
+            return {f"{match['module']}.{param}"} if complete else set()
+        match = _ALL_EXPERTS.match(name)
+        if match and match["module"] in self.moe_layers:
+            param = STACKED_EXPERT_TENSORS[match["proj"]]
+            self.moe_layers[match["module"]].load_stacked(param, tensor, name)
+            return {f"{match['module']}.{param}"}
+        return None
 
     def _target(self, name: str) -> tuple[str | None, int | None]:
         for param_part, ckpt_part, shard in self.stacked:

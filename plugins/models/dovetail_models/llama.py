@@ -1,8 +1,14 @@
-"""Llama (2, 3, 3.1, 3.2): the decoder most other architectures here extend."""
+"""Llama (2, 3, 3.1, 3.2): the decoder most other architectures here extend.
+
+Subclasses change one piece at a time: the decoder layer's attention options
+(:meth:`LlamaDecoderLayer.sliding_window`, q/k norms, scale, rope), its MLP
+(:meth:`LlamaDecoderLayer.make_mlp`), the model's embedding scale and norm
+offset, and the LM head's final soft-capping.
+"""
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import ClassVar, Iterable
 
 import torch
 from torch import nn
@@ -14,36 +20,66 @@ from dovetail.layers.linear import Linear
 from dovetail.layers.norm import RMSNorm
 from dovetail.layers.rotary import RotaryEmbedding, rope_parameters
 from dovetail.layers.weights import WeightMapper
-from dovetail.model_interface import DovetailModel, ModelContext
+from dovetail.model_interface import AttentionShape, DovetailModel, ModelContext
 
 
 def head_dim(config) -> int:
+    """The explicit ``head_dim`` when the config has one, else ``hidden_size / num_attention_heads``."""
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-class LlamaAttention(nn.Module):
-    """Merged QKV projection, rotary embedding, paged attention, output projection."""
+def window_from_layer_types(config, layer_index: int) -> int | None:
+    """``sliding_window`` for the layers transformers 5's ``layer_types`` marks ``"sliding_attention"``."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types and layer_types[layer_index] == "sliding_attention":
+        return getattr(config, "sliding_window", None) or None
+    return None
 
-    def __init__(self, config, layer_index: int, ctx: ModelContext, prefix: str,
-                 sliding_window: int | None = None, qkv_bias: bool | None = None):
+
+def window_on_every_layer(config, layer_index: int) -> int | None:
+    """``sliding_window`` on every layer (Mistral, Mixtral, Phi-3); None disables it."""
+    return getattr(config, "sliding_window", None) or None
+
+
+class LlamaAttention(nn.Module):
+    """Merged QKV projection, optional q/k RMSNorm, rotary embedding, paged attention, output projection.
+
+    ``scale`` defaults to ``head_dim ** -0.5``; ``rope`` to the config's rope
+    parameters; ``qk_norm_offset`` (None: no q/k norm) is 0 for Qwen 3 and 1
+    for Gemma 3's ``(1 + weight)`` norms.
+    """
+
+    def __init__(self, config, layer_index: int, ctx: ModelContext, prefix: str, *,
+                 sliding_window: int | None = None, qkv_bias: bool | None = None, scale: float | None = None,
+                 rope: dict | None = None, logit_softcap: float | None = None,
+                 qk_norm_offset: float | None = None):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = head_dim(config)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        bias = getattr(config, "attention_bias", False) if qkv_bias is None else qkv_bias
-        self.qkv_proj = Linear(config.hidden_size, [self.q_size, self.kv_size, self.kv_size], bias, ctx,
-                               f"{prefix}.qkv_proj")
-        self.o_proj = Linear(self.q_size, config.hidden_size, getattr(config, "attention_bias", False), ctx,
-                             f"{prefix}.o_proj")
-        self.rotary_emb = RotaryEmbedding(self.head_dim, config.max_position_embeddings, rope_parameters(config),
-                                          ctx, config.max_position_embeddings)
-        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, ctx,
-                              layer_index, sliding_window=sliding_window)
+        bias = getattr(config, "attention_bias", False)
+        self.qkv_proj = Linear(config.hidden_size, [self.q_size, self.kv_size, self.kv_size],
+                               bias if qkv_bias is None else qkv_bias, ctx, f"{prefix}.qkv_proj")
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias, ctx, f"{prefix}.o_proj")
+        if qk_norm_offset is None:
+            self.q_norm = self.k_norm = None
+        else:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ctx, weight_offset=qk_norm_offset)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ctx, weight_offset=qk_norm_offset)
+        self.rotary_emb = RotaryEmbedding(self.head_dim, config.max_position_embeddings,
+                                          rope if rope is not None else rope_parameters(config), ctx,
+                                          config.max_position_embeddings)
+        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5 if scale is None else scale,
+                              self.num_kv_heads, ctx, layer_index, sliding_window=sliding_window,
+                              logit_softcap=logit_softcap)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.q_norm is not None:
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
         q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v))
 
@@ -51,13 +87,14 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """Merged gate/up projection, gated activation, down projection."""
 
-    def __init__(self, config, ctx: ModelContext, prefix: str, intermediate_size: int | None = None):
+    def __init__(self, config, ctx: ModelContext, prefix: str, intermediate_size: int | None = None,
+                 hidden_act: str | None = None):
         super().__init__()
         inter = intermediate_size or config.intermediate_size
         bias = getattr(config, "mlp_bias", False)
         self.gate_up_proj = Linear(config.hidden_size, [inter, inter], bias, ctx, f"{prefix}.gate_up_proj")
         self.down_proj = Linear(inter, config.hidden_size, bias, ctx, f"{prefix}.down_proj")
-        self.act_fn = gated_activation(config.hidden_act, ctx)
+        self.act_fn = gated_activation(hidden_act or config.hidden_act, ctx)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
@@ -73,8 +110,19 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ctx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ctx)
 
+    @staticmethod
+    def sliding_window(config, layer_index: int) -> int | None:
+        """This layer's attention window (None: global attention); Llama has none."""
+        return None
+
+    @staticmethod
+    def attn_logit_softcap(config) -> float | None:
+        """The attention-score soft-cap (None: none); Llama has none."""
+        return None
+
     def make_attention(self, config, layer_index, ctx, prefix):
-        return LlamaAttention(config, layer_index, ctx, prefix)
+        return LlamaAttention(config, layer_index, ctx, prefix, sliding_window=self.sliding_window(config, layer_index),
+                              logit_softcap=self.attn_logit_softcap(config))
 
     def make_mlp(self, config, layer_index, ctx, prefix):
         return LlamaMLP(config, ctx, prefix)
@@ -93,20 +141,25 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embedding, decoder layers, final norm."""
 
-    layer_cls = LlamaDecoderLayer
+    layer_cls: ClassVar[type[nn.Module]] = LlamaDecoderLayer
+    #: Added to every norm weight: 1.0 for Gemma's ``(1 + weight)`` norms.
+    norm_offset: ClassVar[float] = 0.0
 
     def __init__(self, config, ctx: ModelContext, prefix: str = "model"):
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, ctx)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, ctx,
+                                           scale=self.embedding_scale(config))
         self.layers = nn.ModuleList(self.layer_cls(config, i, ctx, f"{prefix}.layers.{i}")
                                     for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ctx)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ctx, weight_offset=self.norm_offset)
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids)
+    @classmethod
+    def embedding_scale(cls, config) -> float | None:
+        """The factor the embeddings are multiplied by (None: none)."""
+        return None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden_states, residual = self.embed(input_ids), None
+        hidden_states, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
             hidden_states, residual = layer(positions, hidden_states, residual)
         hidden_states, _ = self.norm(hidden_states, residual)
@@ -114,18 +167,44 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(DovetailModel):
-    """Llama causal LM; subclasses swap ``model_cls`` or the layer pieces."""
+    """Llama causal LM: GQA, llama3/linear/dynamic/yarn rope scaling, tied or separate LM head."""
 
-    model_cls = LlamaModel
+    model_cls: ClassVar[type[nn.Module]] = LlamaModel
     #: Extra checkpoint-name regexes to skip when loading.
-    ignore_weights: tuple[str, ...] = ()
+    ignore_weights: ClassVar[tuple[str, ...]] = ()
+    #: ``(pattern, replacement)`` applied to checkpoint names before loading.
+    rename_weights: ClassVar[tuple[tuple[str, str], ...]] = ()
+    #: For the supported-models table: checkpoints of this architecture, and what it exercises.
+    example_models: ClassVar[tuple[str, ...]] = (
+        "meta-llama/Llama-2-7b-hf", "meta-llama/Meta-Llama-3-8B-Instruct", "meta-llama/Llama-3.1-8B-Instruct",
+        "meta-llama/Llama-3.2-1B-Instruct")
+    features: ClassVar[tuple[str, ...]] = ("GQA", "rope scaling (llama3, linear, dynamic, yarn)",
+                                           "tied embeddings (3.2)")
 
     def __init__(self, hf_config, prefix: str = "", *, ctx: ModelContext):
         super().__init__(hf_config, prefix, ctx=ctx)
         self.model = self.model_cls(hf_config, ctx, f"{prefix}model")
         tied = self.model.embed_tokens if getattr(hf_config, "tie_word_embeddings", False) else None
         self.lm_head = LMHead(hf_config.vocab_size, hf_config.hidden_size, ctx, tied_to=tied,
-                              final_logit_softcap=getattr(hf_config, "final_logit_softcapping", None))
+                              final_logit_softcap=self.final_logit_softcap(hf_config))
+
+    @classmethod
+    def final_logit_softcap(cls, config) -> float | None:
+        """The soft-cap of the final logits (None: none); Llama has none."""
+        return None
+
+    @classmethod
+    def attention_shape(cls, hf_config) -> AttentionShape:
+        layer = cls.model_cls.layer_cls
+        num_heads = hf_config.num_attention_heads
+        windows = [layer.sliding_window(hf_config, i) for i in range(hf_config.num_hidden_layers)]
+        return AttentionShape(
+            num_heads=num_heads,
+            num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
+            head_size=head_dim(hf_config),
+            uses_sliding_window=any(windows),
+            uses_logit_softcap=bool(layer.attn_logit_softcap(hf_config)),
+        )
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
@@ -137,4 +216,4 @@ class LlamaForCausalLM(DovetailModel):
         ignore = list(self.ignore_weights)
         if self.lm_head.tied:
             ignore.append(r"^lm_head\.weight$")
-        return WeightMapper(self, ignore=ignore).load(weights)
+        return WeightMapper(self, ignore=ignore, rename=self.rename_weights).load(weights)

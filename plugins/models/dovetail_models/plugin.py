@@ -6,6 +6,14 @@ DOVETAIL_PLUGIN_API = ">=1.0,<2"
 
 ARCHITECTURES = {
     "LlamaForCausalLM": "dovetail_models.llama:LlamaForCausalLM",
+    "MistralForCausalLM": "dovetail_models.mistral:MistralForCausalLM",
+    "Qwen2ForCausalLM": "dovetail_models.qwen2:Qwen2ForCausalLM",
+    "Qwen3ForCausalLM": "dovetail_models.qwen3:Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM": "dovetail_models.qwen3_moe:Qwen3MoeForCausalLM",
+    "MixtralForCausalLM": "dovetail_models.mixtral:MixtralForCausalLM",
+    "Gemma2ForCausalLM": "dovetail_models.gemma2:Gemma2ForCausalLM",
+    "Gemma3ForCausalLM": "dovetail_models.gemma3:Gemma3ForCausalLM",
+    "Phi3ForCausalLM": "dovetail_models.phi3:Phi3ForCausalLM",
 }
 
 

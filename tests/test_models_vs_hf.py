@@ -1,0 +1,122 @@
+"""Every architecture of the model zoo against HF transformers: greedy tokens and logprobs.
+
+Each case is a tiny random model built with transformers' own class, its
+special features switched on, every 1-D parameter (norm weights, biases)
+perturbed so that a norm offset or a bias left out shows, saved as sharded
+safetensors, and run by the engine on the REFERENCE backend in float32.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from dovetail import LLM, SamplingParams
+from tiny_models import assert_greedy_matches, build_tokenizer, first_divergence, hf_greedy, load_hf
+
+VOCAB = 320
+WINDOW = 8
+MAX_TOKENS = 10
+#: Short, longer than the sliding window, and a batch-mate of a different length.
+PROMPTS = [[5, 6, 7, 8, 9, 10], list(range(20, 47)), [42, 17] * 9 + [3]]
+BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.1, bos_token_id=0,
+            eos_token_id=1, pad_token_id=0)
+
+
+def _config(cls_name: str, **overrides):
+    import transformers
+
+    return getattr(transformers, cls_name)(**{**BASE, **overrides})
+
+
+CASES = {
+    "llama-tied-head_dim-bias": lambda: _config("LlamaConfig", tie_word_embeddings=True, head_dim=24,
+                                                attention_bias=True, mlp_bias=True),
+    "llama-rope-llama3": lambda: _config("LlamaConfig", rope_parameters=dict(
+        rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=64, rope_theta=10000.0)),
+    "llama-rope-linear": lambda: _config("LlamaConfig", rope_parameters=dict(
+        rope_type="linear", factor=2.0, rope_theta=10000.0)),
+    "llama-rope-dynamic": lambda: _config("LlamaConfig", rope_parameters=dict(
+        rope_type="dynamic", factor=2.0, rope_theta=10000.0)),
+    "llama-rope-yarn": lambda: _config("LlamaConfig", rope_parameters=dict(
+        rope_type="yarn", factor=4.0, original_max_position_embeddings=32, rope_theta=10000.0)),
+    "mistral-sliding": lambda: _config("MistralConfig", sliding_window=WINDOW),
+    "qwen2-bias-sliding-layer": lambda: _config("Qwen2Config", use_sliding_window=True, sliding_window=WINDOW,
+                                                max_window_layers=1, tie_word_embeddings=True),
+    "qwen3-qknorm-head_dim": lambda: _config("Qwen3Config", head_dim=24, attention_bias=True),
+    "qwen3moe-normtopk-dense-layer": lambda: _config(
+        "Qwen3MoeConfig", num_hidden_layers=3, head_dim=24, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1]),
+    "qwen3moe-sparse-step": lambda: _config(
+        "Qwen3MoeConfig", num_experts=6, num_experts_per_tok=3, moe_intermediate_size=32, norm_topk_prob=False,
+        decoder_sparse_step=2),
+    "mixtral-sliding": lambda: _config("MixtralConfig", num_local_experts=4, num_experts_per_tok=2,
+                                       sliding_window=WINDOW),
+    "gemma2-softcap-sliding": lambda: _config(
+        "Gemma2Config", num_hidden_layers=3, head_dim=32, query_pre_attn_scalar=24, sliding_window=WINDOW,
+        attn_logit_softcapping=2.0, final_logit_softcapping=3.0),
+    "gemma3-local-rope-qknorm": lambda: _config(
+        "Gemma3TextConfig", num_hidden_layers=3, head_dim=32, query_pre_attn_scalar=24, sliding_window=WINDOW,
+        sliding_window_pattern=2, final_logit_softcapping=3.0, rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0}}),
+    "phi3-fused-sliding-partial-rotary": lambda: _config(
+        "Phi3Config", sliding_window=WINDOW, rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                                                                  partial_rotary_factor=0.5)),
+}
+
+
+def save_checkpoint(path, config, seed: int = 0):
+    """The HF model of ``config`` with perturbed 1-D parameters, saved as sharded safetensors."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() == 1:
+                param.add_(torch.randn_like(param) * 0.2)
+    model.save_pretrained(str(path), max_shard_size="20KB")
+    build_tokenizer(path, vocab_size=300)
+    assert len(json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]) > 0
+    return path
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def case(request, tmp_path_factory):
+    path = save_checkpoint(tmp_path_factory.mktemp(request.param), CASES[request.param]())
+    hf = load_hf(path)
+    reference = [hf_greedy(hf, p, MAX_TOKENS) for p in PROMPTS]
+    return request.param, path, reference
+
+
+def run_engine(path, prompts=PROMPTS, **kwargs):
+    llm = LLM(str(path), attention_backend="REFERENCE", max_model_len=256, num_gpu_blocks_override=64,
+              block_size=4, **kwargs)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=3)
+    return llm, llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+
+def check_matches_hf(outputs, reference, tol: float = 1e-4):
+    for out, (tokens, hf_logprobs) in zip(outputs, reference):
+        completion = out.outputs[0]
+        assert_greedy_matches(completion.token_ids, tokens, hf_logprobs)
+        same_until = first_divergence(completion.token_ids, tokens)
+        for step in range(len(tokens) if same_until is None else same_until):
+            entry, hf_step = completion.logprobs[step], hf_logprobs[step]
+            token = completion.token_ids[step]
+            assert abs(entry[token].logprob - float(hf_step[token])) < tol, f"step {step}"
+            top = hf_step.topk(3)
+            for tid, lp in zip(top.indices.tolist(), top.values.tolist()):
+                assert tid in entry and abs(entry[tid].logprob - lp) < tol, f"step {step}, token {tid}"
+
+
+def test_engine_matches_hf(case):
+    name, path, reference = case
+    assert len(list(path.glob("*.safetensors"))) > 1, "the checkpoint must be sharded"
+    _, outputs = run_engine(path)
+    check_matches_hf(outputs, reference)
