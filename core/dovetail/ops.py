@@ -50,6 +50,18 @@ class FusedOps:
         cos, sin = cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)
         return (_rotate(q, cos, sin, head_size, rotary_dim), _rotate(k, cos, sin, head_size, rotary_dim))
 
+    def fused_moe(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+        """Mixture-of-experts MLPs of ``x`` ``[tokens, hidden]``: each token through its ``top_k`` experts.
+
+        ``w13`` is ``[experts, 2 * inter, hidden]`` (gate rows, then up rows), ``w2``
+        ``[experts, hidden, inter]``; ``topk_weights`` (float32) and ``topk_ids``
+        are ``[tokens, top_k]``. The definition is :func:`dovetail.layers.moe.moe_reference`.
+        """
+        from dovetail.layers.moe import fused_experts
+
+        return fused_experts(x, w13, w2, topk_weights, topk_ids, activation)
+
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_size: int, rotary_dim: int):
     shape = x.shape
