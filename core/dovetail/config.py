@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from dovetail.errors import ConfigError
 
@@ -49,11 +49,12 @@ class CacheConfig(_Section):
     kv_cache_memory_bytes: Optional[int] = Field(default=None, gt=0)
     num_gpu_blocks_override: Optional[int] = Field(default=None, gt=0)
 
-    @model_validator(mode="after")
-    def _block_size_power_of_two(self):
-        if self.block_size & (self.block_size - 1):
-            raise ValueError(f"block_size must be a power of two (got {self.block_size})")
-        return self
+    @field_validator("block_size")
+    @classmethod
+    def _block_size_power_of_two(cls, value):
+        if value & (value - 1):
+            raise ValueError("must be a power of two")
+        return value
 
 
 class SchedulerConfig(_Section):
@@ -80,11 +81,12 @@ class ParallelConfig(_Section):
 
     tensor_parallel_size: int = Field(default=1, ge=1)
 
-    @model_validator(mode="after")
-    def _only_single_device(self):
-        if self.tensor_parallel_size != 1:
-            raise ValueError("tensor_parallel_size must be 1: tensor parallelism is not implemented yet")
-        return self
+    @field_validator("tensor_parallel_size")
+    @classmethod
+    def _only_single_device(cls, value):
+        if value != 1:
+            raise ValueError("must be 1: tensor parallelism is not implemented yet")
+        return value
 
 
 class EngineConfig(BaseModel):
