@@ -38,11 +38,12 @@ from dovetail_rocm.aiter_support import aiter_unavailable_reason
 PARTITION_SIZE = 256
 
 VERIFICATION = (
-    "NOT verified on hardware: no AMD GPU was available. aiter's kernels were never executed; the "
-    "argument marshalling (layouts, dtypes, metadata, workspace size) was tested on CPU against a fake "
-    "'aiter' module that applies aiter's documented semantics, compared with REFERENCE. Written against "
-    "ROCm/aiter sources (paged_attention_v1, flash_attn_varlen_func); head size 256 and sliding windows "
-    "were never run by anyone on this project."
+    "NOT verified on hardware: no AMD GPU was available, and real aiter was never executed. Never run: "
+    "aiter.paged_attention_v1 and aiter.flash_attn_varlen_func themselves, and every tensor placed on a HIP "
+    "device. Tested on CPU: the argument marshalling (NHD cache layout, int32 metadata, workspace size, "
+    "window and soft-cap arguments, context gathering for chunked prefill) against a fake 'aiter' that "
+    "checks arguments as aiter's wrappers do and computes with the semantics read in aiter's sources, "
+    "compared with REFERENCE."
 )
 
 
@@ -139,6 +140,10 @@ class RocmAiterBackend(AttentionBackend):
             reasons.append(f"{req.num_heads // req.num_kv_heads} query heads per KV head not supported by "
                            f"{cls.name} (paged_attention_v1 needs a ratio of at most 16, or one that splits "
                            "into equal groups of at most 16)")
+        if req.uses_sliding_window and req.uses_logit_softcap:
+            reasons.append(f"sliding-window attention combined with logit soft-capping not supported by {cls.name} "
+                           "(paged_attention_v1 soft-caps after masking, so keys outside the window keep the "
+                           "logit -cap instead of -inf)")
         if req.uses_sliding_window and not reasons:
             problem = cls._sliding_window_problem()
             if problem:
