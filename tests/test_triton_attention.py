@@ -21,6 +21,7 @@ if DEVICE == "cpu":
 
 pytest.importorskip("triton")
 
+from dovetail import testing  # noqa: E402
 from dovetail.attention.backend import AttentionLayerSpec, AttentionRequirements  # noqa: E402
 from dovetail.attention.batch import AttentionBatch  # noqa: E402
 from dovetail.attention.reference import ReferenceAttentionImpl, write_kv_cache  # noqa: E402
@@ -253,3 +254,19 @@ def test_import_is_lazy_and_absence_of_triton_is_explained():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "triton cannot be imported" in result.stdout and "pip install" in result.stdout
+
+
+class _TritonHere(TritonBackend):
+    """TRITON, also allowed on the CPU device, where the kernels run in the interpreter."""
+
+    supported_device_types = ("cuda", "xpu", "cpu")
+
+
+@pytest.mark.parametrize("case", testing.attention_cases(head_sizes=(64,)), ids=str)
+def test_conformance_kit_cases(case):
+    testing.check_attention_case(_TritonHere, case, device=DEVICE, platform="cuda")
+
+
+def test_kernel_modules_import_without_touching_a_device():
+    testing.check_import_is_cheap("dovetail.attention.triton_backend", "dovetail.triton.paged_attention",
+                                  "dovetail.triton.kv_cache_write", "dovetail.triton.fused_ops")

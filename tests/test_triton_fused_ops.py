@@ -19,6 +19,7 @@ if DEVICE == "cpu":
 
 pytest.importorskip("triton")
 
+from dovetail import testing  # noqa: E402
 from dovetail.layers.rotary import compute_cos_sin_cache  # noqa: E402
 from dovetail.ops import FusedOps  # noqa: E402
 from dovetail.triton.fused_ops import TritonFusedOps  # noqa: E402
@@ -116,3 +117,8 @@ def test_empty_inputs_use_the_torch_definition():
     weight = rand(16, seed=12)
     assert TRITON.rms_norm(x, weight, 1e-6).shape == (0, 16)
     assert TRITON.silu_and_mul(rand(0, 32)).shape == (0, 16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_conformance_kit(dtype):
+    testing.check_fused_ops(TRITON, DEVICE, dtype)
