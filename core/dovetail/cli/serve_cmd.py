@@ -32,14 +32,16 @@ def add_parser(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from dovetail.errors import ConfigError
+
+    for flag, low in (("port", 0), ("max_waiting_requests", 1), ("max_body_bytes", 1), ("shutdown_timeout", 0)):
+        value = getattr(args, flag)
+        if value is not None and not value >= low:
+            raise ConfigError(f"--{flag.replace('_', '-')}: must be at least {low} (got {value})")
+
     from dovetail.llm import default_model
     from dovetail.server.launcher import serve
     from dovetail.server.state import ServerSettings
 
-    for flag in ("port", "max_waiting_requests", "max_body_bytes"):
-        value = getattr(args, flag)
-        if value is not None and value < (0 if flag == "port" else 1):
-            raise ConfigError(f"--{flag.replace('_', '-')}: must be positive (got {value})")
     model = args.model or default_model()
     names = args.served_model_name or [args.model or "bundled-model"]
     kwargs = engine_kwargs(args)

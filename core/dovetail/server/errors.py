@@ -50,12 +50,17 @@ def error_bytes(status: int, message: str, param: Optional[str] = None, code: Op
     return json.dumps(error_body(status, message, param, code)).encode()
 
 
+def request_error_message(exc: RequestError) -> str:
+    """The engine's message, starting with the field's name (SamplingParams prefixes its own)."""
+    return str(exc).removeprefix("invalid SamplingParams: ")
+
+
 def to_api_error(exc: BaseException) -> APIError:
     """The client-facing form of an exception raised while serving a request."""
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, RequestError):
-        return APIError(400, str(exc), exc.field)
+        return APIError(400, request_error_message(exc), exc.field)
     if isinstance(exc, QueueFullError):
         return APIError(503, str(exc), code="queue_full")
     if isinstance(exc, EngineStoppedError):
@@ -116,7 +121,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestError)
     async def _request(request: Request, exc: RequestError):
-        return error_response(400, str(exc), exc.field)
+        return error_response(400, request_error_message(exc), exc.field)
 
     @app.exception_handler(QueueFullError)
     @app.exception_handler(EngineStoppedError)

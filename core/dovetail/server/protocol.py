@@ -78,6 +78,9 @@ class SamplingFields(_Body):
     def sampling_params(self, max_tokens: int, logprobs: Optional[int],
                         prompt_logprobs: Optional[int] = None) -> SamplingParams:
         """The engine's parameters; unset fields keep SamplingParams' defaults."""
+        if self.min_tokens is not None and self.min_tokens > max_tokens:
+            raise RequestError(f"min_tokens: {self.min_tokens} is more than max_tokens ({max_tokens})",
+                               field="min_tokens")
         values: dict[str, Any] = dict(
             n=self.n, temperature=self.temperature, top_p=self.top_p, seed=self.seed, stop=self.stop,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
