@@ -162,7 +162,7 @@ def process_weights_after_loading(model: torch.nn.Module) -> None:
 def load_weights(model, path: Path) -> None:
     """Fill ``model`` from the checkpoint; any parameter left unfilled is an error naming it."""
     loaded = model.load_weights(iterate_weights(path))
-    expected = {name for name, _ in model.named_parameters()}
+    expected = {name for name, p in model.named_parameters() if not getattr(p, "load_optional", False)}
     missing = sorted(expected - set(loaded))
     if missing:
         shown = ", ".join(missing[:10]) + (f" and {len(missing) - 10} more" if len(missing) > 10 else "")

@@ -13,6 +13,8 @@ Parameters a method creates carry two attributes the loader reads:
   each checkpoint shard along it, at ``offset * param.shape[output_dim] // total``.
 - ``weight_loader`` (optional): ``fn(param, tensor, shard_index)`` replacing
   the default placement.
+- ``load_optional`` (optional): True when the checkpoint may lack the tensor
+  (e.g. a scale a method computes itself when it quantizes a float checkpoint).
 """
 
 from __future__ import annotations
