@@ -249,6 +249,16 @@ def test_unsupported_head_size_passes_over_aiter_with_the_reason(machine, monkey
         selection.select_attention_backend(platform, _requirements(platform, head_size=80), "ROCM_AITER")
 
 
+def test_aiter_is_not_offered_on_a_gpu_its_decode_kernel_is_not_built_for(tmp_path, monkeypatch, clean_env):
+    tree = FakeKfd(tmp_path, monkeypatch)
+    tree.add_gpu(1, gfx=110000)  # Radeon PRO W7900 (RDNA3)
+    install_fake_aiter(monkeypatch)
+    platform = selection.create_platform("rocm")
+    assert platform.default_attention_backends() == ["TRITON", "REFERENCE"]
+    with pytest.raises(SelectionError, match="built for gfx90a, gfx942, gfx950 only .this machine has gfx1100."):
+        selection.select_attention_backend(platform, _requirements(platform), "ROCM_AITER")
+
+
 def test_switching_aiter_off(machine, monkeypatch):
     install_fake_aiter(monkeypatch)
     monkeypatch.setenv("DOVETAIL_ROCM_USE_AITER", "0")
@@ -306,7 +316,8 @@ def test_auto_dtype_runs_float32_checkpoints_in_bfloat16(machine):
 
 def test_platform_declarations():
     assert (RocmPlatform.name, RocmPlatform.device_type, RocmPlatform.dist_backend) == ("rocm", "cuda", "nccl")
-    assert RocmPlatform.is_accelerator and "NOT verified on hardware" in RocmPlatform.verification
+    assert RocmPlatform.is_accelerator and not RocmPlatform.supports_graph_capture
+    assert "NOT verified on hardware" in RocmPlatform.verification
 
 
 # -- dovetail plugins ----------------------------------------------------------------------------------

@@ -112,7 +112,8 @@ class RocmAiterImpl(AttentionImpl):
 
 
 class RocmAiterBackend(AttentionBackend):
-    """AMD AITER paged attention on ROCm: float16/bfloat16, head sizes 64/128/256, blocks of 16 or 32."""
+    """AMD AITER paged attention on ROCm: float16/bfloat16, head sizes 64/128/256, blocks of 16 or 32,
+    on gfx90a, gfx942 and gfx950 GPUs (the targets aiter's decode kernel is built for)."""
 
     name = "ROCM_AITER"
     verification = VERIFICATION

@@ -1,9 +1,10 @@
 """Whether AMD's AITER kernels may be used, decided without importing ``aiter``.
 
 ``import aiter`` loads its JIT machinery and queries the GPU, so the checks here
-only look for the package (``importlib.util.find_spec``) and read the switch
+only look for the package (``importlib.util.find_spec``), read the switch
 ``DOVETAIL_ROCM_USE_AITER`` (default on; ``0``, ``false``, ``no`` or ``off``
-turn it off).
+turn it off) and compare the visible GPUs' targets (from sysfs, see
+:mod:`dovetail_rocm.probe`) with those aiter's decode kernel is built for.
 """
 
 from __future__ import annotations
@@ -12,6 +13,9 @@ import importlib.util
 import os
 
 SWITCH = "DOVETAIL_ROCM_USE_AITER"
+#: The GPU targets aiter's paged-decode kernel is compiled for (csrc/cpp_itfs/pa/pa_v1.cuh guards it with
+#: ``__gfx90a__ || __gfx942__ || __gfx950__``; other targets, RDNA included, get no kernel).
+AITER_DECODE_ARCHS = ("gfx90a", "gfx942", "gfx950")
 _OFF = ("0", "false", "no", "off")
 _ON = ("1", "true", "yes", "on", "")
 
@@ -38,4 +42,10 @@ def aiter_unavailable_reason() -> str | None:
 
     if not getattr(version, "hip", None):
         return "AITER needs a ROCm build of torch (torch.version.hip is not set)"
+    from dovetail_rocm.probe import find_devices
+
+    others = sorted({g.gfx_arch for g in find_devices().visible} - set(AITER_DECODE_ARCHS))
+    if others:
+        return (f"aiter's paged-decode kernel is built for {', '.join(AITER_DECODE_ARCHS)} only "
+                f"(this machine has {', '.join(others)})")
     return None

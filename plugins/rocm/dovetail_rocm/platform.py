@@ -29,7 +29,7 @@ VERIFICATION = (
     "NOT verified on hardware: no AMD GPU was available. Tested on CPU up to the probe boundary (a "
     "simulated KFD sysfs tree, visibility variables, torch.version.hip): probing, device counting, "
     "selection and config adjustments. Never executed: every torch.cuda call on a HIP device (memory "
-    "queries, set_device, synchronize), RCCL through torch.distributed, HIP graph capture."
+    "queries, set_device, synchronize), RCCL through torch.distributed. Decode graphs are off (eager only)."
 )
 
 
@@ -41,7 +41,9 @@ class RocmPlatform(Platform):
     verification = VERIFICATION
     dist_backend = "nccl"
     is_accelerator = True
-    supports_graph_capture = True
+    # HIP graphs exist (torch.cuda.CUDAGraph on ROCm torch), but no capture path was written or run
+    # for this platform: decode steps run eagerly.
+    supports_graph_capture = False
 
     def __init__(self):
         self.devices = rocm_probe.find_devices()
