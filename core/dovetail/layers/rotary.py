@@ -105,10 +105,10 @@ def compute_cos_sin_cache(rotary_dim: int, max_position: int, params: dict,
         seq_len = torch.clamp(positions + 1, min=max_position_embeddings)
         bases = base * ((factor * seq_len / max_position_embeddings) - (factor - 1)) ** (rotary_dim / (rotary_dim - 2))
         exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
-        freqs = positions.unsqueeze(1) / bases.unsqueeze(1) ** exponents.unsqueeze(0)
+        freqs = positions.unsqueeze(1) * (1.0 / bases.unsqueeze(1) ** exponents.unsqueeze(0))
         return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
     else:
-        raise ValueError(f"rope_type {rope_type!r} is not supported "
+        raise ValueError(f"rope_parameters.rope_type {rope_type!r} (config.json) is not supported "
                          "(supported: default, linear, dynamic, llama3, yarn)")
     freqs = torch.outer(positions, inv_freq)
     return torch.cat((freqs.cos() * scaling, freqs.sin() * scaling), dim=-1)

@@ -29,8 +29,8 @@ DEFAULT_EXPERT_PROJECTIONS = {
 #: transformers 5's own layout: every expert in one tensor.
 STACKED_EXPERT_TENSORS = {"gate_up_proj": "w13_weight", "down_proj": "w2_weight"}
 
-_PER_EXPERT = re.compile(r"^(?P<module>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
-_ALL_EXPERTS = re.compile(r"^(?P<module>.+\.experts)\.(?P<proj>gate_up_proj|down_proj)$")
+_PER_EXPERT = re.compile(r"^(?P<module>(?:.+\.)?experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
+_ALL_EXPERTS = re.compile(r"^(?P<module>(?:.+\.)?experts)\.(?P<proj>gate_up_proj|down_proj)$")
 
 
 class WeightMapper:
