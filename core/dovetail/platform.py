@@ -11,13 +11,29 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, ClassVar
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, TypeVar
 
 if TYPE_CHECKING:
     import torch
 
     from dovetail.config import EngineConfig
     from dovetail.ops import FusedOps
+
+
+_T = TypeVar("_T")
+
+
+class DeviceGraph(ABC):
+    """Device work recorded once and replayed (a CUDA graph).
+
+    A replay re-runs the recorded kernels on the same memory: the caller writes
+    the next step's inputs into the buffers the capture read, replays, and reads
+    the outputs the capture returned.
+    """
+
+    @abstractmethod
+    def replay(self) -> None:
+        """Run the recorded work again."""
 
 
 @dataclass(frozen=True)
@@ -163,6 +179,20 @@ class Platform(ABC):
         peak = profile()
         total = self.memory_total()
         return int(total * config.cache.gpu_memory_utilization) - peak
+
+    # -- graphs (only asked when ``supports_graph_capture``) ------------------------------
+
+    def graph_pool(self) -> Any:
+        """A memory pool that several graphs captured one after another share (``None``: a pool per graph)."""
+        return None
+
+    def capture_graph(self, fn: Callable[[], _T], pool: Any = None) -> tuple[DeviceGraph, _T]:
+        """Record the device work ``fn()`` launches; return the graph and ``fn``'s result.
+
+        The tensors in the result are the graph's outputs: each :meth:`DeviceGraph.replay`
+        rewrites them. The caller runs ``fn`` once before capturing (warm-up).
+        """
+        raise NotImplementedError(f"platform {self.name!r} does not capture device graphs")
 
     def seed_everything(self, seed: int) -> None:
         """Seed this platform's random generators."""

@@ -81,6 +81,21 @@ class AttentionMetadataBuilder:
     def build(self, batch: "AttentionBatch") -> Any:
         return batch
 
+    def build_for_graph(self, batch: "AttentionBatch", graph_size: int) -> Any:
+        """Metadata for a decode-only batch of ``graph_size`` sequences that a device graph replays.
+
+        Called when the graph of that size is captured, then before each of its
+        replays. The batch's device tensors are the graph's static buffers (the
+        same addresses every call, this step's values); padding sequences have
+        length 1 and write to a spare block; ``max_seq_len`` is an upper bound
+        (``max_model_len``), and the ``*_cpu`` tensors hold this step's values.
+        Whatever the captured forward reads from the device must stay at the
+        same addresses for a given ``graph_size``: a planning backend re-plans
+        into buffers it keeps per size. Only backends declaring
+        ``supports_graph_capture`` are asked; the default is :meth:`build`.
+        """
+        return self.build(batch)
+
 
 class AttentionImpl(ABC):
     """The attention computation of one layer."""

@@ -21,7 +21,8 @@ class AttentionBatch:
     - ``slot_mapping``: int64 ``[num_tokens]``, where each new token's key and
       value go (``-1``: do not write).
 
-    ``*_cpu`` are the same on the host, for backends that plan on the CPU.
+    ``*_cpu`` are the same on the host, for backends that plan on the CPU
+    (``block_table_cpu`` may be None when a caller does not have it).
     Sequences with a query length of 1 come first (``num_decodes`` of them).
     """
 
@@ -37,6 +38,7 @@ class AttentionBatch:
     query_start_loc_cpu: torch.Tensor
     seq_lens_cpu: torch.Tensor
     block_size: int
+    block_table_cpu: torch.Tensor | None = None
 
     @property
     def query_lens_cpu(self) -> torch.Tensor:
@@ -82,5 +84,5 @@ class AttentionBatch:
             seq_lens=seq_cpu.to(device, non_blocking=True),
             block_table=table.to(device, non_blocking=True),
             slot_mapping=torch.tensor(slots, dtype=torch.long).to(device, non_blocking=True),
-            query_start_loc_cpu=qsl_cpu, seq_lens_cpu=seq_cpu, block_size=block_size,
+            query_start_loc_cpu=qsl_cpu, seq_lens_cpu=seq_cpu, block_size=block_size, block_table_cpu=table,
         )

@@ -93,9 +93,12 @@ class LLMEngine:
         self.eos_token_ids = self._eos_token_ids()
 
         self.runner = ModelRunner(self.model, self.platform, self.attention_backend, config.cache.block_size,
-                                  self.dtype, config.cache.kv_cache_dtype, self.device)
+                                  self.dtype, config.cache.kv_cache_dtype, self.device,
+                                  max_num_seqs=config.scheduler.max_num_seqs, max_model_len=self.max_model_len,
+                                  enforce_eager=config.device.enforce_eager)
         self.num_blocks = self._num_kv_blocks()
         self.runner.allocate_kv_cache(self.num_blocks)
+        self.runner.capture_graphs()
         self.kv_manager = KVCacheManager(self.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv_manager, self.max_model_len)
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)

@@ -1,13 +1,21 @@
 """Runs the model once per step over the flattened mixed prefill/decode batch.
 
-It owns the KV caches (one tensor per attention layer, shaped by the backend),
-builds the step's :class:`AttentionBatch` and the backend's metadata, runs the
-forward, and computes logits only for the rows where a token is sampled (plus
-the prompt rows of requests that asked for prompt logprobs).
+It owns the KV caches (one tensor per attention layer, shaped by the backend,
+plus one spare block that padding rows write to), builds the step's
+:class:`AttentionBatch` and the backend's metadata, runs the forward, and
+computes logits only for the rows where a token is sampled (plus the prompt rows
+of requests that asked for prompt logprobs).
+
+Decode-only steps replay a device graph when the platform and the backend can
+capture one (:class:`DecodeGraphs`); ``enforce_eager`` turns that off. Nothing
+here waits for the device: inputs go over with non-blocking copies, and the
+sampler's token transfer is the step's one synchronisation.
 """
 
 from __future__ import annotations
 
+import itertools
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -18,12 +26,26 @@ from dovetail.engine.request import Request
 from dovetail.engine.scheduler import ScheduledBatch
 from dovetail.forward_context import set_forward_context
 from dovetail.layers.attention import Attention
-from dovetail.platform import Platform
+from dovetail.platform import DeviceGraph, Platform
+
+logger = logging.getLogger("dovetail")
 
 KV_CACHE_DTYPES = {
     "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
     "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2,
 }
+
+#: Largest decode batch captured in a graph; bigger decode steps run eagerly.
+MAX_GRAPH_BATCH = 512
+
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """Batch sizes to capture (1, 2, 4, 8, then every 16), up to ``max_num_seqs``; a step pads up to the next."""
+    cap = min(max_num_seqs, MAX_GRAPH_BATCH)
+    sizes = [s for s in (1, 2, 4, 8) if s <= cap] + list(range(16, cap + 1, 16))
+    if sizes[-1] != cap:
+        sizes.append(cap)
+    return sizes
 
 
 @dataclass
@@ -36,23 +58,49 @@ class StepLogits:
     prompt_logits: dict[str, tuple[torch.Tensor, list[int]]]
 
 
+def _to(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return host.to(device, non_blocking=True)
+
+
+def block_table_tensor(block_tables: list[list[int]], rows: int | None = None, fill: int = 0) -> torch.Tensor:
+    """``[rows, widest table]`` int32 on the host, each table left-aligned and padded with ``fill``."""
+    rows = len(block_tables) if rows is None else rows
+    lens = torch.tensor([len(t) for t in block_tables], dtype=torch.long)
+    width = max(int(lens.max()) if len(block_tables) else 0, 1)
+    table = torch.full((rows, width), fill, dtype=torch.int32)
+    flat = torch.tensor(list(itertools.chain.from_iterable(block_tables)), dtype=torch.int32)
+    if flat.numel():
+        row_of = torch.repeat_interleave(torch.arange(len(block_tables)), lens)
+        starts = torch.cumsum(lens, 0) - lens
+        col_of = torch.arange(flat.numel()) - torch.repeat_interleave(starts, lens)
+        table[row_of, col_of] = flat
+    return table
+
+
 class ModelRunner:
     """Prepares inputs, runs the model and returns the logits that will be sampled."""
 
     def __init__(self, model, platform: Platform, backend: type[AttentionBackend], block_size: int,
-                 dtype: torch.dtype, kv_cache_dtype: str, device: torch.device):
+                 dtype: torch.dtype, kv_cache_dtype: str, device: torch.device, *, max_num_seqs: int = 256,
+                 max_model_len: int | None = None, enforce_eager: bool = False):
         self.model = model
         self.platform = platform
         self.backend = backend
         self.block_size = block_size
         self.dtype = dtype
         self.device = device
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
         self.kv_dtype = dtype if kv_cache_dtype == "auto" else KV_CACHE_DTYPES[kv_cache_dtype]
         self.attention_layers: list[Attention] = sorted(
             (m for m in model.modules() if isinstance(m, Attention)), key=lambda m: m.layer_index)
         self.metadata_builder = backend.metadata_builder_cls()(
             backend, [layer.spec for layer in self.attention_layers], block_size, device, dtype)
         self.kv_caches: list[torch.Tensor] = []
+        self.spare_block = 0
+        self.use_graphs = (not enforce_eager and platform.supports_graph_capture
+                           and backend.supports_graph_capture and max_model_len is not None)
+        self.graphs: DecodeGraphs | None = None
 
     # -- KV cache ------------------------------------------------------------------------
 
@@ -65,35 +113,51 @@ class ModelRunner:
         return total
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
+        """Allocate ``num_blocks`` usable blocks per layer, plus a spare one (number ``num_blocks``)
+        that no sequence owns: padding rows of graph batches write there."""
         self.kv_caches = []
+        self.spare_block = num_blocks
         for layer in self.attention_layers:
-            shape = self.backend.kv_cache_shape(num_blocks, self.block_size, layer.spec.num_kv_heads,
+            shape = self.backend.kv_cache_shape(num_blocks + 1, self.block_size, layer.spec.num_kv_heads,
                                                 layer.spec.head_size)
-            cache = torch.empty(shape, dtype=self.kv_dtype, device=self.device)
+            cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
             layer.kv_cache = cache
             self.kv_caches.append(cache)
+
+    @torch.inference_mode()
+    def capture_graphs(self) -> None:
+        """Capture the decode graphs (after the KV cache is allocated); a no-op when graphs are off."""
+        if self.use_graphs and self.kv_caches:
+            self.graphs = DecodeGraphs(self, graph_batch_sizes(self.max_num_seqs))
 
     # -- inputs ------------------------------------------------------------------------------
 
     def prepare(self, batch: ScheduledBatch, block_tables: list[list[int]]):
         """Flatten the batch into input ids, positions and the attention batch."""
         bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_lens, seq_lens = [], []
-        for req, n, table in zip(batch.requests, batch.num_new_tokens, block_tables):
-            start = req.num_computed_tokens
-            end = start + n
-            input_ids.extend(req.all_token_ids[start:end])
-            positions.extend(range(start, end))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            query_lens.append(n)
-            seq_lens.append(end)
-        attn = AttentionBatch.build(query_lens, seq_lens, block_tables, slots, bs, self.device)
+        starts = [req.num_computed_tokens for req in batch.requests]
+        query_lens = list(batch.num_new_tokens)
+        input_ids = list(itertools.chain.from_iterable(
+            req.all_token_ids[s:s + n] for req, s, n in zip(batch.requests, starts, query_lens)))
+        q_lens = torch.tensor(query_lens, dtype=torch.long)
+        seq_lens = torch.tensor(starts, dtype=torch.long) + q_lens
+        qsl = torch.zeros(len(query_lens) + 1, dtype=torch.long)
+        torch.cumsum(q_lens, 0, out=qsl[1:])
+        num_tokens = int(qsl[-1])
+        row_of = torch.repeat_interleave(torch.arange(len(query_lens)), q_lens)
+        positions = torch.arange(num_tokens) - qsl[:-1][row_of] + (seq_lens - q_lens)[row_of]
+        table = block_table_tensor(block_tables)
+        slots = table[row_of, positions // bs].long() * bs + positions % bs
+        num_decodes = next((i for i, q in enumerate(query_lens) if q != 1), len(query_lens))
         dev = self.device
-        return (torch.tensor(input_ids, dtype=torch.long).to(dev, non_blocking=True),
-                torch.tensor(positions, dtype=torch.long).to(dev, non_blocking=True), attn)
+        qsl32, seq32 = qsl.int(), seq_lens.int()
+        attn = AttentionBatch(
+            num_tokens=num_tokens, num_seqs=len(query_lens), num_decodes=num_decodes,
+            max_query_len=max(query_lens, default=0), max_seq_len=int(seq_lens.max()) if len(query_lens) else 0,
+            query_start_loc=_to(qsl32, dev), seq_lens=_to(seq32, dev), block_table=_to(table, dev),
+            slot_mapping=_to(slots, dev), query_start_loc_cpu=qsl32, seq_lens_cpu=seq32, block_size=bs,
+            block_table_cpu=table)
+        return _to(torch.tensor(input_ids, dtype=torch.long), dev), _to(positions, dev), attn
 
     # -- the step ------------------------------------------------------------------------
 
@@ -104,6 +168,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, block_tables: list[list[int]]) -> StepLogits:
+        if self.graphs is not None and self.graphs.can_run(batch):
+            hidden = self.graphs.run(batch, block_tables)
+            return StepLogits(self.model.compute_logits(hidden), list(batch.requests), {})
         input_ids, positions, attn = self.prepare(batch, block_tables)
         hidden = self.run_model(input_ids, positions, attn)
         sample_rows, sample_requests = [], []
@@ -121,13 +188,16 @@ class ModelRunner:
             offset += n
         sample_logits = None
         if sample_rows:
-            index = torch.tensor(sample_rows, device=hidden.device)
-            sample_logits = self.model.compute_logits(hidden.index_select(0, index))
+            sample_logits = self.model.compute_logits(self._rows(hidden, sample_rows))
         prompt_logits = {}
         for request_id, (rows, predicted) in prompt_rows.items():
-            index = torch.tensor(rows, device=hidden.device)
-            prompt_logits[request_id] = (self.model.compute_logits(hidden.index_select(0, index)), predicted)
+            prompt_logits[request_id] = (self.model.compute_logits(self._rows(hidden, rows)), predicted)
         return StepLogits(sample_logits, sample_requests, prompt_logits)
+
+    def _rows(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        if rows == list(range(rows[0], rows[0] + len(rows))):
+            return hidden[rows[0]:rows[0] + len(rows)]
+        return hidden.index_select(0, _to(torch.tensor(rows, dtype=torch.long), hidden.device))
 
     # -- profiling ---------------------------------------------------------------------------
 
@@ -143,7 +213,7 @@ class ModelRunner:
         slots = [t[p // self.block_size] * self.block_size + p % self.block_size
                  for t in tables for p in range(per_seq)]
         attn = AttentionBatch.build([per_seq] * num_seqs, [per_seq] * num_seqs, tables, slots,
-                                self.block_size, self.device)
+                                    self.block_size, self.device)
         tokens = num_seqs * per_seq
         ids = torch.zeros(tokens, dtype=torch.long, device=self.device)
         pos = torch.arange(per_seq, device=self.device).repeat(num_seqs)
@@ -162,3 +232,75 @@ class ModelRunner:
         self.platform.empty_cache()
         return peak
 
+
+class DecodeGraphs:
+    """Decode-only steps replayed from device graphs, one per padded batch size.
+
+    The graphs read static buffers (token ids, positions, slots, sequence
+    lengths, block table); a step writes its values into them, pads the batch
+    up to the nearest captured size with length-1 sequences that write to the
+    spare block, lets the backend re-plan (``build_for_graph``) and replays.
+    """
+
+    def __init__(self, runner: ModelRunner, sizes: list[int]):
+        self.runner = runner
+        self.sizes = sizes
+        dev, n_max = runner.device, sizes[-1]
+        self.width = -(-runner.max_model_len // runner.block_size)
+        self.input_ids = torch.zeros(n_max, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(n_max, dtype=torch.long, device=dev)
+        self.slots = torch.zeros(n_max, dtype=torch.long, device=dev)
+        self.seq_lens = torch.ones(n_max, dtype=torch.int32, device=dev)
+        self.query_start_loc = torch.arange(n_max + 1, dtype=torch.int32, device=dev)
+        self.block_table = torch.full((n_max, self.width), runner.spare_block, dtype=torch.int32, device=dev)
+        self.graphs: dict[int, DeviceGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        pool = runner.platform.graph_pool()
+        for size in reversed(sizes):  # largest first: the smaller graphs reuse its memory
+            metadata = runner.metadata_builder.build_for_graph(self._load([], [], size), size)
+
+            def forward(size=size, metadata=metadata):
+                with set_forward_context(metadata):
+                    return runner.model(self.input_ids[:size], self.positions[:size])
+
+            forward()  # warm-up: lazy initialisation and autotuning happen outside the capture
+            self.graphs[size], self.outputs[size] = runner.platform.capture_graph(forward, pool)
+        runner.platform.synchronize()
+        logger.info("captured decode graphs for batch sizes %s", ", ".join(map(str, sizes)))
+
+    def can_run(self, batch: ScheduledBatch) -> bool:
+        """Whether every sequence decodes exactly its last token and the batch fits a graph."""
+        return len(batch.requests) <= self.sizes[-1] and all(
+            n == 1 and req.num_computed_tokens + 1 == req.num_tokens
+            for req, n in zip(batch.requests, batch.num_new_tokens))
+
+    def run(self, batch: ScheduledBatch, block_tables: list[list[int]]) -> torch.Tensor:
+        """Hidden states ``[len(batch.requests), hidden]`` of a decode-only step."""
+        n = len(batch.requests)
+        size = next(s for s in self.sizes if s >= n)
+        attn = self._load(batch.requests, block_tables, size)
+        self.runner.metadata_builder.build_for_graph(attn, size)
+        self.graphs[size].replay()
+        return self.outputs[size][:n]
+
+    def _load(self, requests: list[Request], block_tables: list[list[int]], size: int) -> AttentionBatch:
+        """Write a decode batch padded to ``size`` into the static buffers; return its attention batch."""
+        runner, bs, spare = self.runner, self.runner.block_size, self.runner.spare_block
+        pad = size - len(requests)
+        positions = torch.tensor([req.num_computed_tokens for req in requests] + [0] * pad, dtype=torch.long)
+        ids = torch.tensor([req.all_token_ids[req.num_computed_tokens] for req in requests] + [0] * pad,
+                           dtype=torch.long)
+        table = block_table_tensor(list(block_tables) + [[spare]] * pad, fill=spare)
+        slots = table[torch.arange(size), positions // bs].long() * bs + positions % bs
+        seq_lens = (positions + 1).int()
+        self.input_ids[:size].copy_(ids, non_blocking=True)
+        self.positions[:size].copy_(positions, non_blocking=True)
+        self.slots[:size].copy_(slots, non_blocking=True)
+        self.seq_lens[:size].copy_(seq_lens, non_blocking=True)
+        self.block_table[:size, :table.shape[1]].copy_(table, non_blocking=True)
+        return AttentionBatch(
+            num_tokens=size, num_seqs=size, num_decodes=size, max_query_len=1, max_seq_len=runner.max_model_len,
+            query_start_loc=self.query_start_loc[:size + 1], seq_lens=self.seq_lens[:size],
+            block_table=self.block_table[:size], slot_mapping=self.slots[:size],
+            query_start_loc_cpu=torch.arange(size + 1, dtype=torch.int32), seq_lens_cpu=seq_lens,
+            block_size=bs, block_table_cpu=table)

@@ -4,8 +4,14 @@ Order of operations (vLLM's): logprobs are taken from the raw logits; then
 logit bias, ``min_tokens`` (EOS and stop tokens banned), repetition, presence
 and frequency penalties; greedy rows take the argmax; random rows divide by the
 temperature, apply top-k, top-p and min-p, and draw with an exponential race
-(``argmax(p / q)``, ``q ~ Exp(1)``) whose noise comes from the request's own
-generator when it has a seed, so its tokens do not depend on the rest of the batch.
+(``argmax(p / q)``, ``q ~ Exp(1)``).
+
+A request with a seed draws its noise from a counter-based generator keyed by
+``(seed, output position, token)``, so its tokens depend neither on the rest of
+the batch nor on the device's random state, and a recomputed (preempted) step
+draws the same noise. Everything runs on the logits' device; per-request values
+travel in one non-blocking copy, and the only synchronisation is the single
+transfer of the results to the host at the end of :func:`sample`.
 """
 
 from __future__ import annotations
@@ -26,49 +32,112 @@ class SampleResult:
     logprobs: list[tuple[float, int, list[tuple[int, float]]] | None]
 
 
-def _penalties(logits: torch.Tensor, requests: list[Request], vocab: int) -> None:
-    for row, req in enumerate(requests):
-        p = req.params
-        output_ids = req.output_token_ids
-        if p.repetition_penalty != 1.0:
-            seen = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
-            seen[torch.tensor(req.all_token_ids, device=logits.device, dtype=torch.long)] = True
-            seen = seen[: logits.shape[1]]
-            values = logits[row]
-            penalised = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
-            logits[row] = torch.where(seen, penalised, values)
-        if (p.presence_penalty or p.frequency_penalty) and output_ids:
-            counts = torch.bincount(torch.tensor(output_ids, device=logits.device), minlength=vocab)
-            counts = counts[: logits.shape[1]].to(logits.dtype)
-            logits[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+def _host_to(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
+# -- counter-based noise for seeded requests -------------------------------------------------
+
+_GAMMA = 0x9E3779B97F4A7C15 - 2**64  # SplitMix64's constants, as signed 64-bit integers
+_MIX1 = 0xBF58476D1CE4E5B9 - 2**64
+_MIX2 = 0x94D049BB133111EB - 2**64
+
+
+def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 values."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def seeded_exponential(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Exp(1) noise ``[rows, vocab]`` float32: SplitMix64 of ``seed`` at counter ``step * vocab + token``.
+
+    ``seeds`` and ``steps`` are int64 ``[rows]`` on the target device.
+    """
+    tokens = torch.arange(vocab, device=seeds.device, dtype=torch.long)
+    counter = steps.unsqueeze(1) * vocab + tokens + 1
+    z = seeds.unsqueeze(1) + counter * _GAMMA
+    z = (z ^ _shr(z, 30)) * _MIX1
+    z = (z ^ _shr(z, 27)) * _MIX2
+    z = z ^ _shr(z, 31)
+    uniform = (_shr(z, 40).float() + 0.5) * (1.0 / (1 << 24))  # in (0, 1)
+    return -torch.log(uniform)
+
+
+def _signed64(seed: int) -> int:
+    seed %= 2**64
+    return seed - 2**64 if seed >= 2**63 else seed
+
+
+# -- logit processing -------------------------------------------------------------------------
 
 
 def _bias_and_bans(logits: torch.Tensor, requests: list[Request]) -> None:
     vocab = logits.shape[1]
+    rows, tokens, values, ban_rows, ban_tokens = [], [], [], [], []
     for row, req in enumerate(requests):
         p = req.params
-        if p.logit_bias:
-            for token, bias in p.logit_bias.items():
-                if token < vocab:
-                    logits[row, token] += bias
+        for token, bias in (p.logit_bias or {}).items():
+            if token < vocab:
+                rows.append(row)
+                tokens.append(token)
+                values.append(float(bias))
         if len(req.output_token_ids) < p.min_tokens:
             banned = set(p.stop_token_ids or ())
             if not p.ignore_eos:
                 banned |= req.eos_token_ids
-            for token in banned:
-                if token < vocab:
-                    logits[row, token] = float("-inf")
+            banned = [t for t in banned if t < vocab]
+            ban_rows += [row] * len(banned)
+            ban_tokens += banned
+    dev = logits.device
+    if rows:
+        index = (_host_to(rows, torch.long, dev), _host_to(tokens, torch.long, dev))
+        logits.index_put_(index, _host_to(values, logits.dtype, dev), accumulate=True)
+    if ban_rows:
+        index = (_host_to(ban_rows, torch.long, dev), _host_to(ban_tokens, torch.long, dev))
+        logits.index_put_(index, torch.full((1,), float("-inf"), dtype=logits.dtype, device=dev))
+
+
+def _penalties(logits: torch.Tensor, requests: list[Request]) -> None:
+    """Repetition (over prompt and output), presence and frequency (over the output) penalties."""
+    rows_n, vocab, dev = logits.shape[0], logits.shape[1], logits.device
+    rep_rows, rep_tokens, out_rows, out_tokens = [], [], [], []
+    repetition, presence, frequency = [], [], []
+    for row, req in enumerate(requests):
+        p = req.params
+        repetition.append(p.repetition_penalty)
+        presence.append(p.presence_penalty)
+        frequency.append(p.frequency_penalty)
+        if p.repetition_penalty != 1.0:
+            seen = [t for t in req.all_token_ids if t < vocab]
+            rep_rows += [row] * len(seen)
+            rep_tokens += seen
+        if p.presence_penalty or p.frequency_penalty:
+            output = [t for t in req.output_token_ids if t < vocab]
+            out_rows += [row] * len(output)
+            out_tokens += output
+    if rep_rows:
+        seen = torch.zeros(rows_n, vocab, dtype=torch.bool, device=dev)
+        seen.index_put_((_host_to(rep_rows, torch.long, dev), _host_to(rep_tokens, torch.long, dev)),
+                        torch.ones(1, dtype=torch.bool, device=dev))
+        penalty = _host_to(repetition, logits.dtype, dev).unsqueeze(1)
+        penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
+        logits.copy_(torch.where(seen, penalised, logits))
+    if out_rows:
+        counts = torch.zeros(rows_n, vocab, dtype=logits.dtype, device=dev)
+        counts.index_put_((_host_to(out_rows, torch.long, dev), _host_to(out_tokens, torch.long, dev)),
+                          torch.ones(1, dtype=logits.dtype, device=dev), accumulate=True)
+        logits -= (_host_to(frequency, logits.dtype, dev).unsqueeze(1) * counts
+                   + _host_to(presence, logits.dtype, dev).unsqueeze(1) * (counts > 0).to(logits.dtype))
 
 
 def _filter(logits: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float]) -> torch.Tensor:
     """Mask tokens outside top-k, top-p and min-p (per-row values; 0 / 1 / 0 disable them)."""
     vocab, dev = logits.shape[1], logits.device
     if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
-        top_k_t = torch.tensor([k if k > 0 else vocab for k in top_k], device=dev).clamp(max=vocab)
-        top_p_t = torch.tensor(top_p, device=dev)
+        top_k_t = _host_to([min(k, vocab) if k > 0 else vocab for k in top_k], torch.long, dev)
+        top_p_t = _host_to(top_p, torch.float32, dev)
         sorted_logits, order = logits.sort(dim=-1, descending=True)
-        keep = torch.ones_like(sorted_logits, dtype=torch.bool)
-        keep &= torch.arange(vocab, device=dev).unsqueeze(0) < top_k_t.unsqueeze(1)
+        keep = torch.arange(vocab, device=dev).unsqueeze(0) < top_k_t.unsqueeze(1)
         probs = sorted_logits.masked_fill(~keep, float("-inf")).softmax(dim=-1)
         before = probs.cumsum(dim=-1) - probs  # mass strictly before each token
         keep &= before < top_p_t.unsqueeze(1)
@@ -77,29 +146,46 @@ def _filter(logits: torch.Tensor, top_k: list[int], top_p: list[float], min_p: l
         logits = logits.masked_fill(~mask, float("-inf"))
     if any(m > 0 for m in min_p):
         probs = logits.softmax(dim=-1)
-        threshold = probs.max(dim=-1, keepdim=True).values * torch.tensor(min_p, device=dev).unsqueeze(1)
+        threshold = probs.max(dim=-1, keepdim=True).values * _host_to(min_p, torch.float32, dev).unsqueeze(1)
         logits = logits.masked_fill(probs < threshold, float("-inf"))
     return logits
 
 
-def _top_logprobs(logprobs: torch.Tensor, sampled: torch.Tensor, requests: list[Request]):
-    results: list = [None] * len(requests)
-    rows = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
-    if not rows:
-        return results
-    index = torch.tensor(rows, device=logprobs.device)
+def _sample_random(logits: torch.Tensor, sampled: torch.Tensor, requests: list[Request]) -> None:
+    """Draw the non-greedy rows of ``sampled`` in place."""
+    random_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
+    if not random_rows:
+        return
+    dev = logits.device
+    params = [requests[i].params for i in random_rows]
+    index = _host_to(random_rows, torch.long, dev)
+    sub = logits.index_select(0, index) / _host_to([p.temperature for p in params], torch.float32, dev).unsqueeze(1)
+    sub = _filter(sub, [max(p.top_k, 0) for p in params], [p.top_p for p in params], [p.min_p for p in params])
+    probs = sub.softmax(dim=-1)
+    seeded = [j for j, p in enumerate(params) if p.seed is not None]
+    if len(seeded) == len(params):
+        noise = torch.empty(0)
+    else:
+        noise = torch.empty_like(probs).exponential_()
+    if seeded:
+        seeds = _host_to([_signed64(params[j].seed) for j in seeded], torch.long, dev)
+        steps = _host_to([len(requests[random_rows[j]].output_token_ids) for j in seeded], torch.long, dev)
+        seeded_noise = seeded_exponential(seeds, steps, probs.shape[1])
+        if len(seeded) == len(params):
+            noise = seeded_noise
+        else:
+            noise.index_copy_(0, _host_to(seeded, torch.long, dev), seeded_noise)
+    sampled.index_copy_(0, index, (probs / noise).argmax(dim=-1))
+
+
+def _top_logprobs(logprobs: torch.Tensor, sampled: torch.Tensor, rows: list[int], k_max: int):
+    """Device tensors for the rows that asked: the sampled logprob, its rank, and the top ``k_max``."""
+    index = _host_to(rows, torch.long, logprobs.device)
     lp = logprobs.index_select(0, index)
-    chosen = sampled.index_select(0, index)
-    chosen_lp = lp.gather(1, chosen.unsqueeze(1)).squeeze(1)
+    chosen_lp = lp.gather(1, sampled.index_select(0, index).unsqueeze(1)).squeeze(1)
     ranks = (lp > chosen_lp.unsqueeze(1)).sum(dim=1) + 1
-    k_max = max(requests[i].params.logprobs for i in rows)
-    top_vals, top_ids = (lp.topk(k_max, dim=-1) if k_max else (lp[:, :0], lp[:, :0].long()))
-    chosen_lp, ranks = chosen_lp.tolist(), ranks.tolist()
-    top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
-    for j, row in enumerate(rows):
-        k = requests[row].params.logprobs
-        results[row] = (chosen_lp[j], ranks[j], list(zip(top_ids[j][:k], top_vals[j][:k])))
-    return results
+    top_vals, top_ids = lp.topk(k_max, dim=-1) if k_max else (lp[:, :0], lp[:, :0].long())
+    return chosen_lp, ranks, top_vals, top_ids
 
 
 def sample(logits: torch.Tensor, requests: list[Request], vocab_size: int | None = None) -> SampleResult:
@@ -107,42 +193,32 @@ def sample(logits: torch.Tensor, requests: list[Request], vocab_size: int | None
     logits = logits.float()
     if vocab_size is not None and logits.shape[1] > vocab_size:
         logits = logits[:, :vocab_size]
-    want_logprobs = any(r.params.logprobs is not None for r in requests)
-    raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+    logprob_rows = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
+    raw_logprobs = torch.log_softmax(logits, dim=-1) if logprob_rows else None
     if any(r.params.logit_bias or len(r.output_token_ids) < r.params.min_tokens for r in requests):
         logits = logits.clone()
         _bias_and_bans(logits, requests)
     if any(r.params.repetition_penalty != 1.0 or r.params.presence_penalty or r.params.frequency_penalty
            for r in requests):
         logits = logits.clone()
-        _penalties(logits, requests, logits.shape[1])
-
+        _penalties(logits, requests)
     sampled = logits.argmax(dim=-1)
-    random_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
-    if random_rows:
-        index = torch.tensor(random_rows, device=logits.device)
-        sub = logits.index_select(0, index)
-        dev = sub.device
-        temps = torch.tensor([requests[i].params.temperature for i in random_rows], device=dev)
-        sub = sub / temps.unsqueeze(1)
-        sub = _filter(
-            sub,
-            [max(requests[i].params.top_k, 0) for i in random_rows],
-            [requests[i].params.top_p for i in random_rows],
-            [requests[i].params.min_p for i in random_rows],
-        )
-        probs = sub.softmax(dim=-1)
-        noise = torch.empty_like(probs)
-        unseeded = []
-        for j, i in enumerate(random_rows):
-            gen = requests[i].generator
-            if gen is None:
-                unseeded.append(j)
-            else:
-                noise[j] = torch.empty(probs.shape[1]).exponential_(generator=gen).to(dev)
-        if unseeded:
-            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=dev).exponential_()
-        sampled[index] = (probs / noise).argmax(dim=-1)
+    _sample_random(logits, sampled, requests)
+    if not logprob_rows:
+        return SampleResult(token_ids=sampled.tolist(), logprobs=[None] * len(requests))
 
-    logprob_info = _top_logprobs(raw_logprobs, sampled, requests) if want_logprobs else [None] * len(requests)
-    return SampleResult(token_ids=sampled.tolist(), logprobs=logprob_info)
+    # One transfer for everything: int64 token ids and float32 logprobs fit float64 exactly.
+    k_max = max(requests[i].params.logprobs for i in logprob_rows)
+    chosen_lp, ranks, top_vals, top_ids = _top_logprobs(raw_logprobs, sampled, logprob_rows, k_max)
+    n, m = len(requests), len(logprob_rows)
+    packed = torch.cat([sampled.double(), chosen_lp.double(), ranks.double(), top_vals.double().flatten(),
+                        top_ids.double().flatten()]).tolist()
+    token_ids = [int(t) for t in packed[:n]]
+    chosen, rank_list = packed[n:n + m], packed[n + m:n + 2 * m]
+    vals, ids = packed[n + 2 * m:n + 2 * m + m * k_max], packed[n + 2 * m + m * k_max:]
+    results: list = [None] * n
+    for j, row in enumerate(logprob_rows):
+        k = requests[row].params.logprobs
+        top = [(int(ids[j * k_max + t]), vals[j * k_max + t]) for t in range(k)]
+        results[row] = (chosen[j], int(rank_list[j]), top)
+    return SampleResult(token_ids=token_ids, logprobs=results)

@@ -1,0 +1,111 @@
+"""The whole engine on an NVIDIA GPU: greedy tokens against HF, CUDA graphs on and off,
+one host synchronisation per step, and the KV cache sized from gpu_memory_utilization (GPU)."""
+
+from __future__ import annotations
+
+import gc
+import warnings
+
+import pytest
+import torch
+
+from dovetail import LLM, SamplingParams
+from tiny_models import assert_greedy_matches, load_hf, save_model, tiny_llama_config
+
+pytestmark = pytest.mark.gpu
+
+PROMPTS = [[5, 6, 7, 8, 9, 10], list(range(20, 61)), [3], list(range(100, 117)), [42] * 33]
+MAX_TOKENS = 24
+ENGINE = dict(device="cuda", dtype="bfloat16", gpu_memory_utilization=0.05, max_num_seqs=16)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A 2-layer GQA Llama with head size 128, the size the CUDA backends all take."""
+    config = tiny_llama_config(hidden_size=512, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
+    return save_model(tmp_path_factory.mktemp("tiny-llama-h128"), config)
+
+
+@pytest.fixture(scope="module")
+def hf_reference(model_dir):
+    """HF greedy in float32 on the GPU: the tokens, and each step's log-softmax."""
+    model = load_hf(model_dir).cuda()
+    results = []
+    with torch.no_grad():
+        for p in PROMPTS:
+            out = model.generate(torch.tensor([p], device="cuda"), max_new_tokens=MAX_TOKENS,
+                                 min_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0,
+                                 output_logits=True, return_dict_in_generate=True)
+            results.append((out.sequences[0, len(p):].tolist(),
+                            [torch.log_softmax(s[0].float(), -1).cpu() for s in out.logits]))
+    del model
+    torch.cuda.empty_cache()
+    return results
+
+
+def _greedy(llm, prompts=PROMPTS):
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def _free(llm):
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("backend", ["FLASHINFER", "TRITON"])
+def test_greedy_matches_hf(model_dir, hf_reference, backend):
+    llm = LLM(str(model_dir), attention_backend=backend, **ENGINE)
+    assert llm.llm_engine.runner.graphs is not None, "CUDA graphs are on by default"
+    for tokens, (hf_tokens, hf_logprobs) in zip(_greedy(llm), hf_reference):
+        assert_greedy_matches(tokens, hf_tokens, hf_logprobs, tol=0.1)  # bfloat16 against float32
+    _free(llm)
+
+
+@pytest.mark.parametrize("backend", ["FLASHINFER", "TRITON"])
+def test_graphs_on_and_off_give_identical_tokens(model_dir, backend):
+    prompts = [list(range(10 + i, 40 + i)) for i in range(4)]  # 4 decodes: a captured size, no padding
+    eager = LLM(str(model_dir), attention_backend=backend, enforce_eager=True, **ENGINE)
+    assert eager.llm_engine.runner.graphs is None
+    eager_tokens = _greedy(eager, prompts)
+    _free(eager)
+    graphs = LLM(str(model_dir), attention_backend=backend, **ENGINE)
+    replays = []
+    original = graphs.llm_engine.runner.graphs.run
+    graphs.llm_engine.runner.graphs.run = lambda *a: replays.append(1) or original(*a)
+    assert _greedy(graphs, prompts) == eager_tokens
+    assert len(replays) == MAX_TOKENS - 1, "every decode step should replay a graph"
+    _free(graphs)
+
+
+def test_each_step_synchronises_with_the_host_once(model_dir):
+    llm = LLM(str(model_dir), attention_backend="FLASHINFER", **ENGINE)
+    engine = llm.llm_engine
+    _greedy(llm, PROMPTS[:2])  # warm-up
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(f"s{i}", {"prompt_token_ids": p}, SamplingParams(temperature=0.8, top_p=0.9,
+                                                                          max_tokens=8, ignore_eos=True))
+    counts = []
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        while engine.has_unfinished_requests():
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                engine.step()
+            counts.append(sum("synchroniz" in str(w.message).lower() for w in caught))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert counts and all(c == 1 for c in counts), counts
+    _free(llm)
+
+
+def test_kv_cache_is_sized_from_gpu_memory_utilization(model_dir):
+    llm = LLM(str(model_dir), attention_backend="FLASHINFER", **{**ENGINE, "gpu_memory_utilization": 0.1})
+    engine = llm.llm_engine
+    total = torch.cuda.mem_get_info()[1]
+    kv_bytes = engine.num_blocks * engine.runner.bytes_per_block()
+    assert 0.05 * total < kv_bytes < 0.1 * total
+    _free(llm)

@@ -1,0 +1,86 @@
+"""The decode-graph seam of the model runner, on the CPU: static buffers, padding, replay.
+
+A stand-in platform "captures" by remembering the forward and "replays" by
+running it again into the captured output, and a stand-in attention reads only
+the batch's device tensors on decode steps (as a captured kernel would), so a
+wrong buffer update, padding row or spare-block slot changes the tokens.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dovetail import LLM, SamplingParams
+from dovetail.attention.reference import ReferenceAttentionImpl, attend, gather_kv
+from dovetail.engine.model_runner import graph_batch_sizes
+from dovetail.platform import DeviceGraph
+from dovetail_cpu.platform import CpuPlatform
+from tiny_models import assert_greedy_matches, hf_greedy
+
+PROMPTS = [[5, 6, 7, 8, 9, 10], list(range(20, 61)), [3], list(range(100, 117)), [42] * 33]
+MAX_TOKENS = [24, 20, 13, 9, 5]  # the decode batch shrinks 5 -> 4 -> 3 -> 2 -> 1: padded to 6, 4, 4, 2, 1
+
+
+class ReplayGraph(DeviceGraph):
+    def __init__(self, fn, out):
+        self.fn, self.out, self.replays = fn, out, 0
+
+    def replay(self):
+        self.replays += 1
+        self.out.copy_(self.fn())
+
+
+class ReplayPlatform(CpuPlatform):
+    """The CPU platform, with graphs that re-run their forward."""
+
+    supports_graph_capture = True
+
+    def capture_graph(self, fn, pool=None):
+        out = fn()
+        return ReplayGraph(fn, out), out
+
+
+class DeviceOnlyDecodeImpl(ReferenceAttentionImpl):
+    """Decode-only batches read nothing from the host: whole block-table rows, masked by seq_lens."""
+
+    def forward(self, q, k, v, kv_cache, metadata):
+        if metadata.num_decodes != metadata.num_seqs:
+            return super().forward(q, k, v, kv_cache, metadata)
+        heads, size = kv_cache.shape[-2], kv_cache.shape[-1]
+        kv_cache[0].view(-1, heads, size).index_copy_(0, metadata.slot_mapping, k)
+        kv_cache[1].view(-1, heads, size).index_copy_(0, metadata.slot_mapping, v)
+        keys, values = gather_kv(kv_cache, metadata.block_table, metadata.block_table.shape[1])
+        k_len = metadata.seq_lens.long()
+        return attend(q.unsqueeze(1), keys, values, (k_len - 1).view(-1, 1), k_len, self.spec).squeeze(1).to(q.dtype)
+
+
+def test_graph_batch_sizes():
+    assert graph_batch_sizes(256)[:6] == [1, 2, 4, 8, 16, 32] and graph_batch_sizes(256)[-1] == 256
+    assert graph_batch_sizes(6) == [1, 2, 4, 6]
+    assert graph_batch_sizes(40) == [1, 2, 4, 8, 16, 32, 40]
+    assert graph_batch_sizes(2000)[-1] == 512
+
+
+@pytest.fixture(scope="module")
+def hf_reference(tiny_llama_hf):
+    return [hf_greedy(tiny_llama_hf, p, n) for p, n in zip(PROMPTS, MAX_TOKENS)]
+
+
+def test_replayed_decode_steps_match_hf(tiny_llama_dir, hf_reference):
+    llm = LLM(str(tiny_llama_dir), attention_backend="REFERENCE", max_num_seqs=6)
+    runner = llm.llm_engine.runner
+    assert runner.graphs is None, "the CPU platform captures no graphs"
+    for layer in runner.attention_layers:
+        layer.impl = DeviceOnlyDecodeImpl(layer.spec)
+    runner.platform, runner.use_graphs = ReplayPlatform(), True
+    runner.capture_graphs()
+    assert runner.graphs.sizes == [1, 2, 4, 6]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    for out, (tokens, logprobs) in zip(outputs, hf_reference):
+        assert_greedy_matches(out.outputs[0].token_ids, tokens, logprobs)
+    replays = {size: graph.replays for size, graph in runner.graphs.graphs.items()}
+    assert replays[6] > 0 and replays[4] > 0 and replays[1] > 0, replays
+    # The padding rows wrote only to the spare block, which no sequence owns.
+    assert runner.spare_block == llm.llm_engine.num_blocks

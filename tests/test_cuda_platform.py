@@ -1,0 +1,238 @@
+"""The cuda platform without a GPU: the NVML probe, CUDA_VISIBLE_DEVICES, selection order, validation reasons."""
+
+from __future__ import annotations
+
+import ctypes
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dovetail import selection, testing
+from dovetail.attention.backend import AttentionRequirements
+from dovetail.plugin_manager import get_plugin_manager
+from dovetail_cuda import flash_attn_backend, probe
+from dovetail_cuda.flash_attn_backend import FlashAttnBackend
+from dovetail_cuda.flashinfer_backend import FlashInferBackend
+from dovetail_cuda.nvml import GpuInfo, Nvml, NvmlError
+from dovetail_cuda.platform import CudaPlatform
+
+H200 = [GpuInfo(0, "NVIDIA H200", "GPU-aaaa1111", (9, 0), 143771 * 2**20),
+        GpuInfo(1, "NVIDIA H200", "GPU-bbbb2222", (9, 0), 143771 * 2**20),
+        GpuInfo(2, "NVIDIA A100-SXM4-80GB", "GPU-cccc3333", (8, 0), 80 * 2**30)]
+
+
+class FakeNvmlLibrary:
+    """Answers the NVML entry points nvml.Nvml calls, through the ctypes arguments it passes."""
+
+    def __init__(self, gpus, init_code=0):
+        self.gpus, self.init_code, self.calls = gpus, init_code, []
+
+    def nvmlInit_v2(self):
+        self.calls.append("init")
+        return self.init_code
+
+    def nvmlShutdown(self):
+        self.calls.append("shutdown")
+        return 0
+
+    def nvmlErrorString(self, code):
+        return b"Driver Not Loaded"
+
+    def nvmlSystemGetDriverVersion(self, buf, size):
+        buf.value = b"580.159.04"
+        return 0
+
+    def nvmlDeviceGetCount_v2(self, count):
+        count._obj.value = len(self.gpus)
+        return 0
+
+    def nvmlDeviceGetHandleByIndex_v2(self, index, handle):
+        handle._obj.value = index.value + 1
+        return 0
+
+    def _gpu(self, handle):
+        return self.gpus[handle.value - 1]
+
+    def nvmlDeviceGetName(self, handle, buf, size):
+        buf.value = self._gpu(handle).name.encode()
+        return 0
+
+    def nvmlDeviceGetUUID(self, handle, buf, size):
+        buf.value = self._gpu(handle).uuid.encode()
+        return 0
+
+    def nvmlDeviceGetCudaComputeCapability(self, handle, major, minor):
+        major._obj.value, minor._obj.value = self._gpu(handle).capability
+        return 0
+
+    def nvmlDeviceGetMemoryInfo(self, handle, memory):
+        memory._obj.total = self._gpu(handle).memory_total
+        return 0
+
+
+def test_nvml_session_reads_every_gpu_through_ctypes():
+    lib = FakeNvmlLibrary(H200)
+    with Nvml(lib) as nvml:
+        assert nvml.gpus() == H200
+        assert nvml.driver_version() == "580.159.04"
+    assert lib.calls == ["init", "shutdown"]
+
+
+def test_nvml_error_names_the_call_and_the_driver_message():
+    with pytest.raises(NvmlError, match=r"nvmlInit_v2 failed with error 9: Driver Not Loaded"):
+        with Nvml(FakeNvmlLibrary(H200, init_code=9)):
+            pass
+
+
+@pytest.mark.parametrize("value, expected", [
+    (None, [0, 1, 2]),
+    ("", []),
+    ("1", [1]),
+    ("2,0", [2, 0]),
+    ("1,7,0", [1]),  # CUDA stops at the first entry that names no GPU
+    ("0,0", [0]),  # a repeated device ends the list too
+    ("-1", []),
+    ("GPU-cccc", [2]),
+    ("bbbb2222,0", [1, 0]),
+    ("GPU-", []),  # an ambiguous UUID prefix names no GPU
+])
+def test_cuda_visible_devices_is_read_as_the_cuda_runtime_reads_it(value, expected):
+    env = {} if value is None else {"CUDA_VISIBLE_DEVICES": value}
+    visible, mig = probe.visible_gpus(H200, env)
+    assert [g.index for g in visible] == expected and mig == 0
+
+
+def _fake_factory(gpus):
+    return lambda: Nvml(FakeNvmlLibrary(gpus))
+
+
+def test_probe_without_driver_says_why(monkeypatch):
+    def no_driver():
+        raise NvmlError("NVML (libnvidia-ml.so.1) cannot be loaded: not found")
+
+    devices = probe.find_devices(no_driver, env={})
+    assert devices.problem.startswith("no NVIDIA driver: NVML (libnvidia-ml.so.1) cannot be loaded")
+
+
+def test_probe_needs_a_cuda_build_of_torch(monkeypatch):
+    monkeypatch.setattr(probe, "_torch_build", lambda: (None, "this torch is a CPU-only build"))
+    devices = probe.find_devices(_fake_factory(H200), env={})
+    assert devices.problem == "this torch is a CPU-only build"
+
+
+def test_probe_reports_gpus_hidden_by_cuda_visible_devices(monkeypatch):
+    monkeypatch.setattr(probe, "_torch_build", lambda: ("13.0", ""))
+    devices = probe.find_devices(_fake_factory(H200), env={"CUDA_VISIBLE_DEVICES": "1"})
+    assert not devices.problem
+    assert devices.summary() == ("1 x NVIDIA H200 (sm_90, 140 GiB), 2 hidden by CUDA_VISIBLE_DEVICES; "
+                                 "driver 580.159.04, torch CUDA 13.0")
+    hidden = probe.find_devices(_fake_factory(H200), env={"CUDA_VISIBLE_DEVICES": ""})
+    assert hidden.problem == "3 NVIDIA GPU(s) present but none visible with CUDA_VISIBLE_DEVICES=''"
+    assert probe.find_devices(_fake_factory([]), env={}).problem == "the NVIDIA driver reports no GPU"
+
+
+def test_probe_here_is_unusable_with_a_reason_and_does_not_start_cuda():
+    program = ("import torch; from dovetail_cuda.probe import probe; r = probe(); "
+               "print(r.usable, torch.cuda.is_initialized()); print(r.reason)")
+    result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    first, reason = result.stdout.splitlines()[:2]
+    if torch.cuda.is_available():
+        assert first == "True False"
+    else:
+        assert first == "False False" and reason
+
+
+def test_importing_the_plugin_and_its_backends_touches_no_device():
+    testing.check_import_is_cheap("dovetail_cuda.plugin", "dovetail_cuda.platform",
+                                  "dovetail_cuda.flashinfer_backend", "dovetail_cuda.flash_attn_backend")
+
+
+def test_platform_contract():
+    platform = testing.check_platform(CudaPlatform)
+    assert (platform is None) == (not torch.cuda.is_available())
+
+
+def test_dovetail_plugins_lists_cuda_and_its_backends_with_reasons():
+    from dovetail.cli.plugins_cmd import collect
+
+    data = collect()
+    cuda = data["platforms"]["cuda"]
+    assert cuda["plugin"] == "cuda" and cuda["priority"] == 100
+    backends = data["attention_backends"]
+    assert backends["FLASHINFER"]["platforms"] == ["cuda"] and backends["FLASH_ATTN"]["platforms"] == ["cuda"]
+    assert "NOT verified" in backends["FLASH_ATTN"]["verification"]
+    if not torch.cuda.is_available():
+        assert cuda["usable"] is False and "no NVIDIA driver" in cuda["reason"] or "torch" in cuda["reason"]
+        assert backends["FLASHINFER"]["usable"] is False and backends["FLASHINFER"]["reason"]
+
+
+def _requirements(**overrides):
+    values = dict(platform="cuda", device_type="cuda", dtype=torch.bfloat16, kv_cache_dtype="auto", block_size=16,
+                  head_size=128, num_heads=32, num_kv_heads=8)
+    values.update(overrides)
+    return AttentionRequirements(**values)
+
+
+@pytest.fixture
+def installed(monkeypatch):
+    """Pretend FlashInfer and FlashAttention-2 (not 3) are installed."""
+    monkeypatch.setattr(FlashInferBackend, "available", classmethod(lambda cls: None))
+    monkeypatch.setattr(flash_attn_backend, "fa2_installed", lambda: True)
+    monkeypatch.setattr(flash_attn_backend, "fa3_installed", lambda: False)
+
+
+def test_auto_selection_order_on_cuda(installed):
+    manager = get_plugin_manager()
+    platform = CudaPlatform()
+    assert platform.default_attention_backends() == ["FLASH_ATTN", "FLASHINFER", "TRITON", "REFERENCE"]
+    order = selection.attention_backend_candidates(platform, manager)
+    assert order[:4] == ["FLASH_ATTN", "FLASHINFER", "TRITON", "REFERENCE"]
+    # FlashAttention-2 needs blocks of 256: with 16 the next backend, FLASHINFER, is chosen.
+    assert selection.select_attention_backend(platform, _requirements(), None, manager) is FlashInferBackend
+    assert selection.select_attention_backend(platform, _requirements(block_size=256), None, manager) \
+        is FlashAttnBackend
+    # A head size FlashInfer does not take goes to the next one.
+    assert selection.select_attention_backend(platform, _requirements(head_size=96), None, manager).name == "TRITON"
+
+
+def test_validation_reasons_name_the_backend_and_the_rule(installed):
+    assert FlashInferBackend.validate(_requirements()) == []
+    reasons = FlashInferBackend.validate(_requirements(head_size=80, dtype=torch.float32, num_heads=12,
+                                                       num_kv_heads=5))
+    assert "head size 80 not supported by FLASHINFER (supported: 64, 128, 256)" in reasons
+    assert "dtype float32 not supported by FLASHINFER (supported: float16, bfloat16)" in reasons
+    assert "num_heads (12) must be a multiple of num_kv_heads (5) for FLASHINFER" in reasons
+    assert FlashInferBackend.validate(_requirements(device_type="cpu"))[0].startswith(
+        "device type 'cpu' not supported by FLASHINFER")
+    assert FlashAttnBackend.validate(_requirements()) == [
+        "block size 16 not supported by FLASH_ATTN with FlashAttention-2 (its paged cache needs a multiple of "
+        "256: --block-size 256)"]
+    assert FlashAttnBackend.validate(_requirements(block_size=512)) == []
+
+
+def test_missing_packages_are_the_reason(monkeypatch):
+    monkeypatch.setattr(flash_attn_backend, "fa2_installed", lambda: False)
+    monkeypatch.setattr(flash_attn_backend, "fa3_installed", lambda: False)
+    assert FlashAttnBackend.validate(_requirements())[0].startswith("the flash-attn package is not installed")
+    import importlib.util
+
+    if importlib.util.find_spec("flashinfer") is None:
+        assert FlashInferBackend.validate(_requirements())[0] == (
+            "the flashinfer-python package is not installed (pip install flashinfer-python)")
+
+
+def test_flash_attn_request_sets_block_size_256_unless_the_user_chose_one(installed):
+    from dovetail.config import EngineArgs
+
+    config = EngineArgs("m", attention_backend="FLASH_ATTN").create_engine_config()
+    CudaPlatform().check_and_update_config(config)
+    assert config.cache.block_size == 256
+    config = EngineArgs("m", attention_backend="FLASH_ATTN", block_size=32).create_engine_config()
+    CudaPlatform().check_and_update_config(config)
+    assert config.cache.block_size == 32
+    config = EngineArgs("m").create_engine_config()
+    CudaPlatform().check_and_update_config(config)
+    assert config.cache.block_size == 16
