@@ -14,6 +14,7 @@ import torch
 from dovetail import testing
 from dovetail.attention.backend import AttentionLayerSpec, AttentionRequirements
 from dovetail.attention.batch import AttentionBatch
+from dovetail.errors import PluginError
 from dovetail_rocm.aiter_backend import RocmAiterBackend, gqa_ratio_supported
 from test_rocm_fake_aiter import install_fake_aiter
 
@@ -169,6 +170,15 @@ def test_unavailable_without_aiter_or_when_switched_off(monkeypatch, fake_aiter)
     monkeypatch.delitem(__import__("sys").modules, "aiter")
     monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None if name == "aiter" else object())
     assert "aiter package is not installed" in RocmAiterBackend.available()
+
+
+def test_triton_only_aiter_is_refused(monkeypatch, fake_aiter):
+    monkeypatch.setenv("AITER_TRITON_ONLY", "1")
+    assert "AITER_TRITON_ONLY=1" in RocmAiterBackend.available()
+    monkeypatch.delenv("AITER_TRITON_ONLY")
+    monkeypatch.delattr(type(fake_aiter), "flash_attn_varlen_func")
+    with pytest.raises(PluginError, match="has no flash_attn_varlen_func"):
+        RocmAiterBackend.impl_cls()(AttentionLayerSpec(4, 4, 64, 0.125))
 
 
 def test_unavailable_on_a_torch_without_hip(monkeypatch, fake_aiter):

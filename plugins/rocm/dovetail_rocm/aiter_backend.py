@@ -31,6 +31,7 @@ import torch
 
 from dovetail.attention.backend import AttentionBackend, AttentionImpl, AttentionRequirements
 from dovetail.attention.reference import write_kv_cache
+from dovetail.errors import PluginError
 from dovetail_rocm.aiter_metadata import AiterAttentionMetadata, AiterMetadataBuilder
 from dovetail_rocm.aiter_support import aiter_unavailable_reason
 
@@ -55,7 +56,12 @@ def gqa_ratio_supported(num_heads: int, num_kv_heads: int) -> bool:
 
 
 def _import_aiter():
-    return importlib.import_module("aiter")
+    aiter = importlib.import_module("aiter")
+    missing = [f for f in ("paged_attention_v1", "flash_attn_varlen_func") if not hasattr(aiter, f)]
+    if missing:
+        raise PluginError(f"the installed aiter ({getattr(aiter, '__file__', '?')}) has no "
+                          f"{' or '.join(missing)}, which ROCM_AITER calls")
+    return aiter
 
 
 class RocmAiterImpl(AttentionImpl):

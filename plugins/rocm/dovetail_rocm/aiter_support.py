@@ -38,6 +38,8 @@ def aiter_unavailable_reason() -> str | None:
         return f"AITER is switched off by {SWITCH}={os.environ[SWITCH]!r}"
     if importlib.util.find_spec("aiter") is None:
         return "the aiter package is not installed (see the dovetail-rocm README for installing AMD's AITER)"
+    if os.environ.get("AITER_TRITON_ONLY", "0") == "1":
+        return "aiter is in Triton-only mode (AITER_TRITON_ONLY=1), which leaves out paged_attention_v1"
     from torch import version
 
     if not getattr(version, "hip", None):
