@@ -314,6 +314,15 @@ def test_auto_dtype_runs_float32_checkpoints_in_bfloat16(machine):
     assert platform.supported_dtypes()[0] == torch.bfloat16
 
 
+def test_fused_ops_are_the_cores_triton_ops_when_triton_imports(machine, monkeypatch):
+    import dovetail.triton
+
+    if dovetail.triton.triton_missing_reason() is None:
+        assert RocmPlatform().fused_ops().name == "triton"
+    monkeypatch.setattr(dovetail.triton, "triton_missing_reason", lambda: "triton cannot be imported")
+    assert RocmPlatform().fused_ops().name == "torch"
+
+
 def test_platform_declarations():
     assert (RocmPlatform.name, RocmPlatform.device_type, RocmPlatform.dist_backend) == ("rocm", "cuda", "nccl")
     assert RocmPlatform.is_accelerator and not RocmPlatform.supports_graph_capture

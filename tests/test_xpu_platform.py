@@ -185,6 +185,15 @@ def test_config_runs_eagerly_and_auto_dtype_is_bfloat16(machine):
     assert platform.resolve_dtype(torch.float16) == torch.float16
 
 
+def test_fused_ops_are_the_cores_triton_ops_when_triton_imports(machine, monkeypatch):
+    import dovetail.triton
+
+    if dovetail.triton.triton_missing_reason() is None:
+        assert XpuPlatform().fused_ops().name == "triton"
+    monkeypatch.setattr(dovetail.triton, "triton_missing_reason", lambda: "triton cannot be imported")
+    assert XpuPlatform().fused_ops().name == "torch"
+
+
 def test_platform_declarations():
     assert (XpuPlatform.name, XpuPlatform.device_type, XpuPlatform.dist_backend) == ("xpu", "xpu", "xccl")
     assert not XpuPlatform.supports_graph_capture and "NOT verified on hardware" in XpuPlatform.verification

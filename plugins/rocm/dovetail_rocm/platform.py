@@ -29,7 +29,8 @@ VERIFICATION = (
     "NOT verified on hardware: no AMD GPU was available. Tested on CPU up to the probe boundary (a "
     "simulated KFD sysfs tree, visibility variables, torch.version.hip): probing, device counting, "
     "selection and config adjustments. Never executed: every torch.cuda call on a HIP device (memory "
-    "queries, set_device, synchronize), RCCL through torch.distributed. Decode graphs are off (eager only)."
+    "queries, set_device, synchronize), the core's Triton kernels on an AMD GPU, RCCL through "
+    "torch.distributed. Decode graphs are off (eager only)."
 )
 
 
@@ -91,6 +92,16 @@ class RocmPlatform(Platform):
         logger.info("rocm: dtype 'auto' runs the %s checkpoint in bfloat16 (pass dtype='float32' to keep it)",
                     str(checkpoint_dtype).removeprefix("torch.") if checkpoint_dtype else "unknown-dtype")
         return torch.bfloat16
+
+    def fused_ops(self):
+        """The core's Triton fused ops when triton imports, else plain torch."""
+        from dovetail.triton import triton_missing_reason
+
+        if triton_missing_reason() is None:
+            from dovetail.triton.fused_ops import TritonFusedOps
+
+            return TritonFusedOps()
+        return super().fused_ops()
 
     # -- engine integration ----------------------------------------------------------------
 

@@ -22,7 +22,8 @@ VERIFICATION = (
     "NOT verified on hardware: no Intel GPU was available. Tested on CPU up to the probe boundary (a "
     "simulated /sys/class/drm tree, ZE_AFFINITY_MASK, torch._C._has_xpu): probing, device counting, "
     "selection and config adjustments. Never executed: every torch.xpu call (memory queries, set_device, "
-    "synchronize), Triton kernels on an Intel GPU, xccl through torch.distributed."
+    "synchronize), the core's Triton kernels (attention, fused ops) on an Intel GPU, xccl through "
+    "torch.distributed."
 )
 
 
@@ -82,6 +83,16 @@ class XpuPlatform(Platform):
         logger.info("xpu: dtype 'auto' runs the %s checkpoint in bfloat16 (pass dtype='float32' to keep it)",
                     str(checkpoint_dtype).removeprefix("torch.") if checkpoint_dtype else "unknown-dtype")
         return torch.bfloat16
+
+    def fused_ops(self):
+        """The core's Triton fused ops when triton imports, else plain torch."""
+        from dovetail.triton import triton_missing_reason
+
+        if triton_missing_reason() is None:
+            from dovetail.triton.fused_ops import TritonFusedOps
+
+            return TritonFusedOps()
+        return super().fused_ops()
 
     # -- engine integration ----------------------------------------------------------------
 
