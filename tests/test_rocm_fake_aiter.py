@@ -177,7 +177,9 @@ class FakeAiter(types.ModuleType):
                 visible &= j >= i + shift - left
             if right >= 0:
                 visible &= j <= i + shift + right
-            cap = (lambda s: logits_soft_cap * torch.tanh(s / logits_soft_cap)) if logits_soft_cap > 0 else (lambda s: s)
+            def cap(s):
+                return logits_soft_cap * torch.tanh(s / logits_soft_cap) if logits_soft_cap > 0 else s
+
             result[cq[b]:cq[b + 1]] = _attend(qb.float() * scale, kb, vb, cap, visible.unsqueeze(1)).to(q.dtype)
         if out is not None:
             out.copy_(result)

@@ -22,7 +22,7 @@ from dovetail.errors import ConfigError, SelectionError
 from dovetail.plugin_manager import get_plugin_manager
 from dovetail_rocm import kfd
 from dovetail_rocm.kfd import KfdGpu
-from dovetail_rocm.platform import RocmPlatform
+from dovetail_rocm.platform import GRAPH_RESERVE_BYTES, RocmPlatform, kv_cache_budget
 from dovetail_rocm.probe import find_devices, probe
 from dovetail_rocm.visible_devices import apply_hip_visible_devices, apply_rocr_visible_devices, visible_gpus
 from test_rocm_fake_aiter import install_fake_aiter
@@ -291,7 +291,8 @@ def test_block_size_the_user_chose_that_aiter_cannot_use_is_an_error(machine, mo
 def test_default_block_size_is_fitted_to_aiter_only_when_aiter_will_run(machine, monkeypatch):
     def config_with_unset_block_size(size):
         config = _config()
-        config.cache = CacheConfig.model_construct(_fields_set=set(), **{**config.cache.model_dump(), "block_size": size})
+        fields = {**config.cache.model_dump(), "block_size": size}
+        config.cache = CacheConfig.model_construct(_fields_set=set(), **fields)
         return config
 
     install_fake_aiter(monkeypatch)
@@ -323,9 +324,19 @@ def test_fused_ops_are_the_cores_triton_ops_when_triton_imports(machine, monkeyp
     assert RocmPlatform().fused_ops().name == "torch"
 
 
+def test_kv_cache_budget_leaves_out_memory_held_outside_torch_and_the_graph_reserve():
+    gib = 2**30
+    # 192 GiB device, 20 GiB free, torch holds 160 GiB: 12 GiB are held outside torch (HIP context, RCCL, others)
+    assert kv_cache_budget(192 * gib, 20 * gib, 160 * gib, 30 * gib, 0.9, GRAPH_RESERVE_BYTES) == \
+        int(192 * gib * 0.9) - 30 * gib - 12 * gib - GRAPH_RESERVE_BYTES
+    assert kv_cache_budget(192 * gib, 192 * gib, 0, 30 * gib, 0.5, 0) == 66 * gib
+    with pytest.raises(ConfigError, match="gpu_memory_utilization: 0.1 leaves no memory for the KV cache"):
+        kv_cache_budget(192 * gib, 100 * gib, 10 * gib, 30 * gib, 0.1, 0)
+
+
 def test_platform_declarations():
     assert (RocmPlatform.name, RocmPlatform.device_type, RocmPlatform.dist_backend) == ("rocm", "cuda", "nccl")
-    assert RocmPlatform.is_accelerator and not RocmPlatform.supports_graph_capture
+    assert RocmPlatform.is_accelerator and RocmPlatform.supports_graph_capture
     assert "NOT verified on hardware" in RocmPlatform.verification
 
 

@@ -18,9 +18,9 @@ from dovetail import selection, testing
 from dovetail.attention.backend import AttentionRequirements
 from dovetail.cli import plugins_cmd
 from dovetail.config import EngineArgs
-from dovetail.errors import PluginError, SelectionError
+from dovetail.errors import ConfigError, PluginError, SelectionError
 from dovetail_xpu import probe as xpu_probe
-from dovetail_xpu.platform import XpuPlatform
+from dovetail_xpu.platform import XpuPlatform, kv_cache_budget
 from dovetail_xpu.probe import IntelGpu, apply_affinity_mask, find_devices, probe
 
 ARC_A770, ARC_B580, MI300X_PCI = 0x56A0, 0xE20B, 0x74A1
@@ -192,6 +192,14 @@ def test_fused_ops_are_the_cores_triton_ops_when_triton_imports(machine, monkeyp
         assert XpuPlatform().fused_ops().name == "triton"
     monkeypatch.setattr(dovetail.triton, "triton_missing_reason", lambda: "triton cannot be imported")
     assert XpuPlatform().fused_ops().name == "torch"
+
+
+def test_kv_cache_budget_leaves_out_memory_held_outside_torch():
+    gib = 2**30
+    # 64 GiB device, 10 GiB free, torch holds 50 GiB: 4 GiB are held outside torch
+    assert kv_cache_budget(64 * gib, 10 * gib, 50 * gib, 6 * gib, 0.9) == int(64 * gib * 0.9) - 6 * gib - 4 * gib
+    with pytest.raises(ConfigError, match="gpu_memory_utilization: 0.1 leaves no memory for the KV cache"):
+        kv_cache_budget(64 * gib, 60 * gib, 0, 8 * gib, 0.1)
 
 
 def test_platform_declarations():

@@ -4,7 +4,8 @@ On ROCm, torch exposes HIP devices under the ``"cuda"`` device type and the
 ``torch.cuda`` API, and its ``"nccl"`` distributed backend is RCCL. Device
 visibility and the device count come from the probe (KFD sysfs plus the
 visibility variables), so constructing the platform does not start HIP; memory
-queries call ``torch.cuda`` and do.
+queries call ``torch.cuda`` and do. Decode steps are captured as HIP graphs
+through ``torch.cuda.CUDAGraph`` unless ``enforce_eager`` is set.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import os
 import torch
 
 from dovetail.errors import ConfigError
-from dovetail.platform import Platform, ProbeResult
+from dovetail.platform import DeviceGraph, Platform, ProbeResult
 from dovetail_rocm import probe as rocm_probe
 from dovetail_rocm.aiter_support import aiter_unavailable_reason
 
@@ -28,10 +29,42 @@ AITER_BLOCK_SIZES = (16, 32)
 VERIFICATION = (
     "NOT verified on hardware: no AMD GPU was available. Tested on CPU up to the probe boundary (a "
     "simulated KFD sysfs tree, visibility variables, torch.version.hip): probing, device counting, "
-    "selection and config adjustments. Never executed: every torch.cuda call on a HIP device (memory "
-    "queries, set_device, synchronize), the core's Triton kernels on an AMD GPU, RCCL through "
-    "torch.distributed. Decode graphs are off (eager only)."
+    "selection, config adjustments and the KV-cache budget arithmetic. Never executed: every torch.cuda "
+    "call on a HIP device (memory queries, set_device, synchronize), HIP graph capture and replay, the "
+    "core's Triton kernels on an AMD GPU, RCCL through torch.distributed. If graphs misbehave, "
+    "run with enforce_eager."
 )
+
+
+#: Device memory kept outside the KV cache for the decode graphs when they are on.
+GRAPH_RESERVE_BYTES = 1 << 30
+
+
+def kv_cache_budget(total: int, free: int, reserved: int, peak: int, utilization: float, reserve: int) -> int:
+    """Bytes for the KV cache: ``total * utilization`` less the profiled peak, the memory held outside
+    torch's allocator (HIP context, RCCL, other processes: ``total - free - reserved``) and ``reserve``.
+
+    A budget of zero or less is an error naming ``gpu_memory_utilization``.
+    """
+    outside_torch = max(0, total - free - reserved)
+    budget = int(total * utilization) - peak - outside_torch - reserve
+    if budget <= 0:
+        gib = 2**30
+        raise ConfigError(f"gpu_memory_utilization: {utilization} leaves no memory for the KV cache (profiled "
+                          f"peak {peak / gib:.2f} GiB, {outside_torch / gib:.2f} GiB used outside torch, "
+                          f"{reserve / gib:.2f} GiB graph reserve, of {total / gib:.2f} GiB); raise it, or "
+                          "lower max_num_batched_tokens")
+    return budget
+
+
+class HipGraph(DeviceGraph):
+    """A captured ``torch.cuda.CUDAGraph`` (a HIP graph on ROCm torch)."""
+
+    def __init__(self, graph):
+        self.graph = graph
+
+    def replay(self) -> None:
+        self.graph.replay()
 
 
 class RocmPlatform(Platform):
@@ -42,9 +75,7 @@ class RocmPlatform(Platform):
     verification = VERIFICATION
     dist_backend = "nccl"
     is_accelerator = True
-    # HIP graphs exist (torch.cuda.CUDAGraph on ROCm torch), but no capture path was written or run
-    # for this platform: decode steps run eagerly.
-    supports_graph_capture = False
+    supports_graph_capture = True  # torch.cuda.CUDAGraph is a HIP graph on ROCm torch
 
     def __init__(self):
         self.devices = rocm_probe.find_devices()
@@ -124,6 +155,28 @@ class RocmPlatform(Platform):
         if not user_set:
             config.cache.block_size = AITER_BLOCK_SIZES[0]
             logger.info("rocm: block_size set to %d for attention backend %s", AITER_BLOCK_SIZES[0], AITER_BACKEND)
+
+    def kv_cache_bytes(self, config, profile) -> int:
+        torch.cuda.empty_cache()
+        peak = profile()
+        free, total = torch.cuda.mem_get_info()
+        reserve = 0 if config.device.enforce_eager else GRAPH_RESERVE_BYTES
+        budget = kv_cache_budget(total, free, torch.cuda.memory_reserved(), peak,
+                                 config.cache.gpu_memory_utilization, reserve)
+        logger.info("rocm: KV cache gets %.2f GiB of %.2f GiB (profiled peak %.2f GiB)", budget / 2**30,
+                    total / 2**30, peak / 2**30)
+        return budget
+
+    # -- graphs --------------------------------------------------------------------------
+
+    def graph_pool(self):
+        return torch.cuda.graph_pool_handle()
+
+    def capture_graph(self, fn, pool=None):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            out = fn()
+        return HipGraph(graph), out
 
     def describe(self) -> str:
         if self.devices.problem:

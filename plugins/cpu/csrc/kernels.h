@@ -1,0 +1,109 @@
+// The C ABI of Dovetail's CPU kernels (called from Python with ctypes on tensors' data pointers).
+//
+// Every kernel exists once per instruction set (avx512_bf16, avx512, avx2, portable), each compiled in
+// its own translation unit with its own -m flags; dispatch.cpp picks one at run time from the CPU's
+// features (or DOVETAIL_CPU_ISA) and the exported dt_* functions call through its table.
+#pragma once
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+enum dt_dtype { DT_FLOAT32 = 0, DT_BFLOAT16 = 1 };
+
+// Paged attention over a mixed prefill/decode batch, with the KV-cache write first.
+// Layouts: q [tokens, num_heads, head_size] and k, v [tokens, num_kv_heads, head_size], each with its own
+// token stride (in elements); out [tokens, num_heads, head_size] with out_stride; key_cache and
+// value_cache [num_blocks, block_size, num_kv_heads, head_size], contiguous. k, v or slot_mapping NULL:
+// no write. Semantics: dovetail/attention/backend.py (REFERENCE is the oracle).
+typedef struct dt_attention_args {
+    const void* q;
+    const void* k;
+    const void* v;
+    void* out;
+    void* key_cache;
+    void* value_cache;
+    const int64_t* slot_mapping;
+    const int32_t* block_table;
+    const int32_t* seq_lens;
+    const int32_t* query_start_loc;
+    int64_t q_stride;
+    int64_t k_stride;
+    int64_t v_stride;
+    int64_t out_stride;
+    int64_t block_table_stride;
+    int32_t num_tokens;
+    int32_t num_seqs;
+    int32_t num_heads;
+    int32_t num_kv_heads;
+    int32_t head_size;
+    int32_t block_size;
+    int32_t sliding_window;  // 0: none
+    float scale;
+    float softcap;  // 0: none
+    int32_t dtype;  // enum dt_dtype, of q, k, v, out and the caches
+    int32_t num_threads;
+} dt_attention_args;
+
+// The kernels of one instruction set.
+typedef struct dt_kernel_table {
+    const char* name;
+    void (*attention)(const dt_attention_args* args);
+    void (*kv_cache_write)(const dt_attention_args* args);
+    // out[r] = rms_norm(x[r]) * w; x and out rows of n elements with their own row strides.
+    void (*rms_norm)(const void* x, int64_t x_stride, const void* weight, int32_t weight_dtype, void* out,
+                     int64_t out_stride, int64_t rows, int64_t n, float eps, int32_t dtype, int32_t num_threads);
+    // summed = x + residual (written to residual_out), out = rms_norm(summed) * w.
+    void (*add_rms_norm)(const void* x, int64_t x_stride, const void* residual, int64_t residual_stride,
+                         const void* weight, int32_t weight_dtype, void* out, void* residual_out, int64_t rows,
+                         int64_t n, float eps, int32_t dtype, int32_t num_threads);
+    // out[r] = silu(x[r, :d]) * x[r, d:2d]; out contiguous [rows, d].
+    void (*silu_and_mul)(const void* x, int64_t x_stride, void* out, int64_t rows, int64_t d, int32_t dtype,
+                         int32_t num_threads);
+    // NeoX rotary: q_out/k_out [tokens, heads * head_size] contiguous; cos_sin float32 [positions, rot_dim].
+    void (*rotary_neox)(const int64_t* positions, const void* q, int64_t q_stride, const void* k,
+                        int64_t k_stride, void* q_out, void* k_out, const float* cos_sin, int64_t tokens,
+                        int32_t num_heads, int32_t num_kv_heads, int32_t head_size, int32_t rot_dim,
+                        int32_t dtype, int32_t num_threads);
+} dt_kernel_table;
+
+// -- provided by dispatch.cpp to the ISA translation units (compiled without ISA flags) --------------
+
+// Calls fn(ctx, i, thread) for i in [0, n) on up to num_threads threads (OpenMP, else std::thread).
+void dt_parallel_for(int64_t n, int32_t num_threads, void (*fn)(void* ctx, int64_t i, int32_t thread), void* ctx);
+// A buffer of at least `bytes`, 64-byte aligned, private to the calling OS thread; `slot` names one of
+// a few buffers per thread (DT_SCRATCH_SLOTS). Valid until the same thread asks for the same slot again.
+void* dt_scratch(int32_t slot, size_t bytes);
+#define DT_SCRATCH_SLOTS 4
+
+// -- the exported API -----------------------------------------------------------------------------
+
+// ISAs this CPU can run, best first, comma separated (e.g. "avx512_bf16,avx512,avx2,portable").
+const char* dt_supported_isas(void);
+// ISAs compiled into this library, comma separated.
+const char* dt_compiled_isas(void);
+// Select an ISA by name ("auto" = the best supported); returns 0, or -1 (not compiled), -2 (CPU lacks it).
+int dt_set_isa(const char* name);
+const char* dt_current_isa(void);
+// Whether the library was built with OpenMP.
+int dt_has_openmp(void);
+
+void dt_attention(const dt_attention_args* args);
+void dt_kv_cache_write(const dt_attention_args* args);
+void dt_rms_norm(const void* x, int64_t x_stride, const void* weight, int32_t weight_dtype, void* out,
+                 int64_t out_stride, int64_t rows, int64_t n, float eps, int32_t dtype, int32_t num_threads);
+void dt_add_rms_norm(const void* x, int64_t x_stride, const void* residual, int64_t residual_stride,
+                     const void* weight, int32_t weight_dtype, void* out, void* residual_out, int64_t rows,
+                     int64_t n, float eps, int32_t dtype, int32_t num_threads);
+void dt_silu_and_mul(const void* x, int64_t x_stride, void* out, int64_t rows, int64_t d, int32_t dtype,
+                     int32_t num_threads);
+void dt_rotary_neox(const int64_t* positions, const void* q, int64_t q_stride, const void* k, int64_t k_stride,
+                    void* q_out, void* k_out, const float* cos_sin, int64_t tokens, int32_t num_heads,
+                    int32_t num_kv_heads, int32_t head_size, int32_t rot_dim, int32_t dtype, int32_t num_threads);
+
+#ifdef __cplusplus
+}
+#endif
