@@ -190,6 +190,14 @@ class AsyncLLMEngine:
 
         self._commands.put(abort_now)
 
+    def stop_accepting(self) -> None:
+        """Refuse new requests from now on (:class:`EngineStoppedError`); running ones continue."""
+        self._accepting = False
+
+    def abort_all(self, reason: str = "the server is shutting down") -> None:
+        """Abort every request in flight (thread-safe); each one's stream raises :class:`EngineStoppedError`."""
+        self._commands.put(lambda: self._abort_all(EngineStoppedError(reason)))
+
     def stats(self) -> dict:
         """The engine's stats as of the end of the loop's last iteration."""
         return self._stats

@@ -1,14 +1,16 @@
 """Running the server: build the engine, then serve the app with uvicorn until SIGTERM or Ctrl+C.
 
-On SIGTERM uvicorn stops accepting connections, lets running requests finish
-(up to ``shutdown_timeout`` seconds, then cancels them, which aborts their
-engine requests), and the engine loop stops; the process then exits with 0.
+On SIGTERM (or the first Ctrl+C) the server stops accepting connections and
+new requests, lets running requests finish for up to ``shutdown_timeout``
+seconds, then aborts what is left (streams end with an error event and
+``[DONE]``, other requests get a 503), stops the engine loop and exits with 0.
 """
 
 from __future__ import annotations
 
 import logging
 import signal
+import threading
 
 from dovetail.server.state import ServerSettings
 
@@ -30,15 +32,32 @@ def serve(model: str, engine_kwargs: dict, settings: ServerSettings, host: str =
     from dovetail.engine.llm_engine import LLMEngine
     from dovetail.server.app import build_app
 
-    engine = LLMEngine(EngineArgs(model, **engine_kwargs).create_engine_config())
-    app = build_app(AsyncLLMEngine(engine), settings)
+    engine = AsyncLLMEngine(LLMEngine(EngineArgs(model, **engine_kwargs).create_engine_config()))
+    app = build_app(engine, settings)
+    timers: list[threading.Timer] = []
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            first = not self.should_exit
+            super().handle_exit(sig, frame)
+            if first:
+                logger.info("shutting down: finishing running requests (at most %gs)", shutdown_timeout)
+                engine.stop_accepting()
+                timer = threading.Timer(shutdown_timeout, engine.abort_all)
+                timer.daemon = True
+                timer.start()
+                timers.append(timer)
+
+    # uvicorn's own deadline is a backstop: by then our abort has ended every request.
     config = uvicorn.Config(app, host=host, port=port, log_level=uvicorn_log_level, access_log=access_log,
-                            timeout_graceful_shutdown=int(shutdown_timeout), lifespan="on")
-    server = uvicorn.Server(config)
+                            timeout_graceful_shutdown=shutdown_timeout + 10, lifespan="on")
+    server = Server(config)
     logger.info("serving %s as %s on http://%s:%d", model, ", ".join(settings.served_model_names), host, port)
     previous = signal.signal(signal.SIGTERM, _terminated_cleanly)
     try:
         server.run()
     finally:
         signal.signal(signal.SIGTERM, previous)
+        for timer in timers:
+            timer.cancel()
     return 0 if server.started else 1

@@ -32,8 +32,10 @@ def sse(data: dict) -> bytes:
     return b"data: " + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
 
-def outcome_of(status: int) -> str:
-    return "overloaded" if status == 503 else ("error" if status >= 500 else "rejected")
+def outcome_of(api: APIError) -> str:
+    if api.code == "shutting_down":
+        return "aborted"
+    return "overloaded" if api.status == 503 else ("error" if api.status >= 500 else "rejected")
 
 
 async def start(state: ServerState, tracker: RequestTracker,
@@ -43,7 +45,7 @@ async def start(state: ServerState, tracker: RequestTracker,
         return await state.engine.add(prepare(), tracker.arrival)
     except Exception as exc:
         api = to_api_error(exc)
-        tracker.finish(outcome_of(api.status))
+        tracker.finish("overloaded" if api.status == 503 else outcome_of(api))
         raise api from None
 
 
@@ -79,7 +81,7 @@ async def collect(stream: RequestStream, tracker: RequestTracker, request: Reque
         error = consumer.exception()
         if error is not None:
             api = to_api_error(error)
-            tracker.finish(outcome_of(api.status))
+            tracker.finish(outcome_of(api))
             raise api
         tracker.finish("finished")
         return finals
@@ -101,7 +103,7 @@ def event_stream(stream: RequestStream, tracker: RequestTracker, events: AsyncIt
             tracker.finish("finished")
         except Exception as exc:  # the stream has started: report in-band, as OpenAI does
             api = exc if isinstance(exc, APIError) else to_api_error(exc)
-            tracker.finish(outcome_of(api.status))
+            tracker.finish(outcome_of(api))
             yield sse(error_body(api.status, api.message, api.param, api.code))
         finally:
             stream.abort()
