@@ -12,7 +12,9 @@ Which sequence a program serves is found on the device by a binary search over
 ``query_start_loc`` (sequence ``i``'s query blocks start at
 ``(query_start_loc[i] - query_start_loc[0]) // BLOCK_Q + i``), so the launch
 depends only on the token and sequence counts: nothing is read back to the host
-and a decode step can be captured in a CUDA graph.
+and a decode step can be captured in a CUDA graph. A decode-only launch
+(``DECODE_ONLY``: every query length is 1) has one program per sequence and
+KV head, and no search.
 
 With ``SPLIT_KV`` each of ``num_splits`` programs takes a share of the key tiles
 and writes a partial result (its output, row maximum and row sum);
@@ -31,7 +33,7 @@ import triton.language as tl
 
 from dovetail.triton import next_power_of_2
 
-LOG2E = 1.4426950408889634
+LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
@@ -68,17 +70,23 @@ def _paged_attention_kernel(
     HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, SPLIT_KV: tl.constexpr, IEEE_DOT: tl.constexpr,
-    DOT_IN_FP32: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr, DECODE_ONLY: tl.constexpr, WIDE_OFFSETS: tl.constexpr,
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
-    seq = _find_sequence(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q)
     base = tl.load(query_start_loc_ptr)
-    q_start = tl.load(query_start_loc_ptr + seq)
-    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    local_block = q_block - ((q_start - base) // BLOCK_Q + seq)
-    if local_block * BLOCK_Q >= q_len:
-        return
+    if DECODE_ONLY:  # one query per sequence, one program per sequence
+        seq = q_block
+        q_start = tl.load(query_start_loc_ptr + seq)
+        q_len = 1
+        local_block = 0
+    else:
+        seq = _find_sequence(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q)
+        q_start = tl.load(query_start_loc_ptr + seq)
+        q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+        local_block = q_block - ((q_start - base) // BLOCK_Q + seq)
+        if local_block * BLOCK_Q >= q_len:
+            return
     seq_len = tl.load(seq_lens_ptr + seq)
     context_len = seq_len - q_len
 
@@ -115,7 +123,9 @@ def _paged_attention_kernel(
     for tile in range(tile_lo, tile_hi):
         key_pos = tile * TILE_N + tl.arange(0, TILE_N)
         key_valid = key_pos < kv_end
-        block = tl.load(table_row + key_pos // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
+        block = tl.load(table_row + key_pos // BLOCK_SIZE, mask=key_valid, other=0)
+        if WIDE_OFFSETS:
+            block = block.to(tl.int64)
         kv_offset = block * stride_cache_block + (key_pos % BLOCK_SIZE) * stride_cache_slot + cache_head
         k = tl.load(key_cache_ptr + kv_offset[None, :] + dims[:, None],
                     mask=key_valid[None, :] & dim_valid[:, None], other=0.0)
@@ -186,6 +196,12 @@ def _reduce_splits_kernel(
 INTERPRETED = type(_paged_attention_kernel).__name__ == "InterpretedFunction"
 
 
+def _needs_wide_offsets(key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
+    """Whether offsets into the caches may pass 2**31 elements (then the kernel computes them in int64)."""
+    reach = max((key_cache.shape[0] - 1) * key_cache.stride(0), (value_cache.shape[0] - 1) * value_cache.stride(0))
+    return reach + key_cache.stride(0) >= 2**31
+
+
 @dataclass(frozen=True)
 class LaunchConfig:
     """Tile sizes of one launch: ``block_m`` query rows, ``tile_n`` keys per step."""
@@ -196,12 +212,20 @@ class LaunchConfig:
     num_stages: int
 
 
-def default_config(head_size: int, queries_per_kv: int, decode: bool) -> LaunchConfig:
-    """Tiles for decode-only or prefill-carrying launches (a starting point for the H200)."""
+def default_config(head_size: int, queries_per_kv: int, decode: bool, dtype: torch.dtype = torch.bfloat16) -> LaunchConfig:
+    """Tiles for decode-only or prefill-carrying launches.
+
+    Chosen, without a GPU at hand, so that the sm_90 (H200) build does not spill
+    registers; ``benchmarks/triton_attention.py --sweep`` times the alternatives.
+    """
     head_pad = next_power_of_2(head_size)
-    block_m = max(16 if decode else 64, next_power_of_2(queries_per_kv))
-    tile_n = 64 if head_pad <= 128 else 32
-    return LaunchConfig(block_m=block_m, tile_n=tile_n, num_warps=4, num_stages=2 if head_pad > 128 else 3)
+    group = next_power_of_2(queries_per_kv)
+    wide = dtype == torch.float32 or head_pad > 128
+    if decode:
+        return LaunchConfig(block_m=max(16, group), tile_n=32 if wide else 64, num_warps=4, num_stages=2)
+    if wide:
+        return LaunchConfig(block_m=max(32, group), tile_n=32, num_warps=4, num_stages=2)
+    return LaunchConfig(block_m=max(128, group), tile_n=32, num_warps=8, num_stages=2)
 
 
 _SM_COUNT: dict[torch.device, int] = {}
@@ -244,7 +268,7 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
     first query of the first sequence, whatever ``query_start_loc[0]`` holds (so a
     batch's tail is attended with ``q[n:]``, ``out[n:]`` and ``query_start_loc[i:]``).
     ``key_cache`` and ``value_cache`` are ``[num_blocks, block_size, kv_heads, head_size]``.
-    ``decode`` picks the decode tiles (every query length is 1); ``num_splits`` > 1
+    ``decode`` says every query length is 1 (one program per sequence, decode tiles); ``num_splits`` > 1
     splits each sequence's keys over that many programs and merges them after.
     """
     if num_seqs == 0 or num_tokens == 0:
@@ -252,10 +276,10 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
     num_heads, head_size = q.shape[1], q.shape[2]
     num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
     queries_per_kv = num_heads // num_kv_heads
-    cfg = config or default_config(head_size, queries_per_kv, decode)
-    block_q = cfg.block_m // queries_per_kv
+    cfg = config or default_config(head_size, queries_per_kv, decode, q.dtype)
+    block_q = 1 if decode else cfg.block_m // queries_per_kv
     head_pad = next_power_of_2(head_size)
-    num_q_blocks = num_tokens // block_q + num_seqs
+    num_q_blocks = num_seqs if decode else num_tokens // block_q + num_seqs
     split_kv = num_splits > 1
     if split_kv:
         split_out = torch.empty((num_tokens, num_heads, num_splits, head_pad), dtype=torch.float32, device=q.device)
@@ -274,6 +298,7 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
         BLOCK_SIZE=block_size, BLOCK_M=cfg.block_m, BLOCK_Q=block_q, TILE_N=cfg.tile_n,
         USE_SOFTCAP=bool(logit_softcap), USE_WINDOW=bool(sliding_window), SPLIT_KV=split_kv,
         IEEE_DOT=q.dtype == torch.float32, DOT_IN_FP32=INTERPRETED and q.dtype == torch.bfloat16,
+        DECODE_ONLY=decode, WIDE_OFFSETS=_needs_wide_offsets(key_cache, value_cache),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if split_kv:
