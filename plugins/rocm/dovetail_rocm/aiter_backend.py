@@ -32,11 +32,8 @@ import torch
 from dovetail.attention.backend import AttentionBackend, AttentionImpl, AttentionRequirements
 from dovetail.attention.reference import write_kv_cache
 from dovetail.errors import PluginError
-from dovetail_rocm.aiter_metadata import AiterAttentionMetadata, AiterMetadataBuilder
+from dovetail_rocm.aiter_metadata import PARTITION_SIZE, AiterAttentionMetadata, AiterMetadataBuilder
 from dovetail_rocm.aiter_support import aiter_unavailable_reason
-
-#: Tokens per partition of ``paged_attention_v1``'s split-K reduction (the value vLLM and AITER's tests use).
-PARTITION_SIZE = 256
 
 VERIFICATION = (
     "NOT verified on hardware: no AMD GPU was available, and real aiter was never executed. Never run: "
@@ -87,13 +84,8 @@ class RocmAiterImpl(AttentionImpl):
 
     def _decode(self, q, key_cache, value_cache, out, metadata: AiterAttentionMetadata):
         d = metadata.decode
-        num_heads, head_size = q.shape[1], q.shape[2]
-        partitions = -(-d.max_seq_len // PARTITION_SIZE)
-        slots = d.num_seqs * num_heads * partitions
-        workspace = torch.empty(slots * head_size * q.element_size() + 2 * slots * 4, dtype=torch.uint8,
-                                device=q.device)
         self.aiter.paged_attention_v1(
-            out=out[:d.num_seqs], workspace_buffer=workspace, query=q[:d.num_seqs],
+            out=out[:d.num_seqs], workspace_buffer=d.workspace, query=q[:d.num_seqs],
             key_cache=key_cache, value_cache=value_cache, scale=self.spec.scale,
             block_tables=d.block_table, cu_query_lens=d.query_start_loc, context_lens=d.seq_lens,
             max_context_len=d.max_seq_len, alibi_slopes=None, kv_cache_dtype="auto", kv_cache_layout="NHD",

@@ -26,6 +26,10 @@ from dovetail.attention.backend import AttentionMetadataBuilder
 from dovetail.attention.batch import AttentionBatch
 
 
+#: Tokens per partition of ``paged_attention_v1``'s split-K reduction (the value vLLM and AITER's tests use).
+PARTITION_SIZE = 256
+
+
 @dataclass
 class AiterDecodeMetadata:
     """Arguments of ``paged_attention_v1`` for the leading one-token sequences."""
@@ -35,6 +39,7 @@ class AiterDecodeMetadata:
     seq_lens: torch.Tensor  # int32 [num_seqs]
     query_start_loc: torch.Tensor  # int32 [num_seqs + 1]
     max_seq_len: int
+    workspace: torch.Tensor  # uint8 scratch for the split-K partitions, shared by the step's layers
 
 
 @dataclass
@@ -87,12 +92,22 @@ class AiterMetadataBuilder(AttentionMetadataBuilder):
         nd = batch.num_decodes
         decode = None
         if nd:
+            max_seq_len = max(seq_lens[:nd])
             decode = AiterDecodeMetadata(
                 num_seqs=nd, block_table=batch.block_table[:nd], seq_lens=batch.seq_lens[:nd],
-                query_start_loc=batch.query_start_loc[:nd + 1], max_seq_len=max(seq_lens[:nd]))
+                query_start_loc=batch.query_start_loc[:nd + 1], max_seq_len=max_seq_len,
+                workspace=torch.empty(self._workspace_bytes(nd, max_seq_len), dtype=torch.uint8, device=self.device))
         return AiterAttentionMetadata(num_tokens=batch.num_tokens, slot_mapping=batch.slot_mapping, decode=decode,
                                       prefill=self._prefill(batch, qsl, seq_lens, nd),
                                       k_scale=self.unit_scale, v_scale=self.unit_scale)
+
+    def _workspace_bytes(self, num_seqs: int, max_seq_len: int) -> int:
+        """paged_attention_v1's scratch: per sequence, head and partition, a partial output row of the
+        query's dtype plus two float32 values (the exp-sum and the max logit)."""
+        partitions = -(-max_seq_len // PARTITION_SIZE)
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        per_partition = max(spec.num_heads * (spec.head_size * elem + 8) for spec in self.layer_specs)
+        return num_seqs * partitions * per_partition
 
     def _prefill(self, batch: AttentionBatch, qsl: list[int], seq_lens: list[int],
                  nd: int) -> AiterPrefillMetadata | None:
