@@ -15,3 +15,8 @@ def register_attention_backends(register):
 @hookimpl
 def register_quantization_methods(register):
     register(name="none", cls="dovetail.quantization.unquantized:UnquantizedMethod")
+    register(name="fp8", cls="dovetail.quantization.fp8:Fp8Method")
+    register(name="int8", cls="dovetail.quantization.int8:Int8Method")
+    register(name="gptq", cls="dovetail.quantization.gptq:GptqMethod")
+    register(name="awq", cls="dovetail.quantization.awq:AwqMethod")
+    register(name="compressed-tensors", cls="dovetail.quantization.compressed_tensors:CompressedTensorsMethod")

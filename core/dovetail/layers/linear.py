@@ -12,7 +12,10 @@ from torch import nn
 
 from dovetail.errors import ModelLoadError
 from dovetail.model_interface import ModelContext
+from dovetail.quantization.kernels import QuantKernels
 from dovetail.quantization.unquantized import UnquantizedMethod
+
+_DEFAULT_KERNELS = QuantKernels()
 
 
 class Linear(nn.Module):
@@ -25,6 +28,8 @@ class Linear(nn.Module):
         self.output_sizes = [output_sizes] if isinstance(output_sizes, int) else list(output_sizes)
         self.output_size = sum(self.output_sizes)
         self.prefix = prefix
+        #: The platform's quantization kernels (``Platform.quant_kernels()``), which quantized methods call.
+        self.quant_kernels = ctx.quant_kernels or _DEFAULT_KERNELS
         self.method = ctx.quant if ctx.quant.quantizes(prefix) else UnquantizedMethod()
         self.method.create_weights(self, input_size, self.output_sizes, ctx.dtype)
         if bias:

@@ -1,0 +1,89 @@
+"""GPTQ: 4- or 8-bit weights from AutoGPTQ / GPTQModel / optimum checkpoints (``quant_method: gptq``).
+
+Per linear layer, with ``p = 32 // bits`` values per int32 word (low bits first):
+
+- ``qweight`` int32 ``[K / p, N]``: packed along the input dimension;
+- ``qzeros`` int32 ``[groups, N / p]``: zero points packed along the output dimension;
+- ``scales`` float16 ``[groups, N]``, ``groups = ceil(K / group_size)`` (1 for ``group_size: -1``);
+- ``g_idx`` int32 ``[K]``: the group of each input feature; with act-order
+  (``desc_act: true``) it follows the order GPTQ quantized the features in.
+
+``W[k, n] = (q[k, n] - z[g_idx[k], n]) * scales[g_idx[k], n]``. The classic format
+(``checkpoint_format``/``format`` ``"gptq"``, the default) stores ``z - 1`` in
+``qzeros``, as AutoGPTQ did; ``"gptq_v2"`` stores ``z``. Symmetric checkpoints
+(``sym: true``) store the middle value (8 for 4 bits) like any other zero point.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dovetail.errors import ConfigError, ModelLoadError
+from dovetail.quantization import quant_ops, wna16
+from dovetail.quantization.base import QuantMethod
+from dovetail.quantization.matching import layer_matches
+from dovetail.quantization.params import add_param, same_on_every_shard_loader
+
+SUPPORTED_BITS = (4, 8)
+FORMATS = {"gptq": 1, "gptq_v2": 2}
+
+
+class GptqMethod(QuantMethod):
+    """GPTQ checkpoints, converted at load to the packed layout of :mod:`dovetail.quantization.wna16`."""
+
+    name = "gptq"
+
+    def __init__(self, config=None):
+        super().__init__(config)
+        cfg = self.config
+        self.pre_quantized = bool(cfg)
+        if not cfg:
+            return
+        self.bits = cfg.get("bits")
+        if self.bits not in SUPPORTED_BITS:
+            raise ConfigError(f"quantization_config.bits: GPTQ with {self.bits!r} bits is not supported "
+                              f"(supported: {', '.join(map(str, SUPPORTED_BITS))})")
+        self.group_size = wna16.check_group_size(cfg.get("group_size", 128))
+        fmt = str(cfg.get("checkpoint_format") or cfg.get("format") or "gptq").lower()
+        if fmt not in FORMATS:
+            raise ConfigError(f"quantization_config.checkpoint_format: GPTQ format {fmt!r} is not supported "
+                              f"(supported: {', '.join(FORMATS)})")
+        self.zero_offset = 1 if FORMATS[fmt] == 1 else 0
+        if cfg.get("lm_head"):
+            raise ConfigError("quantization_config.lm_head: a GPTQ-quantized lm_head is not supported")
+        if cfg.get("dynamic"):
+            raise ConfigError("quantization_config.dynamic: per-module GPTQ overrides are not supported")
+        blocks = cfg.get("modules_in_block_to_quantize")
+        self.only = [name for group in blocks for name in group] if blocks else None
+
+    def validate(self, platform, dtype):
+        reasons = super().validate(platform, dtype)
+        if not self.pre_quantized:
+            reasons.append("quantization 'gptq' reads GPTQ checkpoints only; this checkpoint has no "
+                           "quantization_config (to quantize at load, use fp8 or int8)")
+        return reasons
+
+    def quantizes(self, prefix: str) -> bool:
+        return self.only is None or layer_matches(prefix, self.only, "modules_in_block_to_quantize")
+
+    def create_weights(self, layer, input_size, output_sizes, params_dtype):
+        pack = 32 // self.bits
+        wna16.check_packable(layer, input_size, output_sizes, pack, pack)
+        out = sum(output_sizes)
+        groups = wna16.num_groups(input_size, self.group_size)
+        add_param(layer, "qweight", (input_size // pack, out), torch.int32, output_dim=1)
+        add_param(layer, "qzeros", (groups, out // pack), torch.int32, output_dim=1)
+        add_param(layer, "scales", (groups, out), torch.float32, output_dim=1)
+        add_param(layer, "g_idx", (input_size,), torch.int32, loader=same_on_every_shard_loader(layer, "g_idx"))
+
+    def process_weights_after_loading(self, layer):
+        zeros = quant_ops.unpack_int32(layer.qzeros.data, self.bits, dim=1) + self.zero_offset
+        g_idx = layer.g_idx.data
+        groups = layer.scales.shape[0]
+        if g_idx.numel() and (int(g_idx.min()) < 0 or int(g_idx.max()) >= groups):
+            raise ModelLoadError(f"{layer.prefix}.g_idx: group indices must lie in [0, {groups}) "
+                              f"(got {int(g_idx.min())}..{int(g_idx.max())}); does group_size match the checkpoint?")
+        wna16.finish(layer, layer.qweight.data, layer.scales.data, zeros, g_idx, self.bits, drop=("qzeros",))
+
+    def apply(self, layer, x, bias):
+        return wna16.apply(layer, x, bias)
