@@ -1,10 +1,13 @@
-"""Where a batch-1 decode step's time goes on a GPU: host work per engine stage, and device time.
+"""Where an engine step's time goes on a GPU: host time per engine stage, and the kernels of a decode step.
 
-    python benchmarks/cuda_step_profile.py --model qwen3-0.6b [--attention-backend FLASHINFER] [--enforce-eager]
+    python benchmarks/cuda_step_profile.py --model qwen3-0.6b [--attention-backend FLASHINFER]
+        [--enforce-eager] [--workload b2|b1] [--kernels]
 
-Runs one 128-token prompt for 256 output tokens (B2's request) after a warm-up,
-timing each engine stage on the host with ``perf_counter`` and the model's
-device time with CUDA events; prints one JSON line per configuration.
+``b2`` runs B2's request (a 128-token prompt, 256 output tokens) after a warm-up;
+``b1`` runs B1's 256 requests. Each engine stage is timed on the host with
+``perf_counter``, separately for decode-only steps and for steps with prefill
+tokens; ``sample`` includes the wait for the device. ``--kernels`` adds the ten
+costliest kernels of a batch-1 decode step (torch.profiler). Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -17,22 +20,78 @@ from collections import defaultdict
 import torch
 
 
-def _timed(obj, name, totals):
-    original = getattr(obj, name)
+class StageTimers:
+    """Wraps engine methods to add their host time to the current step's kind."""
 
-    def wrapper(*args, **kwargs):
+    def __init__(self):
+        self.kind = "decode"
+        self.totals = {"decode": defaultdict(float), "prefill": defaultdict(float)}
+        self.steps = {"decode": 0, "prefill": 0}
+
+    def wrap(self, obj, name, label=None):
+        original = getattr(obj, name)
+
+        def wrapper(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.totals[self.kind][label or name] += time.perf_counter() - t
+
+        setattr(obj, name, wrapper)
+
+    def report(self):
+        return {kind: {"steps": self.steps[kind],
+                       **{k: round(v / max(1, self.steps[kind]) * 1000, 4) for k, v in self.totals[kind].items()}}
+                for kind in self.totals}
+
+
+def profile_steps(engine, timers: StageTimers) -> float:
+    """Step until done; classify each step by the batch the scheduler forms. Returns the wall seconds."""
+    schedule = engine.scheduler.schedule
+
+    def classified():
+        batch = schedule()
+        timers.kind = "decode" if batch and all(n == 1 for n in batch.num_new_tokens) else "prefill"
+        timers.steps[timers.kind] += 1
+        return batch
+
+    engine.scheduler.schedule = classified
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    while engine.has_unfinished_requests():
         t = time.perf_counter()
-        try:
-            return original(*args, **kwargs)
-        finally:
-            totals[name] += time.perf_counter() - t
+        engine.step()
+        timers.totals[timers.kind]["step"] += time.perf_counter() - t
+    torch.cuda.synchronize()
+    engine.scheduler.schedule = schedule
+    return time.perf_counter() - t0
 
-    setattr(obj, name, wrapper)
+
+def top_kernels(fn, repeats: int = 20, top: int = 10) -> list[dict]:
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            fn()
+        torch.cuda.synchronize()
+    rows = []
+    for event in prof.key_averages():
+        device_us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
+        if device_us:
+            rows.append({"kernel": event.key[:90], "calls_per_step": event.count / repeats,
+                         "us_per_step": round(device_us / repeats, 2)})
+    rows.sort(key=lambda r: -r["us_per_step"])
+    total = sum(r["us_per_step"] for r in rows)
+    return [{"total_us_per_step": round(total, 1), "kernels": len(rows)}] + rows[:top]
 
 
 def main() -> int:
     from dovetail import SamplingParams
     from dovetail.bench import shapes
+    from dovetail.bench.workload import random_requests
     from dovetail.engine import llm_engine
     from dovetail.llm import LLM
 
@@ -40,74 +99,51 @@ def main() -> int:
     p.add_argument("--model", default="qwen3-0.6b")
     p.add_argument("--attention-backend", default=None)
     p.add_argument("--enforce-eager", action="store_true")
-    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--workload", choices=("b1", "b2"), default="b2")
+    p.add_argument("--kernels", action="store_true")
     args = p.parse_args()
 
     model_dir, defaults = shapes.materialize(args.model)
-    llm = LLM(model_dir, attention_backend=args.attention_backend, enforce_eager=args.enforce_eager, **defaults)
+    llm = LLM(model_dir, attention_backend=args.attention_backend, enforce_eager=args.enforce_eager or None,
+              **defaults)
     engine = llm.llm_engine
-    prompt = list(range(1000, 1128))
-    params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=args.output_len)
-    llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, ignore_eos=True, max_tokens=16),
-                 use_tqdm=False)
+    llm.generate([{"prompt_token_ids": list(range(1000, 1128))}],
+                 SamplingParams(temperature=0, ignore_eos=True, max_tokens=16), use_tqdm=False)
+    if args.workload == "b2":
+        requests = [(list(range(1000, 1128)), 256)]
+    else:
+        requests = [(r.prompt_token_ids, r.output_len)
+                    for r in random_requests(256, (100, 1024), (100, 1024), engine.vocab_size, 0)]
+    for i, (prompt, n) in enumerate(requests):
+        engine.add_request(f"p{i}", {"prompt_token_ids": prompt},
+                           SamplingParams(temperature=0, ignore_eos=True, max_tokens=n))
 
-    totals: dict[str, float] = defaultdict(float)
-    _timed(engine.scheduler, "schedule", totals)
-    _timed(engine.runner, "execute", totals)
-    _timed(engine.outputs, "append_token", totals)
-    original_sample = llm_engine.sample
+    timers = StageTimers()
+    timers.wrap(engine.runner, "execute")
+    timers.wrap(engine.kv_manager, "block_ids")
+    timers.wrap(engine.outputs, "append_token")
+    timers.wrap(llm_engine, "sample", "sample (waits for the device)")
+    wall = profile_steps(engine, timers)
+    out_tokens = sum(n for _, n in requests)
+    result = {"model": args.model, "workload": args.workload, "attention_backend": engine.attention_backend.name,
+              "cuda_graphs": engine.runner.graphs is not None, "wall_s": round(wall, 3),
+              "output_tokens_per_s": round(out_tokens / wall, 1), "host_ms_per_step": timers.report()}
+    if args.workload == "b2":
+        result["ms_per_decode_step"] = round(result["host_ms_per_step"]["decode"]["step"], 4)
+    if args.kernels:
+        graphs = engine.runner.graphs
+        if graphs is not None:
+            result["graph_replay_batch1"] = top_kernels(graphs.graphs[1].replay)
+        else:
+            from dovetail.engine.scheduler import ScheduledBatch
 
-    def sample(*a, **k):
-        t = time.perf_counter()
-        try:
-            return original_sample(*a, **k)
-        finally:
-            totals["sample (waits for the device)"] += time.perf_counter() - t
-
-    llm_engine.sample = sample
-    device_ms = []
-    model = engine.runner.model
-    original_forward = model.forward
-
-    def forward(*a, **k):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        out = original_forward(*a, **k)
-        end.record()
-        device_ms.append((start, end))
-        return out
-
-    model.forward = forward
-    engine.add_request("p", {"prompt_token_ids": prompt}, params)
-    steps, t0 = 0, None
-    while engine.has_unfinished_requests():
-        engine.step()
-        steps += 1
-        if steps == 1:  # the prefill step
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for key in list(totals):
-                totals[key] = 0.0
-    torch.cuda.synchronize()
-    wall = time.perf_counter() - t0
-    decode_steps = steps - 1
-    graphs = engine.runner.graphs
-    result = {
-        "model": args.model, "attention_backend": engine.attention_backend.name,
-        "cuda_graphs": graphs is not None, "decode_steps": decode_steps,
-        "ms_per_step": wall / decode_steps * 1000,
-        "host_ms_per_step": {k: v / decode_steps * 1000 for k, v in totals.items()},
-        "eager_forward_device_ms": (sum(s.elapsed_time(e) for s, e in device_ms[1:]) / max(1, len(device_ms) - 1)
-                                    if device_ms[1:] else None),
-    }
-    if graphs is not None:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(100):
-            graphs.graphs[1].replay()
-        end.record()
-        torch.cuda.synchronize()
-        result["graph_replay_device_ms"] = start.elapsed_time(end) / 100
+            engine.add_request("k", {"prompt_token_ids": list(range(1000, 1128))},
+                               SamplingParams(temperature=0, ignore_eos=True, max_tokens=4))
+            engine.step()
+            req = engine._requests["k"]
+            tables = [engine.kv_manager.block_ids("k")]
+            result["eager_decode_batch1"] = top_kernels(
+                lambda: engine.runner.execute(ScheduledBatch([req], [1]), tables))
     print(json.dumps(result))
     return 0
 

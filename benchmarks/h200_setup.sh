@@ -3,7 +3,7 @@
 # then the repository's distributions, editable. Source it: `source benchmarks/h200_setup.sh`.
 # A FlashInfer JIT cache carried as .fi_cache/flashinfer.tgz (from an earlier run) is unpacked too.
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || return 1
+rm -rf /tmp/site; python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || return 1
 export PYTHONPATH=/tmp/site
 python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . -e plugins/cpu -e plugins/cuda \
   -e plugins/models >/tmp/pip-editable.log 2>&1 || { tail -20 /tmp/pip-editable.log; return 1; }

@@ -18,6 +18,7 @@ import itertools
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from dovetail.attention.backend import AttentionBackend
@@ -68,8 +69,9 @@ def block_table_tensor(block_tables: list[list[int]], rows: int | None = None, f
     lens = torch.tensor([len(t) for t in block_tables], dtype=torch.long)
     width = max(int(lens.max()) if len(block_tables) else 0, 1)
     table = torch.full((rows, width), fill, dtype=torch.int32)
-    flat = torch.tensor(list(itertools.chain.from_iterable(block_tables)), dtype=torch.int32)
-    if flat.numel():
+    total = int(lens.sum())
+    flat = torch.from_numpy(np.fromiter(itertools.chain.from_iterable(block_tables), dtype=np.int32, count=total))
+    if total:
         row_of = torch.repeat_interleave(torch.arange(len(block_tables)), lens)
         starts = torch.cumsum(lens, 0) - lens
         col_of = torch.arange(flat.numel()) - torch.repeat_interleave(starts, lens)
@@ -247,9 +249,9 @@ class DecodeGraphs:
         self.sizes = sizes
         dev, n_max = runner.device, sizes[-1]
         self.width = -(-runner.max_model_len // runner.block_size)
-        self.input_ids = torch.zeros(n_max, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(n_max, dtype=torch.long, device=dev)
-        self.slots = torch.zeros(n_max, dtype=torch.long, device=dev)
+        # Token ids, positions and slots travel together in one copy; the graph derives the lengths.
+        self.inputs = torch.zeros(3, n_max, dtype=torch.long, device=dev)
+        self.input_ids, self.positions, self.slots = self.inputs
         self.seq_lens = torch.ones(n_max, dtype=torch.int32, device=dev)
         self.query_start_loc = torch.arange(n_max + 1, dtype=torch.int32, device=dev)
         self.block_table = torch.full((n_max, self.width), runner.spare_block, dtype=torch.int32, device=dev)
@@ -260,6 +262,7 @@ class DecodeGraphs:
             metadata = runner.metadata_builder.build_for_graph(self._load([], [], size), size)
 
             def forward(size=size, metadata=metadata):
+                torch.add(self.positions[:size], 1, out=self.seq_lens[:size])
                 with set_forward_context(metadata):
                     return runner.model(self.input_ids[:size], self.positions[:size])
 
@@ -287,16 +290,15 @@ class DecodeGraphs:
         """Write a decode batch padded to ``size`` into the static buffers; return its attention batch."""
         runner, bs, spare = self.runner, self.runner.block_size, self.runner.spare_block
         pad = size - len(requests)
-        positions = torch.tensor([req.num_computed_tokens for req in requests] + [0] * pad, dtype=torch.long)
-        ids = torch.tensor([req.all_token_ids[req.num_computed_tokens] for req in requests] + [0] * pad,
-                           dtype=torch.long)
+        inputs = torch.zeros(3, size, dtype=torch.long)
+        ids, positions, slots = inputs
+        ids[:len(requests)] = torch.tensor([req.all_token_ids[req.num_computed_tokens] for req in requests],
+                                           dtype=torch.long)
+        positions[:len(requests)] = torch.tensor([req.num_computed_tokens for req in requests], dtype=torch.long)
         table = block_table_tensor(list(block_tables) + [[spare]] * pad, fill=spare)
-        slots = table[torch.arange(size), positions // bs].long() * bs + positions % bs
+        slots.copy_(table[torch.arange(size), positions // bs].long() * bs + positions % bs)
         seq_lens = (positions + 1).int()
-        self.input_ids[:size].copy_(ids, non_blocking=True)
-        self.positions[:size].copy_(positions, non_blocking=True)
-        self.slots[:size].copy_(slots, non_blocking=True)
-        self.seq_lens[:size].copy_(seq_lens, non_blocking=True)
+        self.inputs[:, :size].copy_(inputs, non_blocking=True)
         self.block_table[:size, :table.shape[1]].copy_(table, non_blocking=True)
         return AttentionBatch(
             num_tokens=size, num_seqs=size, num_decodes=size, max_query_len=1, max_seq_len=runner.max_model_len,

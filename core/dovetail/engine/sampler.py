@@ -188,8 +188,17 @@ def _top_logprobs(logprobs: torch.Tensor, sampled: torch.Tensor, rows: list[int]
     return chosen_lp, ranks, top_vals, top_ids
 
 
+def _plain_greedy(p, req: Request) -> bool:
+    """Greedy with nothing that changes the logits or asks for logprobs: the argmax of the raw logits."""
+    return (p.greedy and p.logprobs is None and not p.logit_bias and len(req.output_token_ids) >= p.min_tokens
+            and p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty)
+
+
 def sample(logits: torch.Tensor, requests: list[Request], vocab_size: int | None = None) -> SampleResult:
     """Sample one token per row of ``logits`` (``[rows, vocab]``), row ``i`` for ``requests[i]``."""
+    if all(_plain_greedy(r.params, r) for r in requests):
+        top = logits[:, :vocab_size] if vocab_size is not None else logits
+        return SampleResult(token_ids=top.argmax(dim=-1).tolist(), logprobs=[None] * len(requests))
     logits = logits.float()
     if vocab_size is not None and logits.shape[1] > vocab_size:
         logits = logits[:, :vocab_size]
