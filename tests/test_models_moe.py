@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -55,7 +54,8 @@ def test_reference_is_the_weighted_sum_of_the_chosen_experts():
         gate, up = (w13[e] @ v).chunk(2)
         return w2[e] @ (torch.nn.functional.silu(gate) * up)
 
-    expected = torch.stack([0.7 * expert(2, x[0]) + 0.3 * expert(0, x[0]), 0.4 * expert(1, x[1]) + 0.6 * expert(2, x[1])])
+    expected = torch.stack([0.7 * expert(2, x[0]) + 0.3 * expert(0, x[0]),
+                            0.4 * expert(1, x[1]) + 0.6 * expert(2, x[1])])
     torch.testing.assert_close(moe_reference(x, w13, w2, weights, ids), expected, rtol=1e-5, atol=1e-5)
 
 
@@ -124,6 +124,8 @@ def test_bad_expert_tensors_are_named(name, shape, message):
 
 def test_a_quantization_method_that_cannot_quantize_experts_is_refused():
     class FakeQuant(UnquantizedMethod):
+        """A quantization method that claims every layer, MoE experts included."""
+
         name = "fakeq"
 
     with pytest.raises(SelectionError, match=r"quantization 'fakeq' cannot run this model.*model.layers.0.mlp"):

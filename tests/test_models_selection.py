@@ -41,7 +41,8 @@ def test_gemma2_reports_soft_capping_and_sliding_windows():
 
 
 def test_gemma3_never_soft_caps_attention_like_hf():
-    shape = _shape(_config("Gemma3TextConfig", attn_logit_softcapping=50.0, sliding_window=16, sliding_window_pattern=2))
+    config = _config("Gemma3TextConfig", attn_logit_softcapping=50.0, sliding_window=16, sliding_window_pattern=2)
+    shape = _shape(config)
     assert shape.uses_sliding_window and not shape.uses_logit_softcap
 
 
@@ -185,3 +186,12 @@ def test_a_replacement_at_the_builtin_priority_is_an_error_naming_both_plugins(t
     with pytest.raises(PluginError, match=r"'LlamaForCausalLM'.*same priority 0 by plugins '(models|vendorzoo)' "
                                           r"and '(models|vendorzoo)'"):
         selection.select_model_class(["LlamaForCausalLM"], manager)
+
+
+def test_phi3_longrope_is_refused_naming_the_field(tmp_path):
+    factors = [1.0] * 8
+    config = _config("Phi3Config", pad_token_id=0, eos_token_id=1, original_max_position_embeddings=64,
+                     rope_parameters=dict(rope_type="longrope", rope_theta=10000.0, short_factor=factors,
+                                          long_factor=factors))
+    with pytest.raises(ValueError, match=r"rope_parameters.rope_type 'longrope' \(config.json\) is not supported"):
+        LLM(_config_dir(tmp_path, config), attention_backend="REFERENCE", num_gpu_blocks_override=16)

@@ -40,7 +40,8 @@ def _act_and_mul(h: torch.Tensor, activation: str) -> torch.Tensor:
         return F.silu(gate) * up
     if activation == "gelu_pytorch_tanh":
         return F.gelu(gate, approximate="tanh") * up
-    raise ValueError(f"activation {activation!r} is not supported by the MoE layer (supported: {', '.join(ACTIVATIONS)})")
+    raise ValueError(f"activation {activation!r} is not supported by the MoE layer "
+                     f"(supported: {', '.join(ACTIVATIONS)})")
 
 
 def moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,

@@ -14,10 +14,11 @@ from torch import nn
 
 from dovetail.layers.norm import RMSNorm
 from dovetail.model_interface import ModelContext
-from dovetail_models.llama import (LlamaAttention, LlamaForCausalLM, LlamaMLP, LlamaModel, window_from_layer_types)
+from dovetail_models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, LlamaModel, window_from_layer_types
 
 
 def gemma_activation(config) -> str:
+    """Gemma's MLP activation: ``hidden_activation`` (older configs: ``hidden_act``)."""
     return getattr(config, "hidden_activation", None) or config.hidden_act
 
 

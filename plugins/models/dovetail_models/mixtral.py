@@ -22,7 +22,11 @@ class MixtralModel(LlamaModel):
 
 
 class MixtralForCausalLM(LlamaForCausalLM):
-    """Mixtral causal LM; checkpoints name the MoE block ``block_sparse_moe`` and the experts' projections w1, w3, w2."""
+    """Mixtral causal LM.
+
+    Hub checkpoints name the MoE block ``block_sparse_moe`` and the experts'
+    projections ``w1`` (gate), ``w3`` (up) and ``w2`` (down).
+    """
 
     model_cls = MixtralModel
     rename_weights = ((r"\.block_sparse_moe\.", ".mlp."),)

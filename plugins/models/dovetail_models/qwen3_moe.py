@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dovetail_models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, LlamaModel, window_on_every_layer
-from dovetail_models.llama import LlamaDecoderLayer
+from dovetail_models.llama import (LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel,
+                                   window_on_every_layer)
 from dovetail_models.sparse_moe import SparseMoeBlock
 
 
