@@ -8,11 +8,20 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#if defined(__GNUC__) || defined(__clang__)
+#define DT_API __attribute__((visibility("default")))
+#else
+#define DT_API
+#endif
+
 #ifdef __cplusplus
 extern "C" {
 #endif
 
 enum dt_dtype { DT_FLOAT32 = 0, DT_BFLOAT16 = 1 };
+
+// Status codes of the kernels that read indices.
+enum dt_status { DT_OK = 0, DT_BAD_SLOT = 1, DT_BAD_BLOCK = 2, DT_BAD_BATCH = 3, DT_BAD_POSITION = 4 };
 
 // Paged attention over a mixed prefill/decode batch, with the KV-cache write first.
 // Layouts: q [tokens, num_heads, head_size] and k, v [tokens, num_kv_heads, head_size], each with its own
@@ -41,6 +50,7 @@ typedef struct dt_attention_args {
     int32_t num_kv_heads;
     int32_t head_size;
     int32_t block_size;
+    int32_t num_blocks;      // of each cache, to check slots and block ids
     int32_t sliding_window;  // 0: none
     float scale;
     float softcap;  // 0: none
@@ -51,8 +61,8 @@ typedef struct dt_attention_args {
 // The kernels of one instruction set.
 typedef struct dt_kernel_table {
     const char* name;
-    void (*attention)(const dt_attention_args* args);
-    void (*kv_cache_write)(const dt_attention_args* args);
+    int (*attention)(const dt_attention_args* args);
+    int (*kv_cache_write)(const dt_attention_args* args);
     // out[r] = rms_norm(x[r]) * w; x and out rows of n elements with their own row strides.
     void (*rms_norm)(const void* x, int64_t x_stride, const void* weight, int32_t weight_dtype, void* out,
                      int64_t out_stride, int64_t rows, int64_t n, float eps, int32_t dtype, int32_t num_threads);
@@ -64,7 +74,7 @@ typedef struct dt_kernel_table {
     void (*silu_and_mul)(const void* x, int64_t x_stride, void* out, int64_t rows, int64_t d, int32_t dtype,
                          int32_t num_threads);
     // NeoX rotary: q_out/k_out [tokens, heads * head_size] contiguous; cos_sin float32 [positions, rot_dim].
-    void (*rotary_neox)(const int64_t* positions, const void* q, int64_t q_stride, const void* k,
+    int (*rotary_neox)(const int64_t* positions, int64_t num_positions, const void* q, int64_t q_stride, const void* k,
                         int64_t k_stride, void* q_out, void* k_out, const float* cos_sin, int64_t tokens,
                         int32_t num_heads, int32_t num_kv_heads, int32_t head_size, int32_t rot_dim,
                         int32_t dtype, int32_t num_threads);
@@ -82,25 +92,25 @@ void* dt_scratch(int32_t slot, size_t bytes);
 // -- the exported API -----------------------------------------------------------------------------
 
 // ISAs this CPU can run, best first, comma separated (e.g. "avx512_bf16,avx512,avx2,portable").
-const char* dt_supported_isas(void);
+DT_API const char* dt_supported_isas(void);
 // ISAs compiled into this library, comma separated.
-const char* dt_compiled_isas(void);
+DT_API const char* dt_compiled_isas(void);
 // Select an ISA by name ("auto" = the best supported); returns 0, or -1 (not compiled), -2 (CPU lacks it).
-int dt_set_isa(const char* name);
-const char* dt_current_isa(void);
+DT_API int dt_set_isa(const char* name);
+DT_API const char* dt_current_isa(void);
 // Whether the library was built with OpenMP.
-int dt_has_openmp(void);
+DT_API int dt_has_openmp(void);
 
-void dt_attention(const dt_attention_args* args);
-void dt_kv_cache_write(const dt_attention_args* args);
-void dt_rms_norm(const void* x, int64_t x_stride, const void* weight, int32_t weight_dtype, void* out,
+DT_API int dt_attention(const dt_attention_args* args);
+DT_API int dt_kv_cache_write(const dt_attention_args* args);
+DT_API void dt_rms_norm(const void* x, int64_t x_stride, const void* weight, int32_t weight_dtype, void* out,
                  int64_t out_stride, int64_t rows, int64_t n, float eps, int32_t dtype, int32_t num_threads);
-void dt_add_rms_norm(const void* x, int64_t x_stride, const void* residual, int64_t residual_stride,
+DT_API void dt_add_rms_norm(const void* x, int64_t x_stride, const void* residual, int64_t residual_stride,
                      const void* weight, int32_t weight_dtype, void* out, void* residual_out, int64_t rows,
                      int64_t n, float eps, int32_t dtype, int32_t num_threads);
-void dt_silu_and_mul(const void* x, int64_t x_stride, void* out, int64_t rows, int64_t d, int32_t dtype,
+DT_API void dt_silu_and_mul(const void* x, int64_t x_stride, void* out, int64_t rows, int64_t d, int32_t dtype,
                      int32_t num_threads);
-void dt_rotary_neox(const int64_t* positions, const void* q, int64_t q_stride, const void* k, int64_t k_stride,
+DT_API int dt_rotary_neox(const int64_t* positions, int64_t num_positions, const void* q, int64_t q_stride, const void* k, int64_t k_stride,
                     void* q_out, void* k_out, const float* cos_sin, int64_t tokens, int32_t num_heads,
                     int32_t num_kv_heads, int32_t head_size, int32_t rot_dim, int32_t dtype, int32_t num_threads);
 

@@ -1,0 +1,153 @@
+"""C1 (offline throughput) and C2 (batch-1 decode latency) of BENCHMARKS.md on the CPU, against HF.
+
+Builds the C1 model (Llama: hidden 512, 8 layers, 8 heads, 4 KV heads, intermediate 1376,
+vocab 32000, float32, random weights) once under ``--model-dir``, then in one process:
+
+- C1: 64 requests (prompt 64-256, output 64-128 tokens, ``random.Random(0)``, random token ids,
+  ``ignore_eos``) through ``LLM.generate`` after a warm-up call; output tokens / wall time. HF
+  ``generate`` runs the same requests as one left-padded batch (greedy, ``max_new_tokens`` = the
+  longest output); only the tokens each request asked for count.
+- C2: one 128-token prompt, 256 output tokens; ms per output token with prefill excluded (from the
+  request's first and last token times; for HF, generating 257 tokens minus generating 1).
+
+Usage::
+
+    python benchmarks/cpu_c1c2.py [--backend CPU_SIMD] [--skip-hf] [--repeat 3] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+C1_SHAPE = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
+                intermediate_size=1376, vocab_size=32000, max_position_embeddings=2048)
+
+
+def build_model(path: Path) -> Path:
+    """Save the C1 model with random weights (HF's initialisation, seed 0) unless it exists."""
+    if (path / "config.json").is_file():
+        return path
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    config = LlamaConfig(**C1_SHAPE, tie_word_embeddings=False, bos_token_id=0, eos_token_id=1)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(str(path))
+    return path
+
+
+def c1_requests(num: int = 64, seed: int = 0) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    requests = []
+    for _ in range(num):
+        prompt_len, output_len = rng.randint(64, 256), rng.randint(64, 128)
+        requests.append(([rng.randrange(2, 32000) for _ in range(prompt_len)], output_len))
+    return requests
+
+
+def dovetail_c1(llm, requests) -> float:
+    from dovetail import SamplingParams
+
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in requests]
+    prompts = [{"prompt_token_ids": p} for p, _ in requests]
+    llm.generate(prompts[:4], params[:4], use_tqdm=False)  # warm-up
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    produced = sum(len(o.outputs[0].token_ids) for o in outputs)
+    assert produced == sum(n for _, n in requests)
+    return produced / elapsed
+
+
+def dovetail_c2(llm, prompt: list[int], output_len: int = 256) -> float:
+    from dovetail import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+    m = out.metrics
+    return (m.last_token_time - m.first_token_time) / (output_len - 1) * 1000
+
+
+@torch.inference_mode()
+def hf_c1(model, requests) -> float:
+    longest_prompt = max(len(p) for p, _ in requests)
+    longest_output = max(n for _, n in requests)
+    ids = torch.zeros(len(requests), longest_prompt, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, (p, _) in enumerate(requests):
+        ids[i, longest_prompt - len(p):] = torch.tensor(p)
+        mask[i, longest_prompt - len(p):] = 1
+    kwargs = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+    model.generate(ids[:2, -16:], attention_mask=mask[:2, -16:], max_new_tokens=4, **kwargs)  # warm-up
+    start = time.perf_counter()
+    model.generate(ids, attention_mask=mask, max_new_tokens=longest_output, min_new_tokens=longest_output, **kwargs)
+    elapsed = time.perf_counter() - start
+    return sum(n for _, n in requests) / elapsed
+
+
+@torch.inference_mode()
+def hf_c2(model, prompt: list[int], output_len: int = 256) -> float:
+    ids = torch.tensor([prompt])
+    kwargs = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+    model.generate(ids, max_new_tokens=4, **kwargs)
+
+    def timed(n):
+        start = time.perf_counter()
+        model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kwargs)
+        return time.perf_counter() - start
+
+    return (timed(output_len + 1) - timed(1)) / output_len * 1000
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model-dir", default="/tmp/dovetail-c1-model")
+    parser.add_argument("--backend", action="append", help="attention backend(s) (default: CPU_SIMD)")
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: all usable)")
+    parser.add_argument("--repeat", type=int, default=2, help="measurements of each figure")
+    parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--skip-c1", action="store_true")
+    parser.add_argument("--skip-c2", action="store_true")
+    parser.add_argument("--num-requests", type=int, default=64)
+    args = parser.parse_args()
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    path = build_model(Path(args.model_dir))
+    requests = c1_requests(args.num_requests)
+    c2_prompt = random.Random(1).sample(range(2, 32000), 128)
+    results: dict = {"threads": args.threads, "requests": args.num_requests}
+    from dovetail import LLM
+
+    for backend in args.backend or ["CPU_SIMD"]:
+        llm = LLM(str(path), attention_backend=backend, cpu_threads=args.threads, max_model_len=2048)
+        for _ in range(args.repeat):
+            if not args.skip_c1:
+                results.setdefault(f"{backend} C1 tok/s", []).append(round(dovetail_c1(llm, requests), 1))
+            if not args.skip_c2:
+                results.setdefault(f"{backend} C2 ms/tok", []).append(round(dovetail_c2(llm, c2_prompt), 2))
+            print(json.dumps(results), flush=True)
+        del llm
+    if not args.skip_hf:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+        for _ in range(args.repeat):
+            if not args.skip_c1:
+                results.setdefault("HF C1 tok/s", []).append(round(hf_c1(model, requests), 1))
+            if not args.skip_c2:
+                results.setdefault("HF C2 ms/tok", []).append(round(hf_c2(model, c2_prompt), 2))
+            print(json.dumps(results), flush=True)
+    summary = {k: (statistics.median(v) if isinstance(v, list) else v) for k, v in results.items()}
+    print("median:", json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,205 @@
+"""Python entry points of the C++ kernels: check tensors, then call the library on their data pointers.
+
+Every function checks what the C side assumes (device, dtype, the strides it reads) and raises a
+:class:`~dovetail.errors.ConfigError` naming the argument otherwise.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from dovetail.errors import ConfigError
+from dovetail_cpu import _native
+from dovetail_cpu._native import AttentionArgs
+
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+STATUS = {
+    1: "slot_mapping: a slot is beyond the KV cache (num_blocks * block_size)",
+    2: "block_table: a block id is negative or beyond the KV cache, or the table is too narrow for seq_lens",
+    3: "the batch is inconsistent: query_start_loc must start at 0 and end at the token count, each query "
+       "length must be at most its seq_len, num_heads a multiple of num_kv_heads, head_size a multiple of 16",
+    4: "positions: a position is negative or beyond cos_sin_cache",
+}
+
+
+def _check_status(status: int) -> None:
+    if status:
+        raise ConfigError(STATUS.get(status, f"CPU kernel failed with status {status}"))
+
+
+def dtype_code(t: torch.Tensor, name: str) -> int:
+    code = DTYPE_CODES.get(t.dtype)
+    if code is None or t.device.type != "cpu":
+        raise ConfigError(f"{name}: the CPU kernels take float32 or bfloat16 CPU tensors "
+                          f"(got {t.dtype} on {t.device})")
+    return code
+
+
+def check_rows(t: torch.Tensor, name: str, width: int | None = None) -> None:
+    """``t`` is ``[rows, ..., d]`` whose rows may be strided but whose inner dimensions are dense."""
+    expected = 1
+    for size, stride in zip(reversed(t.shape[1:]), reversed(t.stride()[1:])):
+        if stride != expected and size != 1:
+            raise ConfigError(f"{name}: all but the first dimension must be contiguous "
+                              f"(shape {tuple(t.shape)}, strides {t.stride()})")
+        expected *= size
+    if width is not None and expected != width:
+        raise ConfigError(f"{name}: expected rows of {width} elements, got shape {tuple(t.shape)}")
+
+
+def _index_tensor(t: torch.Tensor, dtype: torch.dtype, name: str) -> torch.Tensor:
+    if t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous():
+        raise ConfigError(f"{name}: expected a contiguous {dtype} CPU tensor (got {t.dtype}, "
+                          f"{'contiguous' if t.is_contiguous() else 'strided'}, on {t.device})")
+    return t
+
+
+def batch_args(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
+               slot_mapping: torch.Tensor | None, block_size: int, num_threads: int) -> AttentionArgs:
+    """The per-step part of the attention arguments (the same for every layer)."""
+    args = AttentionArgs()
+    args.query_start_loc = _index_tensor(query_start_loc, torch.int32, "query_start_loc").data_ptr()
+    args.seq_lens = _index_tensor(seq_lens, torch.int32, "seq_lens").data_ptr()
+    args.block_table = _index_tensor(block_table, torch.int32, "block_table").data_ptr()
+    args.block_table_stride = block_table.shape[1] if block_table.dim() == 2 else 0
+    if slot_mapping is not None:
+        args.slot_mapping = _index_tensor(slot_mapping, torch.int64, "slot_mapping").data_ptr()
+    args.num_seqs = seq_lens.shape[0]
+    args.block_size = block_size
+    args.num_threads = max(1, num_threads)
+    return args
+
+
+def paged_attention(args: AttentionArgs, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+                    kv_cache: torch.Tensor, scale: float, sliding_window: int | None = None,
+                    logit_softcap: float | None = None, out: torch.Tensor | None = None,
+                    write_kv: bool = True) -> torch.Tensor:
+    """Write ``k``/``v`` at the slots (when ``write_kv``), then attend ``q`` over the paged cache.
+
+    ``args`` comes from :func:`batch_args`; ``kv_cache`` is ``[2, blocks, block_size, kv_heads, head]``.
+    """
+    tokens, num_heads, head_size = q.shape
+    num_kv_heads = kv_cache.shape[3]
+    code = dtype_code(q, "q")
+    if kv_cache.dtype != q.dtype or not kv_cache.is_contiguous() or kv_cache.shape[-1] != head_size:
+        raise ConfigError(f"kv_cache: expected a contiguous {q.dtype} cache [2, blocks, block_size, "
+                          f"{num_kv_heads}, {head_size}] (got {kv_cache.dtype}, shape {tuple(kv_cache.shape)})")
+    if kv_cache.shape[2] != args.block_size:
+        raise ConfigError(f"kv_cache: block size {kv_cache.shape[2]} differs from the batch's {args.block_size}")
+    check_rows(q, "q")
+    if out is None:
+        out = torch.empty((tokens, num_heads, head_size), dtype=q.dtype)
+    else:
+        check_rows(out, "out")
+    if write_kv and k is not None:
+        for name, t in (("k", k), ("v", v)):
+            if t.dtype != q.dtype:
+                raise ConfigError(f"{name}: dtype {t.dtype} differs from q's {q.dtype}")
+            check_rows(t, name, num_kv_heads * head_size)
+        args.k, args.v = k.data_ptr(), v.data_ptr()
+        args.k_stride, args.v_stride = k.stride(0), v.stride(0)
+    else:
+        args.k = args.v = None
+    args.q, args.q_stride = q.data_ptr(), q.stride(0)
+    args.out, args.out_stride = out.data_ptr(), out.stride(0)
+    args.key_cache = kv_cache.data_ptr()
+    args.value_cache = kv_cache[1].data_ptr()
+    args.num_blocks = kv_cache.shape[1]
+    args.num_tokens = tokens
+    args.num_heads, args.num_kv_heads, args.head_size = num_heads, num_kv_heads, head_size
+    args.sliding_window = sliding_window or 0
+    args.scale, args.softcap = scale, logit_softcap or 0.0
+    args.dtype = code
+    if tokens:
+        _check_status(_native.lib().dt_attention(ctypes.byref(args)))
+    return out
+
+
+def write_kv_cache(args: AttentionArgs, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor) -> None:
+    """Store ``k``/``v`` ``[tokens, kv_heads, head]`` at the slots of ``args`` (negative slot: skip)."""
+    tokens, num_kv_heads, head_size = k.shape
+    code = dtype_code(k, "k")
+    if kv_cache.dtype != k.dtype or not kv_cache.is_contiguous() or tuple(kv_cache.shape[3:]) != (num_kv_heads, head_size):
+        raise ConfigError(f"kv_cache: expected a contiguous {k.dtype} cache [2, blocks, block_size, "
+                          f"{num_kv_heads}, {head_size}] (got {kv_cache.dtype}, shape {tuple(kv_cache.shape)})")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != k.dtype:
+            raise ConfigError(f"{name}: dtype {t.dtype} differs from k's {k.dtype}")
+        check_rows(t, name, num_kv_heads * head_size)
+    args.k, args.v, args.k_stride, args.v_stride = k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0)
+    args.key_cache, args.value_cache = kv_cache.data_ptr(), kv_cache[1].data_ptr()
+    args.num_blocks, args.block_size = kv_cache.shape[1], kv_cache.shape[2]
+    args.num_tokens, args.num_kv_heads, args.head_size, args.dtype = tokens, num_kv_heads, head_size, code
+    _check_status(_native.lib().dt_kv_cache_write(ctypes.byref(args)))
+
+
+def _check_weight(weight: torch.Tensor, x: torch.Tensor) -> int:
+    if weight.dtype not in (torch.float32, x.dtype) or not weight.is_contiguous() or weight.numel() != x.shape[-1]:
+        raise ConfigError(f"weight: expected a contiguous float32 or {x.dtype} vector of {x.shape[-1]} "
+                          f"(got {weight.dtype}, shape {tuple(weight.shape)})")
+    return DTYPE_CODES[weight.dtype]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, num_threads: int) -> torch.Tensor:
+    n = x.shape[-1]
+    wcode = _check_weight(weight, x)
+    rows = x.reshape(-1, n)
+    check_rows(rows, "x")
+    out = torch.empty(x.shape, dtype=x.dtype)
+    _native.lib().dt_rms_norm(rows.data_ptr(), rows.stride(0), weight.data_ptr(), wcode,
+                              out.data_ptr(), n, rows.shape[0], n, eps, dtype_code(x, "x"), num_threads)
+    return out
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                 num_threads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    n = x.shape[-1]
+    wcode = _check_weight(weight, x)
+    if residual.dtype != x.dtype or residual.shape != x.shape:
+        raise ConfigError(f"residual: expected {x.dtype} of shape {tuple(x.shape)} "
+                          f"(got {residual.dtype}, {tuple(residual.shape)})")
+    xr, rr = x.reshape(-1, n), residual.reshape(-1, n)
+    check_rows(xr, "x")
+    check_rows(rr, "residual")
+    out = torch.empty(x.shape, dtype=x.dtype)
+    summed = torch.empty(x.shape, dtype=x.dtype)
+    _native.lib().dt_add_rms_norm(xr.data_ptr(), xr.stride(0), rr.data_ptr(), rr.stride(0), weight.data_ptr(),
+                                  wcode, out.data_ptr(), summed.data_ptr(), xr.shape[0], n, eps,
+                                  dtype_code(x, "x"), num_threads)
+    return out, summed
+
+
+def silu_and_mul(x: torch.Tensor, num_threads: int) -> torch.Tensor:
+    d = x.shape[-1] // 2
+    rows = x.reshape(-1, 2 * d)
+    check_rows(rows, "x")
+    out = torch.empty((*x.shape[:-1], d), dtype=x.dtype)
+    _native.lib().dt_silu_and_mul(rows.data_ptr(), rows.stride(0), out.data_ptr(), rows.shape[0], d,
+                                  dtype_code(x, "x"), num_threads)
+    return out
+
+
+def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor,
+                     head_size: int, rotary_dim: int, num_threads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """NeoX rotary on ``q`` ``[tokens, heads * head]`` and ``k`` ``[tokens, kv_heads * head]``; new tensors."""
+    tokens = q.shape[0]
+    check_rows(q, "q")
+    check_rows(k, "k")
+    if k.dtype != q.dtype:
+        raise ConfigError(f"k: dtype {k.dtype} differs from q's {q.dtype}")
+    if cos_sin_cache.dtype != torch.float32 or not cos_sin_cache.is_contiguous() or cos_sin_cache.shape[1] != rotary_dim:
+        raise ConfigError(f"cos_sin_cache: expected a contiguous float32 [positions, {rotary_dim}] tensor "
+                          f"(got {cos_sin_cache.dtype}, shape {tuple(cos_sin_cache.shape)})")
+    if rotary_dim % 2 or not 0 < rotary_dim <= head_size:
+        raise ConfigError(f"rotary_dim: must be even and in (0, head_size={head_size}] (got {rotary_dim})")
+    positions = _index_tensor(positions, torch.int64, "positions")
+    q_out = torch.empty((tokens, q.shape[1]), dtype=q.dtype)
+    k_out = torch.empty((tokens, k.shape[1]), dtype=k.dtype)
+    status = _native.lib().dt_rotary_neox(
+        positions.data_ptr(), cos_sin_cache.shape[0], q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0),
+        q_out.data_ptr(), k_out.data_ptr(), cos_sin_cache.data_ptr(), tokens, q.shape[1] // head_size,
+        k.shape[1] // head_size, head_size, rotary_dim, dtype_code(q, "q"), num_threads)
+    _check_status(status)
+    return q_out, k_out

@@ -1,0 +1,49 @@
+"""The CPU platform's fused operations: C++ SIMD kernels where they beat torch, torch elsewhere.
+
+Each override was measured against :class:`dovetail.ops.FusedOps` with ``benchmarks/cpu_kernels.py``
+(figures in the plugin's README section). Inputs the kernels do not take (other dtypes, strided
+inner dimensions, a weight of another dtype) go to the torch definition.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dovetail.ops import FusedOps
+from dovetail_cpu import kernels
+
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _dense_rows(t: torch.Tensor) -> bool:
+    return t.dim() >= 1 and t.stride(-1) == 1 and (t.dim() < 3 or t.is_contiguous())
+
+
+class CpuFusedOps(FusedOps):
+    """RMSNorm (with the residual add), NeoX rotary embedding and SiLU-and-mul in C++."""
+
+    name = "cpu_simd"
+
+    def rms_norm(self, x, weight, eps):
+        if x.dtype in _KERNEL_DTYPES and weight.dtype in (torch.float32, x.dtype) and _dense_rows(x):
+            return kernels.rms_norm(x, weight, eps, torch.get_num_threads())
+        return super().rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, x, residual, weight, eps):
+        if (x.dtype in _KERNEL_DTYPES and residual.dtype == x.dtype and weight.dtype in (torch.float32, x.dtype)
+                and residual.shape == x.shape and _dense_rows(x) and _dense_rows(residual)):
+            return kernels.add_rms_norm(x, residual, weight, eps, torch.get_num_threads())
+        return super().add_rms_norm(x, residual, weight, eps)
+
+    def silu_and_mul(self, x):
+        if x.dtype in _KERNEL_DTYPES and _dense_rows(x):
+            return kernels.silu_and_mul(x, torch.get_num_threads())
+        return super().silu_and_mul(x)
+
+    def rotary_embedding(self, positions, q, k, cos_sin_cache, head_size, rotary_dim):
+        if (q.dtype in _KERNEL_DTYPES and k.dtype == q.dtype and q.dim() == 2 and k.dim() == 2
+                and q.stride(1) == 1 and k.stride(1) == 1 and positions.dtype == torch.int64
+                and positions.is_contiguous() and cos_sin_cache.dtype == torch.float32 and rotary_dim % 2 == 0):
+            return kernels.rotary_embedding(positions, q, k, cos_sin_cache.contiguous(), head_size, rotary_dim,
+                                            torch.get_num_threads())
+        return super().rotary_embedding(positions, q, k, cos_sin_cache, head_size, rotary_dim)
