@@ -113,6 +113,10 @@ def install_error_handlers(app: FastAPI) -> None:
         message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
         if exc.status_code == 404 and message == "Not Found":
             message = f"path: {request.url.path} is not an endpoint of this server"
+        elif exc.status_code == 405:
+            message = f"method: {request.method} is not allowed on {request.url.path}"
+        elif exc.status_code == 400 and message == "There was an error parsing the body":
+            message = "body: cannot be read as JSON (is it valid UTF-8?)"
         return error_response(exc.status_code, message, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(APIError)
