@@ -69,6 +69,7 @@ class ServerProcess:
             return f.read()
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
+        """Stop the server (if it still runs) and remove its log."""
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
             try:
@@ -76,6 +77,9 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        self.log.close()
+        if os.path.exists(self.log.name):
+            os.unlink(self.log.name)
         return self.proc.returncode
 
 
