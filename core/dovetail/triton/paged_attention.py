@@ -24,6 +24,7 @@ batches too small to fill it (batch 1 has only ``num_kv_heads`` programs otherwi
 
 from __future__ import annotations
 
+import inspect
 import os
 from dataclasses import dataclass
 
@@ -58,7 +59,15 @@ def _find_sequence(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr
     return lo - 1
 
 
-@triton.jit(do_not_specialize=["num_seqs", "window", "stride_table"])
+# Per-step values must not select a new compiled kernel: lengths and the table's
+# width are plain runtime integers, and the metadata tensors (sliced past the
+# decodes for the prefill launch) are not specialised on their alignment.
+_PER_STEP_POINTERS = ["block_table_ptr", "seq_lens_ptr", "query_start_loc_ptr"]
+_NO_ALIGNMENT = ({"do_not_specialize_on_alignment": _PER_STEP_POINTERS}
+                 if "do_not_specialize_on_alignment" in inspect.signature(triton.jit).parameters else {})
+
+
+@triton.jit(do_not_specialize=["num_seqs", "window", "stride_table"], **_NO_ALIGNMENT)
 def _paged_attention_kernel(
     q_ptr, key_cache_ptr, value_cache_ptr, out_ptr,
     split_out_ptr, split_max_ptr, split_sum_ptr,
