@@ -253,7 +253,7 @@ def build_awq(src, dst, group_size):
 
 PROMPTS = [list(range(5, 17)), [40, 41, 42, 7, 9, 200, 13], list(range(100, 130, 3)), [3, 1, 4, 1, 5, 9, 2, 6]]
 NEW_TOKENS = 16
-ENGINE = dict(attention_backend="REFERENCE", kv_cache_memory_bytes=2**26)
+ENGINE = dict(device="cpu", attention_backend="REFERENCE", kv_cache_memory_bytes=2**26)
 #: Layer output vs x @ W_ref.T, relative to max |output|: float32 reference kernels (weight-only
 #: formats), or quantized activations on top (the float reference sees the same rounding of W but
 #: not of x: FP8's 3 mantissa bits give ~3% relative error per activation, INT8 ~0.4%).
@@ -461,7 +461,7 @@ def test_flag_conflicting_with_checkpoint_is_refused(float_dir, tmp_path):
 
 @pytest.mark.parametrize("name", ["gptq", "awq", "compressed-tensors"])
 def test_checkpoint_formats_refuse_a_float_checkpoint(float_dir, name):
-    with pytest.raises(SelectionError, match=rf"'{name}' reads .* checkpoints only"):
+    with pytest.raises(SelectionError, match=rf"'{name}' reads .* checkpoints .*cannot quantize weights at load"):
         LLM(str(float_dir), quantization=name, **ENGINE)
 
 

@@ -222,7 +222,8 @@ def test_platform_kernels_reach_the_linear_layers(tiny_llama_dir, monkeypatch):
             return super().fp8_linear(x, *args, **kwargs)
 
     monkeypatch.setattr(CpuPlatform, "quant_kernels", lambda self: CountingKernels())
-    llm = LLM(str(tiny_llama_dir), attention_backend="REFERENCE", quantization="fp8", kv_cache_memory_bytes=2**26)
+    llm = LLM(str(tiny_llama_dir), device="cpu", attention_backend="REFERENCE", quantization="fp8",
+              kv_cache_memory_bytes=2**26)
     layer = llm.llm_engine.model.get_submodule("model.layers.0.mlp.down_proj")
     assert layer.quant_kernels.name == "counting"
     llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)

@@ -73,7 +73,8 @@ def test_gpu_kernels_run_a_loaded_gptq_layer(tiny_llama_dir, tmp_path):
     from test_quant_checkpoints import build_gptq
 
     path, _ = build_gptq(tiny_llama_dir, tmp_path / "gptq", 32, True, False)
-    llm = LLM(str(path), attention_backend="REFERENCE", kv_cache_memory_bytes=2**24)
+    llm = LLM(str(path), attention_backend="REFERENCE", dtype="float32", kv_cache_memory_bytes=2**24,
+              gpu_memory_utilization=0.2)
     layer = llm.llm_engine.model.get_submodule("model.layers.1.self_attn.qkv_proj")
     x = torch.randn(4, layer.input_size, device=layer.qweight.device)
     with torch.no_grad():

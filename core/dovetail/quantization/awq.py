@@ -51,8 +51,8 @@ class AwqMethod(QuantMethod):
     def validate(self, platform, dtype):
         reasons = super().validate(platform, dtype)
         if not self.pre_quantized:
-            reasons.append("quantization 'awq' reads AWQ checkpoints only; this checkpoint has no "
-                           "quantization_config (to quantize at load, use fp8 or int8)")
+            reasons.append("quantization 'awq' reads AWQ checkpoints (config.json quantization_config."
+                           "quant_method 'awq') and cannot quantize weights at load; fp8 and int8 can")
         return reasons
 
     def quantizes(self, prefix: str) -> bool:

@@ -68,8 +68,9 @@ class CompressedTensorsMethod(QuantMethod):
     def validate(self, platform, dtype):
         reasons = super().validate(platform, dtype)
         if not self.pre_quantized:
-            reasons.append("quantization 'compressed-tensors' reads compressed-tensors checkpoints only; this "
-                           "checkpoint has no quantization_config (to quantize at load, use fp8 or int8)")
+            reasons.append("quantization 'compressed-tensors' reads compressed-tensors checkpoints (config.json "
+                           "quantization_config.quant_method 'compressed-tensors') and cannot quantize weights "
+                           "at load; fp8 and int8 can")
         elif self.uses_fp8:
             reasons += fp8_reasons(self, platform)
         return reasons

@@ -59,8 +59,8 @@ class GptqMethod(QuantMethod):
     def validate(self, platform, dtype):
         reasons = super().validate(platform, dtype)
         if not self.pre_quantized:
-            reasons.append("quantization 'gptq' reads GPTQ checkpoints only; this checkpoint has no "
-                           "quantization_config (to quantize at load, use fp8 or int8)")
+            reasons.append("quantization 'gptq' reads GPTQ checkpoints (config.json quantization_config."
+                           "quant_method 'gptq') and cannot quantize weights at load; fp8 and int8 can")
         return reasons
 
     def quantizes(self, prefix: str) -> bool:
