@@ -73,6 +73,21 @@ def test_deltas_add_up_to_the_final_output(llm):
     assert ids == [c.token_ids for c in final.outputs]
 
 
+def test_a_slow_consumer_gets_the_missed_steps_merged(llm):
+    async def scenario(engine):
+        stream = await engine.add([NewRequest("slow", "hello world", SamplingParams(max_tokens=20, seed=5, n=2,
+                                                                                     ignore_eos=True))])
+        # A command's answer reaches the event loop after the outputs of the steps before it.
+        while await engine.call(lambda e: e.num_unfinished_requests()):
+            await asyncio.sleep(0.01)
+        return [item async for item in stream]
+
+    items = run(llm, scenario)
+    assert len(items) == 1 and items[0].output.finished  # twenty steps, one merged output
+    for (text, ids), completion in zip(items[0].output.deltas, items[0].output.outputs):
+        assert text == completion.text and ids == completion.token_ids and len(ids) == 20
+
+
 def test_invalid_group_is_added_not_at_all(llm):
     async def scenario(engine):
         requests = [NewRequest("ok", [5, 6], GREEDY), NewRequest("bad", [5, 10**6], GREEDY)]

@@ -3,7 +3,7 @@
 Every call into the engine (add, abort, step, stats) runs in that thread, one
 after another, so the engine itself needs no locks. Coroutines hand it
 commands through a thread-safe queue and read their requests' outputs from
-per-request asyncio queues, which the thread fills through the event loop. An
+a :class:`RequestStream` each, which the thread fills through the event loop. An
 exception raised by a step fails the requests in flight with
 :class:`EngineStepError`; the loop itself keeps serving.
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import queue
 import threading
@@ -61,27 +62,45 @@ class RequestStream:
     """The outputs of a group of requests added together, as they arrive.
 
     Iterating yields :class:`TimedOutput` until every request of the group has
-    finished. Leaving early (``abort()`` or an exception in the consumer)
-    aborts the unfinished ones, freeing their KV-cache blocks.
+    finished. A consumer that falls behind gets one output per request that
+    merges the steps it missed (the latest cumulative output, the deltas of all
+    of them), so a slow client costs no memory per step. A consumer that
+    leaves early calls :meth:`abort`, which frees the requests' KV-cache blocks.
     """
 
     def __init__(self, engine: "AsyncLLMEngine", request_ids: list[str]):
         self._engine = engine
         self.request_ids = request_ids
         self.unfinished = set(request_ids)
-        self.queue: asyncio.Queue = asyncio.Queue()
+        self._pending: dict[str, TimedOutput] = {}
+        self._error: BaseException | None = None
+        self._ready = asyncio.Event()
+
+    def put(self, item: TimedOutput | BaseException) -> None:
+        """Hand over an output or a failure (on the event loop's thread)."""
+        if isinstance(item, BaseException):
+            self._error = item
+        else:
+            rid = item.output.request_id
+            earlier = self._pending.get(rid)
+            self._pending[rid] = item if earlier is None else _merge(earlier, item)
+        self._ready.set()
 
     def __aiter__(self) -> AsyncIterator[TimedOutput]:
         return self._iterate()
 
     async def _iterate(self) -> AsyncIterator[TimedOutput]:
         while self.unfinished:
-            item = await self.queue.get()
-            if isinstance(item, BaseException):
+            while not self._pending and self._error is None:
+                self._ready.clear()
+                await self._ready.wait()
+            if self._error is not None and not self._pending:
                 self.unfinished.clear()
-                raise item
+                raise self._error
+            rid = next(iter(self._pending))
+            item = self._pending.pop(rid)
             if item.output.finished:
-                self.unfinished.discard(item.output.request_id)
+                self.unfinished.discard(rid)
             yield item
 
     def abort(self) -> None:
@@ -89,6 +108,12 @@ class RequestStream:
         if self.unfinished:
             self._engine.abort(list(self.unfinished))
             self.unfinished.clear()
+
+
+def _merge(earlier: TimedOutput, later: TimedOutput) -> TimedOutput:
+    """One output standing for two consecutive ones of a request: the later state, both deltas."""
+    deltas = [(t0 + t1, ids0 + ids1) for (t0, ids0), (t1, ids1) in zip(earlier.output.deltas, later.output.deltas)]
+    return TimedOutput(dataclasses.replace(later.output, deltas=deltas), later.time)
 
 
 class AsyncLLMEngine:
@@ -286,7 +311,7 @@ class AsyncLLMEngine:
 
         def put_all():
             for stream, item in deliveries:
-                stream.queue.put_nowait(item)
+                stream.put(item)
 
         try:
             self._loop.call_soon_threadsafe(put_all)
