@@ -73,7 +73,7 @@ class CpuSimdBackend(AttentionBackend, metaclass=_ReportsIsa):
     """Paged attention for the CPU platform in C++ SIMD kernels, float32 and bfloat16."""
 
     name = "CPU_SIMD"
-    supported_head_sizes = tuple(range(32, 257, 16))
+    supported_head_sizes = tuple(range(16, 257, 16))
     supported_dtypes = ("float32", "bfloat16")
     supported_kv_cache_dtypes = ("auto", "float32", "bfloat16")
     supported_device_types = ("cpu",)

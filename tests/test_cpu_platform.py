@@ -1,0 +1,118 @@
+"""The cpu platform: contract, threads, KV-cache budget, dtypes, ISA dispatch and what `dovetail plugins` shows."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dovetail import testing
+from dovetail.config import DEFAULT_KV_CACHE_BYTES, EngineArgs
+from dovetail.errors import ConfigError
+from dovetail_cpu import cpu_info, isa
+from dovetail_cpu.ops import CpuFusedOps
+from dovetail_cpu.platform import CpuPlatform
+
+
+@pytest.fixture
+def restore_threads():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def _config(**kwargs):
+    return EngineArgs("unused", **kwargs).create_engine_config()
+
+
+def test_platform_contract_and_fused_ops():
+    platform = testing.check_platform(CpuPlatform)
+    assert isinstance(platform.fused_ops(), CpuFusedOps)
+    assert platform.default_attention_backends()[0] == "CPU_SIMD"
+    assert "REFERENCE" in platform.default_attention_backends()
+    assert isa.selected_isa() in platform.describe()
+
+
+def test_cpu_threads_flag_wins_over_omp_num_threads(monkeypatch, restore_threads):
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    config = _config(cpu_threads=1)
+    CpuPlatform().check_and_update_config(config)
+    assert torch.get_num_threads() == 1
+    assert config.device.enforce_eager
+
+
+def test_omp_num_threads_is_honoured(monkeypatch, restore_threads):
+    torch.set_num_threads(2)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1,1")
+    CpuPlatform().check_and_update_config(_config())
+    assert torch.get_num_threads() == 1
+
+
+def test_default_threads_are_the_usable_cores(monkeypatch, restore_threads):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    CpuPlatform().check_and_update_config(_config())
+    assert torch.get_num_threads() == cpu_info.usable_cores()
+
+
+def test_bad_omp_num_threads_is_named(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "many")
+    with pytest.raises(ConfigError, match="OMP_NUM_THREADS"):
+        CpuPlatform().check_and_update_config(_config())
+
+
+def test_kv_cache_budget_in_bytes():
+    platform = CpuPlatform()
+    assert platform.kv_cache_bytes(_config(kv_cache_memory_bytes=12345678), lambda: 0) == 12345678
+    default = platform.kv_cache_bytes(_config(), lambda: 0)
+    assert 0 < default <= DEFAULT_KV_CACHE_BYTES
+
+
+def test_bf16_offered_exactly_when_the_cpu_has_it():
+    assert (torch.bfloat16 in CpuPlatform().supported_dtypes()) == cpu_info.has_bf16()
+
+
+def test_unknown_isa_lists_the_compiled_ones():
+    with pytest.raises(ConfigError, match="unknown CPU ISA 'sse9'.*portable"):
+        isa.select_isa("sse9")
+    assert isa.selected_isa() in isa.supported_isas()
+
+
+def test_isa_this_cpu_lacks_is_refused():
+    lacking = [name for name in isa.compiled_isas() if name not in isa.supported_isas()]
+    if not lacking:
+        pytest.skip(f"this CPU runs every compiled path ({', '.join(isa.compiled_isas())})")
+    with pytest.raises(ConfigError, match="cannot run"):
+        isa.select_isa(lacking[0])
+
+
+def test_auto_picks_the_best_path():
+    assert isa.select_isa("auto") == isa.supported_isas()[0]
+    flags = cpu_info.cpu_flags()
+    if "avx512_bf16" in flags:
+        assert isa.selected_isa() == "avx512_bf16"
+    elif {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
+        assert isa.selected_isa() == "avx512"
+    elif {"avx2", "fma"} <= flags:
+        assert isa.selected_isa() == "avx2"
+
+
+def _run(code: str, **env) -> str:
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, **env})
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def test_env_var_forces_the_path_and_dovetail_plugins_reports_it():
+    out = _run("from dovetail.cli.main import main; main(['plugins'])", DOVETAIL_CPU_ISA="portable")
+    assert "CPU_SIMD" in out and "kernel path here: portable" in out
+    assert "attention backend: CPU_SIMD" in out
+
+
+def test_importing_the_plugin_loads_no_kernels():
+    out = _run("import sys, dovetail_cpu.plugin; from dovetail.plugin_manager import get_plugin_manager; "
+               "get_plugin_manager(); print('dovetail_cpu._native' in sys.modules, 'torch' in sys.modules)")
+    assert out.split()[0] == "False"
