@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import time
 from collections import defaultdict
 
@@ -102,6 +103,7 @@ def main() -> int:
     p.add_argument("--workload", choices=("b1", "b2"), default="b2")
     p.add_argument("--kernels", action="store_true")
     args = p.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
     model_dir, defaults = shapes.materialize(args.model)
     llm = LLM(model_dir, attention_backend=args.attention_backend, enforce_eager=args.enforce_eager or None,
@@ -123,6 +125,13 @@ def main() -> int:
     timers.wrap(engine.kv_manager, "block_ids")
     timers.wrap(engine.outputs, "append_token")
     timers.wrap(llm_engine, "sample", "sample (waits for the device)")
+    graphs = engine.runner.graphs
+    if graphs is not None:
+        timers.wrap(graphs, "_load", "execute: graph inputs")
+        timers.wrap(engine.runner.metadata_builder, "build_for_graph", "execute: attention plan")
+        for graph in graphs.graphs.values():
+            timers.wrap(graph, "replay", "execute: graph launch")
+    timers.wrap(engine.runner.model, "compute_logits", "execute: logits launch")
     wall = profile_steps(engine, timers)
     out_tokens = sum(n for _, n in requests)
     result = {"model": args.model, "workload": args.workload, "attention_backend": engine.attention_backend.name,
@@ -137,7 +146,7 @@ def main() -> int:
         else:
             from dovetail.engine.scheduler import ScheduledBatch
 
-            engine.add_request("k", {"prompt_token_ids": list(range(1000, 1128))},
+            engine.add_request("k", {"prompt_token_ids": list(range(1000, 1120))},
                                SamplingParams(temperature=0, ignore_eos=True, max_tokens=4))
             engine.step()
             req = engine._requests["k"]

@@ -49,8 +49,10 @@ def _greedy(llm, prompts=PROMPTS):
     return [o.outputs[0].token_ids for o in outputs]
 
 
-def _free(llm):
-    del llm
+@pytest.fixture(autouse=True)
+def _release_gpu_memory():
+    """An engine is a reference cycle (runner <-> graphs): collect it before the next test sizes its cache."""
+    yield
     gc.collect()
     torch.cuda.empty_cache()
 
@@ -63,7 +65,6 @@ def test_greedy_matches_hf(model_dir, hf_reference, backend):
         assert llm.llm_engine.runner.graphs is not None, "CUDA graphs are on by default"
     for tokens, (hf_tokens, hf_logprobs) in zip(_greedy(llm), hf_reference):
         assert_greedy_matches(tokens, hf_tokens, hf_logprobs, tol=0.05)
-    _free(llm)
 
 
 @pytest.mark.parametrize("backend", ["FLASHINFER", "TRITON"])
@@ -72,14 +73,14 @@ def test_graphs_on_and_off_give_identical_tokens(model_dir, backend):
     eager = LLM(str(model_dir), attention_backend=backend, enforce_eager=True, **ENGINE)
     assert eager.llm_engine.runner.graphs is None
     eager_tokens = _greedy(eager, prompts)
-    _free(eager)
+    del eager
+    gc.collect()
     graphs = LLM(str(model_dir), attention_backend=backend, **ENGINE)
     replays = []
     original = graphs.llm_engine.runner.graphs.run
     graphs.llm_engine.runner.graphs.run = lambda *a: replays.append(1) or original(*a)
     assert _greedy(graphs, prompts) == eager_tokens
     assert len(replays) == MAX_TOKENS - 1, "every decode step should replay a graph"
-    _free(graphs)
 
 
 def test_each_step_synchronises_with_the_host_once(model_dir):
@@ -101,7 +102,6 @@ def test_each_step_synchronises_with_the_host_once(model_dir):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert counts and all(c == 1 for c in counts), counts
-    _free(llm)
 
 
 def test_kv_cache_is_sized_from_gpu_memory_utilization(model_dir):
@@ -110,4 +110,3 @@ def test_kv_cache_is_sized_from_gpu_memory_utilization(model_dir):
     total = torch.cuda.mem_get_info()[1]
     kv_bytes = engine.num_blocks * engine.runner.bytes_per_block()
     assert 0.05 * total < kv_bytes < 0.1 * total
-    _free(llm)

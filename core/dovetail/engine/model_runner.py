@@ -63,20 +63,22 @@ def _to(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return host.to(device, non_blocking=True)
 
 
-def block_table_tensor(block_tables: list[list[int]], rows: int | None = None, fill: int = 0) -> torch.Tensor:
+def block_table_array(block_tables: list[list[int]], rows: int | None = None, fill: int = 0) -> np.ndarray:
     """``[rows, widest table]`` int32 on the host, each table left-aligned and padded with ``fill``."""
     rows = len(block_tables) if rows is None else rows
-    lens = torch.tensor([len(t) for t in block_tables], dtype=torch.long)
+    lens = np.fromiter(map(len, block_tables), dtype=np.int64, count=len(block_tables))
     width = max(int(lens.max()) if len(block_tables) else 0, 1)
-    table = torch.full((rows, width), fill, dtype=torch.int32)
+    table = np.full((rows, width), fill, dtype=np.int32)
     total = int(lens.sum())
-    flat = torch.from_numpy(np.fromiter(itertools.chain.from_iterable(block_tables), dtype=np.int32, count=total))
-    if total:
-        row_of = torch.repeat_interleave(torch.arange(len(block_tables)), lens)
-        starts = torch.cumsum(lens, 0) - lens
-        col_of = torch.arange(flat.numel()) - torch.repeat_interleave(starts, lens)
-        table[row_of, col_of] = flat
+    if total:  # a boolean mask selects row by row, left to right: the order of the concatenated tables
+        flat = np.fromiter(itertools.chain.from_iterable(block_tables), dtype=np.int32, count=total)
+        table[:len(block_tables)][np.arange(width) < lens[:, None]] = flat
     return table
+
+
+def block_table_tensor(block_tables: list[list[int]], rows: int | None = None, fill: int = 0) -> torch.Tensor:
+    """:func:`block_table_array` as a torch tensor."""
+    return torch.from_numpy(block_table_array(block_tables, rows, fill))
 
 
 class ModelRunner:
@@ -289,16 +291,16 @@ class DecodeGraphs:
     def _load(self, requests: list[Request], block_tables: list[list[int]], size: int) -> AttentionBatch:
         """Write a decode batch padded to ``size`` into the static buffers; return its attention batch."""
         runner, bs, spare = self.runner, self.runner.block_size, self.runner.spare_block
-        pad = size - len(requests)
-        inputs = torch.zeros(3, size, dtype=torch.long)
+        n = len(requests)
+        inputs = np.zeros((3, size), dtype=np.int64)
         ids, positions, slots = inputs
-        ids[:len(requests)] = torch.tensor([req.all_token_ids[req.num_computed_tokens] for req in requests],
-                                           dtype=torch.long)
-        positions[:len(requests)] = torch.tensor([req.num_computed_tokens for req in requests], dtype=torch.long)
-        table = block_table_tensor(list(block_tables) + [[spare]] * pad, fill=spare)
-        slots.copy_(table[torch.arange(size), positions // bs].long() * bs + positions % bs)
-        seq_lens = (positions + 1).int()
-        self.inputs[:, :size].copy_(inputs, non_blocking=True)
+        positions[:n] = [req.num_computed_tokens for req in requests]
+        ids[:n] = [req.all_token_ids[req.num_computed_tokens] for req in requests]
+        table = block_table_array(list(block_tables) + [[spare]] * (size - n), fill=spare)
+        slots[:] = table[np.arange(size), positions // bs].astype(np.int64) * bs + positions % bs
+        seq_lens = torch.from_numpy((positions + 1).astype(np.int32))
+        table = torch.from_numpy(table)
+        self.inputs[:, :size].copy_(torch.from_numpy(inputs), non_blocking=True)
         self.block_table[:size, :table.shape[1]].copy_(table, non_blocking=True)
         return AttentionBatch(
             num_tokens=size, num_seqs=size, num_decodes=size, max_query_len=1, max_seq_len=runner.max_model_len,

@@ -4,8 +4,9 @@ Per step, the metadata builder plans FlashInfer's wrappers once and every layer
 reuses the plan (layers that differ in window, soft-cap or scale get a plan of
 their own):
 
-- ``BatchDecodeWithPagedKVCacheWrapper`` (tensor-core kernels) for the
-  one-token decodes, which the batch puts first;
+- ``BatchDecodeWithPagedKVCacheWrapper`` for the one-token decodes, which the
+  batch puts first (tensor-core kernels for wide GQA groups, see
+  :func:`decode_on_tensor_cores`);
 - ``BatchPrefillWithPagedKVCacheWrapper`` (``causal=True``, whose mask is
   aligned to the end of the keys) for prefills and chunked prefills.
 
@@ -27,6 +28,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from dovetail.attention.backend import (AttentionBackend, AttentionImpl, AttentionLayerSpec,
@@ -39,6 +41,15 @@ WORKSPACE_BYTES = 256 * 1024 * 1024
 #: FlashInfer's prefill implementation: "fa2" shares its compiled module with the tensor-core
 #: decode (one JIT build), "auto" picks FlashAttention-3-style kernels on Hopper.
 PREFILL_BACKEND = os.environ.get("DOVETAIL_FLASHINFER_PREFILL_BACKEND", "fa2")
+
+
+def decode_on_tensor_cores(spec: AttentionLayerSpec) -> bool:
+    """Tensor-core decode kernels for groups of more than 4 query heads per KV head (vLLM's rule);
+    ``DOVETAIL_FLASHINFER_TENSOR_CORES=0/1`` decides instead."""
+    forced = os.environ.get("DOVETAIL_FLASHINFER_TENSOR_CORES")
+    if forced in ("0", "1"):
+        return forced == "1"
+    return spec.num_heads // spec.num_kv_heads > 4
 
 VERIFICATION = (
     "verified on one NVIDIA H200 (sm_90) with flashinfer-python 0.6.11.post2: against REFERENCE on random "
@@ -73,16 +84,17 @@ class PageTable:
     @classmethod
     def of(cls, batch: AttentionBatch) -> "PageTable":
         bs = batch.block_size
-        seq_lens = batch.seq_lens_cpu.long()
+        seq_lens = batch.seq_lens_cpu.numpy().astype(np.int64)
         pages = (seq_lens + bs - 1) // bs
-        indptr = torch.zeros(batch.num_seqs + 1, dtype=torch.long)
-        torch.cumsum(pages, 0, out=indptr[1:])
+        indptr = np.zeros(batch.num_seqs + 1, dtype=np.int32)
+        np.cumsum(pages, out=indptr[1:])
         table = batch.block_table_cpu
         if table is None:  # a caller without the host table: one device-to-host copy
             table = batch.block_table.cpu()
-        rows = torch.repeat_interleave(torch.arange(batch.num_seqs), pages)
-        cols = torch.arange(int(indptr[-1])) - indptr[:-1][rows]
-        return cls(indptr.int(), table[rows, cols].int(), (seq_lens - (pages - 1) * bs).int())
+        indices = table.numpy()[np.arange(table.shape[1]) < pages[:, None]]  # row by row: the CSR order
+        last = (seq_lens - (pages - 1) * bs).astype(np.int32)
+        return cls(torch.from_numpy(indptr), torch.from_numpy(np.ascontiguousarray(indices, dtype=np.int32)),
+                   torch.from_numpy(last))
 
 
 class FlashInferMetadataBuilder(AttentionMetadataBuilder):
@@ -97,9 +109,8 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
         for spec in layer_specs:
             self.groups.setdefault(group_key(spec), spec)
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        self.decode = {key: flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD",
-                                                                          use_tensor_cores=True)
-                       for key in self.groups}
+        self.decode = {key: flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_tensor_cores=decode_on_tensor_cores(spec)) for key, spec in self.groups.items()}
         self.prefill = {key: flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD",
                                                                             backend=PREFILL_BACKEND)
                         for key in self.groups}
@@ -118,9 +129,9 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
         if self.graph_indices is None or self.graph_indices.numel() < size * width:
             self.graph_indices = torch.zeros(size * width, dtype=torch.int32, device=self.device)
         wrappers = {}
-        for key in self.groups:
+        for key, spec in self.groups.items():
             wrappers[key] = self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=True,
+                self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=decode_on_tensor_cores(spec),
                 paged_kv_indptr_buffer=torch.zeros(size + 1, dtype=torch.int32, device=self.device),
                 paged_kv_indices_buffer=self.graph_indices,
                 paged_kv_last_page_len_buffer=torch.zeros(size, dtype=torch.int32, device=self.device))
