@@ -114,6 +114,21 @@ def compute_cos_sin_cache(rotary_dim: int, max_position: int, params: dict,
     return torch.cat((freqs.cos() * scaling, freqs.sin() * scaling), dim=-1)
 
 
+_CACHES: dict[tuple, torch.Tensor] = {}
+
+
+def _shared_cache(rotary_dim: int, max_position: int, params: dict, max_position_embeddings: int,
+                  device: torch.device) -> torch.Tensor:
+    """One cos/sin table per distinct rope, shared by every layer that uses it (tables can be large:
+    Llama 3.1 has 131072 positions)."""
+    key = (rotary_dim, max_position, repr(sorted(params.items())), max_position_embeddings, str(device))
+    cache = _CACHES.get(key)
+    if cache is None:
+        cache = compute_cos_sin_cache(rotary_dim, max_position, params, max_position_embeddings).to(device)
+        _CACHES[key] = cache
+    return cache
+
+
 class RotaryEmbedding(nn.Module):
     """Applies rotary embeddings to flattened ``q`` and ``k`` at ``positions`` (NeoX style)."""
 
@@ -124,8 +139,9 @@ class RotaryEmbedding(nn.Module):
         factor = partial_rotary_factor if partial_rotary_factor is not None else params.get("partial_rotary_factor", 1.0)
         self.rotary_dim = int(head_size * factor)
         self.ops = ctx.ops
-        cache = compute_cos_sin_cache(self.rotary_dim, max_position, params, max_position_embeddings or max_position)
-        self.register_buffer("cos_sin_cache", cache.to(ctx.device), persistent=False)
+        cache = _shared_cache(self.rotary_dim, max_position, params, max_position_embeddings or max_position,
+                              ctx.device)
+        self.register_buffer("cos_sin_cache", cache, persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         return self.ops.rotary_embedding(positions, q, k, self.cos_sin_cache, self.head_size, self.rotary_dim)
