@@ -87,6 +87,11 @@ def test_max_completion_tokens_and_the_model_alias(client):
                                               max_completion_tokens=3, temperature=0, extra_body={"ignore_eos": True})
     assert response.model == "tiny-alias"
     assert response.usage.completion_tokens == 3
+    # Without a limit, a chat reply may use the rest of the context.
+    response = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                              temperature=0, extra_body={"ignore_eos": True})
+    assert response.choices[0].finish_reason == "length"
+    assert response.usage.total_tokens == 512
 
 
 def test_n2_gives_two_choices_streaming_or_not(client):

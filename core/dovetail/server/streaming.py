@@ -32,10 +32,11 @@ def sse(data: dict) -> bytes:
     return b"data: " + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
 
-def outcome_of(api: APIError) -> str:
-    if api.code == "shutting_down":
-        return "aborted"
-    return "overloaded" if api.status == 503 else ("error" if api.status >= 500 else "rejected")
+def outcome_of(api: APIError, started: bool = True) -> str:
+    """The ``dovetail_requests_total`` outcome of a request that ended in ``api``."""
+    if api.status == 503:
+        return "aborted" if started and api.code == "shutting_down" else "overloaded"
+    return "error" if api.status >= 500 else "rejected"
 
 
 async def start(state: ServerState, tracker: RequestTracker,
@@ -45,7 +46,7 @@ async def start(state: ServerState, tracker: RequestTracker,
         return await state.engine.add(prepare(), tracker.arrival)
     except Exception as exc:
         api = to_api_error(exc)
-        tracker.finish("overloaded" if api.status == 503 else outcome_of(api))
+        tracker.finish(outcome_of(api, started=False))
         raise api from None
 
 
@@ -76,7 +77,6 @@ async def collect(stream: RequestStream, tracker: RequestTracker, request: Reque
     try:
         await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
         if not consumer.done():
-            tracker.finish("aborted")
             raise ClientDisconnected()
         error = consumer.exception()
         if error is not None:
