@@ -78,6 +78,7 @@ def test_gpu_kernels_run_a_loaded_gptq_layer(tiny_llama_dir, tmp_path):
     layer = llm.llm_engine.model.get_submodule("model.layers.1.self_attn.qkv_proj")
     x = torch.randn(4, layer.input_size, device=layer.qweight.device)
     with torch.no_grad():
+        layer.quant_kernels = QuantKernels()
         expected = layer(x)
         layer.quant_kernels = GpuQuantKernels()
         out = layer(x)
