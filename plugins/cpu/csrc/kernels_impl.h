@@ -80,17 +80,24 @@ struct QueryPack {
         for (int d = 0; d < D; ++d)
             for (int m = 0; m < Mp; ++m) qt[(int64_t)d * Mp + m] = m < M ? to_f32(qrows[m][d]) : 0.0f;
     }
-    template <int MV>
-    static inline void scores(const float* qt, const T* k, int D, float scale, float* out) {
-        Vec acc[MV];
-        for (int v = 0; v < MV; ++v) acc[v] = Vec::zero();
+    // Scores of KB keys at once (independent accumulators keep both FMA pipes busy).
+    template <int MV, int KB>
+    static inline void scores(const float* qt, const T* const* k, int D, float scale, float* out, int64_t stride) {
+        Vec acc[KB][MV];
+        for (int b = 0; b < KB; ++b)
+            for (int v = 0; v < MV; ++v) acc[b][v] = Vec::zero();
         for (int d = 0; d < D; ++d) {
-            Vec b = Vec::set1(to_f32(k[d]));
+            Vec q[MV];
             const float* row = qt + (int64_t)d * MV * Vec::W;
-            for (int v = 0; v < MV; ++v) acc[v] = Vec::fma(Vec::load(row + v * Vec::W), b, acc[v]);
+            for (int v = 0; v < MV; ++v) q[v] = Vec::load(row + v * Vec::W);
+            for (int b = 0; b < KB; ++b) {
+                Vec kv = Vec::set1(to_f32(k[b][d]));
+                for (int v = 0; v < MV; ++v) acc[b][v] = Vec::fma(q[v], kv, acc[b][v]);
+            }
         }
         Vec s = Vec::set1(scale);
-        for (int v = 0; v < MV; ++v) (acc[v] * s).store(out + v * Vec::W);
+        for (int b = 0; b < KB; ++b)
+            for (int v = 0; v < MV; ++v) (acc[b][v] * s).store(out + b * stride + v * Vec::W);
     }
 };
 
@@ -105,24 +112,40 @@ struct QueryPack<bf16_t> {
                 pairs[(int64_t)(d / 2) * Mp + m] =
                     m < M ? ((uint32_t)qrows[m][d] | ((uint32_t)qrows[m][d + 1] << 16)) : 0u;
     }
-    template <int MV>
-    static inline void scores(const float* qt, const bf16_t* k, int D, float scale, float* out) {
-        __m512 acc[MV];
-        for (int v = 0; v < MV; ++v) acc[v] = _mm512_setzero_ps();
+    template <int MV, int KB>
+    static inline void scores(const float* qt, const bf16_t* const* k, int D, float scale, float* out,
+                              int64_t stride) {
+        __m512 acc[KB][MV];
+        for (int b = 0; b < KB; ++b)
+            for (int v = 0; v < MV; ++v) acc[b][v] = _mm512_setzero_ps();
         const uint32_t* pairs = reinterpret_cast<const uint32_t*>(qt);
         for (int d = 0; d < D; d += 2) {
-            uint32_t kk;
-            memcpy(&kk, k + d, 4);
-            __m512bh b = (__m512bh)_mm512_set1_epi32((int)kk);
+            __m512bh q[MV];
             const uint32_t* row = pairs + (int64_t)(d / 2) * MV * 16;
-            for (int v = 0; v < MV; ++v)
-                acc[v] = _mm512_dpbf16_ps(acc[v], (__m512bh)_mm512_loadu_si512(row + v * 16), b);
+            for (int v = 0; v < MV; ++v) q[v] = (__m512bh)_mm512_loadu_si512(row + v * 16);
+            for (int b = 0; b < KB; ++b) {
+                uint32_t kk;
+                memcpy(&kk, k[b] + d, 4);
+                __m512bh kv = (__m512bh)_mm512_set1_epi32((int)kk);
+                for (int v = 0; v < MV; ++v) acc[b][v] = _mm512_dpbf16_ps(acc[b][v], q[v], kv);
+            }
         }
         __m512 s = _mm512_set1_ps(scale);
-        for (int v = 0; v < MV; ++v) _mm512_storeu_ps(out + v * 16, _mm512_mul_ps(acc[v], s));
+        for (int b = 0; b < KB; ++b)
+            for (int v = 0; v < MV; ++v) _mm512_storeu_ps(out + b * stride + v * 16, _mm512_mul_ps(acc[b][v], s));
     }
 };
 #endif
+
+// Scores of keys [0, n) for MV vectors of transposed queries, into S[j * Mp + m].
+template <typename T, int MV>
+static inline void transposed_scores(const float* qt, const T* const* krows, int n, int D, float scale, float* S) {
+    constexpr int KB = MV == 1 ? 8 : MV == 2 ? 4 : MV <= 4 ? 2 : 1;
+    const int64_t stride = MV * Vec::W;
+    int j = 0;
+    for (; j + KB <= n; j += KB) QueryPack<T>::template scores<MV, KB>(qt, krows + j, D, scale, S + j * stride, stride);
+    for (; j < n; ++j) QueryPack<T>::template scores<MV, 1>(qt, krows + j, D, scale, S + j * stride, stride);
+}
 
 // Direct dot products, for items with few queries (decode): one horizontal sum per (query, key).
 static inline float dot(const float* q, const float* k, int D) {
@@ -160,34 +183,81 @@ static inline float dot(const bf16_t* q, const bf16_t* k, int D) {
 }
 #endif
 
-// acc[m][:] += sum_j p(m, j) * V[j][:], p(m, j) = S[m * sm + j * sj], for j < n.
+// acc[m][:] += sum_j p(m, j) * V[j][:], p(m, j) = S[m * sm + j * sj], for j < n. Two queries at a time
+// share each loaded value row; eight accumulators keep both FMA pipes busy.
 template <typename T>
 static inline void accumulate_pv(float* acc, int M, int D, const float* S, int64_t sm, int64_t sj,
                                  const T* const* vrows, int n) {
-    for (int m = 0; m < M; ++m) {
-        float* am = acc + (int64_t)m * D;
-        const float* pm = S + m * sm;
+    constexpr int W = Vec::W;
+    int m = 0;
+    for (; m + 2 <= M; m += 2) {
+        float* a = acc + (int64_t)m * D;
+        float* b = a + D;
+        const float* pa = S + m * sm;
+        const float* pb = pa + sm;
         int d = 0;
-        for (; d + 4 * Vec::W <= D; d += 4 * Vec::W) {
-            Vec a0 = Vec::load(am + d), a1 = Vec::load(am + d + Vec::W);
-            Vec a2 = Vec::load(am + d + 2 * Vec::W), a3 = Vec::load(am + d + 3 * Vec::W);
+        for (; d + 4 * W <= D; d += 4 * W) {
+            Vec x0 = Vec::load(a + d), x1 = Vec::load(a + d + W), x2 = Vec::load(a + d + 2 * W),
+                x3 = Vec::load(a + d + 3 * W);
+            Vec y0 = Vec::load(b + d), y1 = Vec::load(b + d + W), y2 = Vec::load(b + d + 2 * W),
+                y3 = Vec::load(b + d + 3 * W);
             for (int j = 0; j < n; ++j) {
-                Vec p = Vec::set1(pm[j * sj]);
                 const T* v = vrows[j] + d;
-                a0 = Vec::fma(p, Vec::load(v), a0);
-                a1 = Vec::fma(p, Vec::load(v + Vec::W), a1);
-                a2 = Vec::fma(p, Vec::load(v + 2 * Vec::W), a2);
-                a3 = Vec::fma(p, Vec::load(v + 3 * Vec::W), a3);
+                Vec v0 = Vec::load(v), v1 = Vec::load(v + W), v2 = Vec::load(v + 2 * W), v3 = Vec::load(v + 3 * W);
+                Vec p = Vec::set1(pa[j * sj]), q = Vec::set1(pb[j * sj]);
+                x0 = Vec::fma(p, v0, x0);
+                x1 = Vec::fma(p, v1, x1);
+                x2 = Vec::fma(p, v2, x2);
+                x3 = Vec::fma(p, v3, x3);
+                y0 = Vec::fma(q, v0, y0);
+                y1 = Vec::fma(q, v1, y1);
+                y2 = Vec::fma(q, v2, y2);
+                y3 = Vec::fma(q, v3, y3);
             }
-            a0.store(am + d);
-            a1.store(am + d + Vec::W);
-            a2.store(am + d + 2 * Vec::W);
-            a3.store(am + d + 3 * Vec::W);
+            x0.store(a + d);
+            x1.store(a + d + W);
+            x2.store(a + d + 2 * W);
+            x3.store(a + d + 3 * W);
+            y0.store(b + d);
+            y1.store(b + d + W);
+            y2.store(b + d + 2 * W);
+            y3.store(b + d + 3 * W);
         }
-        for (; d < D; d += Vec::W) {
-            Vec a0 = Vec::load(am + d);
-            for (int j = 0; j < n; ++j) a0 = Vec::fma(Vec::set1(pm[j * sj]), Vec::load(vrows[j] + d), a0);
-            a0.store(am + d);
+        for (; d < D; d += W) {
+            Vec x = Vec::load(a + d), y = Vec::load(b + d);
+            for (int j = 0; j < n; ++j) {
+                Vec v = Vec::load(vrows[j] + d);
+                x = Vec::fma(Vec::set1(pa[j * sj]), v, x);
+                y = Vec::fma(Vec::set1(pb[j * sj]), v, y);
+            }
+            x.store(a + d);
+            y.store(b + d);
+        }
+    }
+    if (m < M) {
+        float* a = acc + (int64_t)m * D;
+        const float* pa = S + m * sm;
+        int d = 0;
+        for (; d + 4 * W <= D; d += 4 * W) {
+            Vec x0 = Vec::load(a + d), x1 = Vec::load(a + d + W), x2 = Vec::load(a + d + 2 * W),
+                x3 = Vec::load(a + d + 3 * W);
+            for (int j = 0; j < n; ++j) {
+                Vec p = Vec::set1(pa[j * sj]);
+                const T* v = vrows[j] + d;
+                x0 = Vec::fma(p, Vec::load(v), x0);
+                x1 = Vec::fma(p, Vec::load(v + W), x1);
+                x2 = Vec::fma(p, Vec::load(v + 2 * W), x2);
+                x3 = Vec::fma(p, Vec::load(v + 3 * W), x3);
+            }
+            x0.store(a + d);
+            x1.store(a + d + W);
+            x2.store(a + d + 2 * W);
+            x3.store(a + d + 3 * W);
+        }
+        for (; d < D; d += W) {
+            Vec x = Vec::load(a + d);
+            for (int j = 0; j < n; ++j) x = Vec::fma(Vec::set1(pa[j * sj]), Vec::load(vrows[j] + d), x);
+            x.store(a + d);
         }
     }
 }
@@ -275,18 +345,15 @@ static void attend_item(const AttnCtx& c, int64_t index) {
         }
         // Scores.
         if (transposed) {
-            for (int j = 0; j < n; ++j) {
-                float* out = S + (int64_t)j * Mp;
-                switch (MV) {
-                    case 1: QueryPack<T>::template scores<1>(qbuf, krows[j], D, a.scale, out); break;
-                    case 2: QueryPack<T>::template scores<2>(qbuf, krows[j], D, a.scale, out); break;
-                    case 3: QueryPack<T>::template scores<3>(qbuf, krows[j], D, a.scale, out); break;
-                    case 4: QueryPack<T>::template scores<4>(qbuf, krows[j], D, a.scale, out); break;
-                    case 5: QueryPack<T>::template scores<5>(qbuf, krows[j], D, a.scale, out); break;
-                    case 6: QueryPack<T>::template scores<6>(qbuf, krows[j], D, a.scale, out); break;
-                    case 7: QueryPack<T>::template scores<7>(qbuf, krows[j], D, a.scale, out); break;
-                    default: QueryPack<T>::template scores<8>(qbuf, krows[j], D, a.scale, out); break;
-                }
+            switch (MV) {
+                case 1: transposed_scores<T, 1>(qbuf, krows, n, D, a.scale, S); break;
+                case 2: transposed_scores<T, 2>(qbuf, krows, n, D, a.scale, S); break;
+                case 3: transposed_scores<T, 3>(qbuf, krows, n, D, a.scale, S); break;
+                case 4: transposed_scores<T, 4>(qbuf, krows, n, D, a.scale, S); break;
+                case 5: transposed_scores<T, 5>(qbuf, krows, n, D, a.scale, S); break;
+                case 6: transposed_scores<T, 6>(qbuf, krows, n, D, a.scale, S); break;
+                case 7: transposed_scores<T, 7>(qbuf, krows, n, D, a.scale, S); break;
+                default: transposed_scores<T, 8>(qbuf, krows, n, D, a.scale, S); break;
             }
         } else {
             for (int m = 0; m < M; ++m) {
