@@ -57,8 +57,9 @@ class ServerProcess:
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)
+        output = self.output()
         self.stop(signal.SIGKILL)
-        raise RuntimeError(f"dovetail serve did not become healthy in {timeout}s:\n{self.output()}")
+        raise RuntimeError(f"dovetail serve did not become healthy in {timeout}s:\n{output}")
 
     def url(self, path: str) -> str:
         return self.base_url + path

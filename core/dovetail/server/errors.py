@@ -16,7 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from dovetail.engine.async_engine import EngineStoppedError, QueueFullError
+from dovetail.engine.async_engine import EngineStepError, EngineStoppedError, QueueFullError
 from dovetail.errors import RequestError
 
 logger = logging.getLogger("dovetail.server")
@@ -65,6 +65,8 @@ def to_api_error(exc: BaseException) -> APIError:
         return APIError(503, str(exc), code="queue_full")
     if isinstance(exc, EngineStoppedError):
         return APIError(503, str(exc), code="shutting_down")
+    if isinstance(exc, EngineStepError):  # the engine loop logged the traceback
+        return APIError(500, str(exc), code="engine_error")
     logger.error("internal error while serving a request", exc_info=exc)
     return APIError(500, f"internal server error: {type(exc).__name__}")
 
