@@ -29,14 +29,15 @@ class APIKeyMiddleware:
 
     def __init__(self, app, api_key: str, open_paths: Iterable[str] = ("/health",)):
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = api_key.encode()
         self.open_paths = frozenset(open_paths)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["path"] in self.open_paths or scope["method"] == "OPTIONS":
             return await self.app(scope, receive, send)
         given = dict(scope["headers"]).get(b"authorization", b"")
-        if not hmac.compare_digest(given, self.expected):
+        scheme, _, token = given.partition(b" ")
+        if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.expected):
             reason = "missing" if not given else "wrong"
             return await _send_error(send, 401, f"authorization: {reason} API key; send the header "
                                      "'Authorization: Bearer <key>'", "invalid_api_key",
