@@ -23,12 +23,12 @@ MAX_TOKENS = [24, 20, 13, 9, 5]  # the decode batch shrinks 5 -> 4 -> 3 -> 2 -> 
 
 
 class ReplayGraph(DeviceGraph):
-    def __init__(self, fn, out):
-        self.fn, self.out, self.replays = fn, out, 0
+    def __init__(self, fn):
+        self.fn, self.replays = fn, 0
 
     def replay(self):
         self.replays += 1
-        self.out.copy_(self.fn())
+        self.fn()
 
 
 class ReplayPlatform(CpuPlatform):
@@ -38,7 +38,7 @@ class ReplayPlatform(CpuPlatform):
 
     def capture_graph(self, fn, pool=None):
         out = fn()
-        return ReplayGraph(fn, out), out
+        return ReplayGraph(fn), out
 
 
 class DeviceOnlyDecodeImpl(ReferenceAttentionImpl):

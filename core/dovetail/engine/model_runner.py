@@ -173,8 +173,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, block_tables: list[list[int]]) -> StepLogits:
         if self.graphs is not None and self.graphs.can_run(batch):
-            hidden = self.graphs.run(batch, block_tables)
-            return StepLogits(self.model.compute_logits(hidden), list(batch.requests), {})
+            return StepLogits(self.graphs.run(batch, block_tables), list(batch.requests), {})
         input_ids, positions, attn = self.prepare(batch, block_tables)
         hidden = self.run_model(input_ids, positions, attn)
         sample_rows, sample_requests = [], []
@@ -241,9 +240,10 @@ class DecodeGraphs:
     """Decode-only steps replayed from device graphs, one per padded batch size.
 
     The graphs read static buffers (token ids, positions, slots, sequence
-    lengths, block table); a step writes its values into them, pads the batch
-    up to the nearest captured size with length-1 sequences that write to the
-    spare block, lets the backend re-plan (``build_for_graph``) and replays.
+    lengths, block table) and write the logits into one static buffer; a step
+    writes its values into the inputs, pads the batch up to the nearest
+    captured size with length-1 sequences that write to the spare block, lets
+    the backend re-plan (``build_for_graph``) and replays.
     """
 
     def __init__(self, runner: ModelRunner, sizes: list[int]):
@@ -257,19 +257,27 @@ class DecodeGraphs:
         self.seq_lens = torch.ones(n_max, dtype=torch.int32, device=dev)
         self.query_start_loc = torch.arange(n_max + 1, dtype=torch.int32, device=dev)
         self.block_table = torch.full((n_max, self.width), runner.spare_block, dtype=torch.int32, device=dev)
+        self.views: dict[int, dict] = {}  # per size: the static buffers' slices an AttentionBatch holds
         self.graphs: dict[int, DeviceGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.logits: torch.Tensor | None = None  # every graph's output: the logits of its rows
         pool = runner.platform.graph_pool()
         for size in reversed(sizes):  # largest first: the smaller graphs reuse its memory
             metadata = runner.metadata_builder.build_for_graph(self._load([], [], size), size)
 
-            def forward(size=size, metadata=metadata):
+            def logits_of(size=size, metadata=metadata):
                 torch.add(self.positions[:size], 1, out=self.seq_lens[:size])
                 with set_forward_context(metadata):
-                    return runner.model(self.input_ids[:size], self.positions[:size])
+                    return runner.model.compute_logits(runner.model(self.input_ids[:size], self.positions[:size]))
 
-            forward()  # warm-up: lazy initialisation and autotuning happen outside the capture
-            self.graphs[size], self.outputs[size] = runner.platform.capture_graph(forward, pool)
+            warm = logits_of()  # warm-up: lazy initialisation and autotuning happen outside the capture
+            if self.logits is None:
+                self.logits = torch.empty((n_max, warm.shape[1]), dtype=warm.dtype, device=dev)
+            del warm
+
+            def forward(size=size, logits_of=logits_of):
+                self.logits[:size].copy_(logits_of())
+
+            self.graphs[size], _ = runner.platform.capture_graph(forward, pool)
         runner.platform.synchronize()
         logger.info("captured decode graphs for batch sizes %s", ", ".join(map(str, sizes)))
 
@@ -280,13 +288,13 @@ class DecodeGraphs:
             for req, n in zip(batch.requests, batch.num_new_tokens))
 
     def run(self, batch: ScheduledBatch, block_tables: list[list[int]]) -> torch.Tensor:
-        """Hidden states ``[len(batch.requests), hidden]`` of a decode-only step."""
+        """The logits ``[len(batch.requests), vocab]`` of a decode-only step."""
         n = len(batch.requests)
         size = next(s for s in self.sizes if s >= n)
         attn = self._load(batch.requests, block_tables, size)
         self.runner.metadata_builder.build_for_graph(attn, size)
         self.graphs[size].replay()
-        return self.outputs[size][:n]
+        return self.logits[:n]
 
     def _load(self, requests: list[Request], block_tables: list[list[int]], size: int) -> AttentionBatch:
         """Write a decode batch padded to ``size`` into the static buffers; return its attention batch."""
@@ -302,9 +310,10 @@ class DecodeGraphs:
         table = torch.from_numpy(table)
         self.inputs[:, :size].copy_(torch.from_numpy(inputs), non_blocking=True)
         self.block_table[:size, :table.shape[1]].copy_(table, non_blocking=True)
-        return AttentionBatch(
-            num_tokens=size, num_seqs=size, num_decodes=size, max_query_len=1, max_seq_len=runner.max_model_len,
-            query_start_loc=self.query_start_loc[:size + 1], seq_lens=self.seq_lens[:size],
-            block_table=self.block_table[:size], slot_mapping=self.slots[:size],
-            query_start_loc_cpu=torch.arange(size + 1, dtype=torch.int32), seq_lens_cpu=seq_lens,
-            block_size=bs, block_table_cpu=table)
+        if size not in self.views:
+            self.views[size] = dict(query_start_loc=self.query_start_loc[:size + 1], seq_lens=self.seq_lens[:size],
+                                    block_table=self.block_table[:size], slot_mapping=self.slots[:size],
+                                    query_start_loc_cpu=torch.arange(size + 1, dtype=torch.int32))
+        return AttentionBatch(num_tokens=size, num_seqs=size, num_decodes=size, max_query_len=1,
+                              max_seq_len=runner.max_model_len, seq_lens_cpu=seq_lens, block_size=bs,
+                              block_table_cpu=table, **self.views[size])
