@@ -22,9 +22,13 @@ from dovetail_cpu._native import AttentionArgs
 
 @dataclass
 class CpuSimdMetadata:
-    """One step's batch and its prepared kernel arguments (shared by every layer of the step)."""
+    """One step's batch and its prepared kernel arguments (shared by every layer of the step).
+
+    ``args`` points into ``batch``'s tensors and ``block_table``, which this object keeps alive.
+    """
 
     batch: AttentionBatch
+    block_table: torch.Tensor
     args: AttentionArgs
 
 
@@ -32,7 +36,7 @@ def build_metadata(batch: AttentionBatch) -> CpuSimdMetadata:
     block_table = batch.block_table if batch.block_table.is_contiguous() else batch.block_table.contiguous()
     args = kernels.batch_args(batch.query_start_loc_cpu, batch.seq_lens_cpu, block_table, batch.slot_mapping,
                               batch.block_size, torch.get_num_threads())
-    return CpuSimdMetadata(batch, args)
+    return CpuSimdMetadata(batch, block_table, args)
 
 
 class CpuSimdMetadataBuilder(AttentionMetadataBuilder):

@@ -15,35 +15,30 @@ from dovetail_cpu import kernels
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def _dense_rows(t: torch.Tensor) -> bool:
-    return t.dim() >= 1 and t.stride(-1) == 1 and (t.dim() < 3 or t.is_contiguous())
-
-
 class CpuFusedOps(FusedOps):
     """RMSNorm (with the residual add), NeoX rotary embedding and SiLU-and-mul in C++."""
 
     name = "cpu_simd"
 
     def rms_norm(self, x, weight, eps):
-        if x.dtype in _KERNEL_DTYPES and weight.dtype in (torch.float32, x.dtype) and _dense_rows(x):
+        if x.dtype in _KERNEL_DTYPES and weight.dtype in (torch.float32, x.dtype) and x.stride(-1) == 1:
             return kernels.rms_norm(x, weight, eps, torch.get_num_threads())
         return super().rms_norm(x, weight, eps)
 
     def add_rms_norm(self, x, residual, weight, eps):
         if (x.dtype in _KERNEL_DTYPES and residual.dtype == x.dtype and weight.dtype in (torch.float32, x.dtype)
-                and residual.shape == x.shape and _dense_rows(x) and _dense_rows(residual)):
+                and x.stride(-1) == 1 and residual.stride(-1) == 1):
             return kernels.add_rms_norm(x, residual, weight, eps, torch.get_num_threads())
         return super().add_rms_norm(x, residual, weight, eps)
 
     def silu_and_mul(self, x):
-        if x.dtype in _KERNEL_DTYPES and _dense_rows(x):
+        if x.dtype in _KERNEL_DTYPES and x.stride(-1) == 1:
             return kernels.silu_and_mul(x, torch.get_num_threads())
         return super().silu_and_mul(x)
 
     def rotary_embedding(self, positions, q, k, cos_sin_cache, head_size, rotary_dim):
         if (q.dtype in _KERNEL_DTYPES and k.dtype == q.dtype and q.dim() == 2 and k.dim() == 2
-                and q.stride(1) == 1 and k.stride(1) == 1 and positions.dtype == torch.int64
-                and positions.is_contiguous() and cos_sin_cache.dtype == torch.float32 and rotary_dim % 2 == 0):
-            return kernels.rotary_embedding(positions, q, k, cos_sin_cache.contiguous(), head_size, rotary_dim,
+                and positions.dtype == torch.int64 and cos_sin_cache.dtype == torch.float32):
+            return kernels.rotary_embedding(positions, q, k, cos_sin_cache, head_size, rotary_dim,
                                             torch.get_num_threads())
         return super().rotary_embedding(positions, q, k, cos_sin_cache, head_size, rotary_dim)
