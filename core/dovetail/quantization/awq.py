@@ -29,6 +29,8 @@ class AwqMethod(QuantMethod):
     """AWQ GEMM checkpoints, converted at load to the packed layout of :mod:`dovetail.quantization.wna16`."""
 
     name = "awq"
+    supported_platforms = ("*",)
+    supported_act_dtypes = ("float32", "float16", "bfloat16")
 
     def __init__(self, config=None):
         super().__init__(config)

@@ -34,6 +34,8 @@ class CompressedTensorsMethod(QuantMethod):
     """compressed-tensors W8A8 checkpoints (FP8 or INT8), dispatched per layer by ``config_groups``."""
 
     name = "compressed-tensors"
+    supported_platforms = ("*",)
+    supported_act_dtypes = ("float32", "float16", "bfloat16")
 
     def __init__(self, config: dict[str, Any] | None = None):
         super().__init__(config)

@@ -97,6 +97,9 @@ class Fp8Method(QuantMethod):
     """FP8 W8A8: ``--quantization fp8`` on a float checkpoint, or an FP8 checkpoint (``quant_method: fp8``)."""
 
     name = "fp8"
+    #: Everywhere torch holds FP8 tensors (checked by ``validate``): the reference kernel dequantizes.
+    supported_platforms = ("*",)
+    supported_act_dtypes = ("float32", "float16", "bfloat16")
 
     def __init__(self, config: dict[str, Any] | None = None):
         super().__init__(config)

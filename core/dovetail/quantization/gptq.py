@@ -32,6 +32,8 @@ class GptqMethod(QuantMethod):
     """GPTQ checkpoints, converted at load to the packed layout of :mod:`dovetail.quantization.wna16`."""
 
     name = "gptq"
+    supported_platforms = ("*",)
+    supported_act_dtypes = ("float32", "float16", "bfloat16")
 
     def __init__(self, config=None):
         super().__init__(config)

@@ -54,6 +54,8 @@ class Int8Method(QuantMethod):
     """``--quantization int8``: weights quantized at load, activations per token (dynamic)."""
 
     name = "int8"
+    supported_platforms = ("*",)
+    supported_act_dtypes = ("float32", "float16", "bfloat16")
 
     @classmethod
     def from_config(cls, hf_quant_config):
