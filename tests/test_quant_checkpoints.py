@@ -446,6 +446,17 @@ def test_gptq_checkpoint(float_dir, float_reference, tmp_path, group_size, desc_
     check_model(llm, float_dir, refs, tmp_path, "wna16", float_reference)
 
 
+def test_gptq_checkpoint_without_g_idx_loads_and_dummy_weights_work(float_dir, float_reference, tmp_path):
+    """Some GPTQ writers omit g_idx without act-order; it is then k // group_size (also under dummy weights)."""
+    path, refs = build_gptq(float_dir, tmp_path / "gptq", 64, False, False)
+    tensors = {k: v for k, v in float_tensors(path).items() if not k.endswith(".g_idx")}
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    check_layers(LLM(str(path), **ENGINE), refs, "wna16", "gptq")
+    llm = LLM(str(path), load_format="dummy", **ENGINE)
+    layer = llm.llm_engine.model.get_submodule("model.layers.0.mlp.down_proj")
+    assert torch.equal(layer.g_idx.long(), torch.arange(layer.input_size) // 64)
+
+
 @pytest.mark.parametrize("group_size", [32, 128])
 def test_awq_gemm_checkpoint(float_dir, float_reference, tmp_path, group_size):
     path, refs = build_awq(float_dir, tmp_path / "awq", group_size)

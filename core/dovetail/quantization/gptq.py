@@ -46,6 +46,7 @@ class GptqMethod(QuantMethod):
             raise ConfigError(f"quantization_config.bits: GPTQ with {self.bits!r} bits is not supported "
                               f"(supported: {', '.join(map(str, SUPPORTED_BITS))})")
         self.group_size = wna16.check_group_size(cfg.get("group_size", 128))
+        self.desc_act = bool(cfg.get("desc_act", False))
         fmt = str(cfg.get("checkpoint_format") or cfg.get("format") or "gptq").lower()
         if fmt not in FORMATS:
             raise ConfigError(f"quantization_config.checkpoint_format: GPTQ format {fmt!r} is not supported "
@@ -76,11 +77,14 @@ class GptqMethod(QuantMethod):
         add_param(layer, "qweight", (input_size // pack, out), torch.int32, output_dim=1)
         add_param(layer, "qzeros", (groups, out // pack), torch.int32, output_dim=1)
         add_param(layer, "scales", (groups, out), torch.float32, output_dim=1)
-        add_param(layer, "g_idx", (input_size,), torch.int32, loader=same_on_every_shard_loader(layer, "g_idx"))
+        g_idx = add_param(layer, "g_idx", (input_size,), torch.int32, loader=same_on_every_shard_loader(layer, "g_idx"))
+        g_idx.load_optional = not self.desc_act  # without act-order, g_idx is k // group_size; some tools omit it
 
     def process_weights_after_loading(self, layer):
         zeros = quant_ops.unpack_int32(layer.qzeros.data, self.bits, dim=1) + self.zero_offset
         g_idx = layer.g_idx.data
+        if not getattr(layer.g_idx, "was_loaded", False):
+            g_idx = wna16.default_g_idx(layer.input_size, self.group_size, g_idx.device)
         groups = layer.scales.shape[0]
         if g_idx.numel() and (int(g_idx.min()) < 0 or int(g_idx.max()) >= groups):
             raise ModelLoadError(f"{layer.prefix}.g_idx: group indices must lie in [0, {groups}) "

@@ -75,7 +75,7 @@ def max_scalar_loader(layer: nn.Module, name: str) -> Callable:
 
 
 def same_on_every_shard_loader(layer: nn.Module, name: str) -> Callable:
-    """Loads a tensor that every shard of a merged layer must carry identically."""
+    """Loads a tensor that every shard of a merged layer must carry identically (and marks ``was_loaded``)."""
     seen: set = set()
 
     def load(param: nn.Parameter, tensor: torch.Tensor, shard: int | None) -> None:
@@ -86,6 +86,7 @@ def same_on_every_shard_loader(layer: nn.Module, name: str) -> Callable:
             raise ModelLoadError(f"{_where(layer, name, shard)} differs from the other shards of the merged "
                                  f"layer {layer.prefix}; they must be equal to be merged")
         param.data.copy_(tensor)
+        param.was_loaded = True
         seen.add(shard)
 
     return load
