@@ -117,14 +117,20 @@ def test_backend_for_another_platform_is_refused(tmp_path, monkeypatch):
 
 
 def test_auto_backend_takes_first_valid_and_logs_downgrades(tmp_path, monkeypatch, caplog):
+    from dovetail_cpu.platform import CpuPlatform
+
+    class PrefersAcme(CpuPlatform):
+        def default_attention_backends(self):
+            return ["ACME_ATTN", "REFERENCE"]
+
     manager = _manager(tmp_path, monkeypatch)
-    platform = selection.create_platform("cpu", manager)
+    platform = PrefersAcme()
     selection._logged.clear()
     with caplog.at_level(logging.INFO, logger="dovetail"):
         chosen = selection.select_attention_backend(platform, _req(64), None, manager)
     assert chosen.name != "ACME_ATTN"
     assert "ACME_ATTN (head size 64 not supported by ACME_ATTN" in caplog.text
-    assert selection.select_attention_backend(platform, _req(128), None, manager).name in ("ACME_ATTN", "CPU_SIMD")
+    assert selection.select_attention_backend(platform, _req(128), None, manager).name == "ACME_ATTN"
 
 
 def test_backend_environment_variable(tmp_path, monkeypatch):
