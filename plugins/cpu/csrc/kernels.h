@@ -54,8 +54,9 @@ typedef struct dt_attention_args {
     int32_t sliding_window;  // 0: none
     float scale;
     float softcap;  // 0: none
-    int32_t dtype;  // enum dt_dtype, of q, k, v, out and the caches
+    int32_t dtype;        // enum dt_dtype, of q, k, v and out
     int32_t num_threads;
+    int32_t cache_dtype;  // enum dt_dtype, of key_cache and value_cache (k, v are rounded to it)
 } dt_attention_args;
 
 // The kernels of one instruction set.

@@ -73,16 +73,17 @@ static inline int key_chunk(int head_size) {
 }
 
 // Transposed queries: scores of Mp queries against one key as Mp/W vectors (no horizontal sums).
-template <typename T>
+// Tq: the queries' type, Tc: the cache's.
+template <typename Tq, typename Tc>
 struct QueryPack {
     // f32: [D][Mp] with lane m = query m; prepared once per item.
-    static void prepare(float* qt, const T* const* qrows, int M, int Mp, int D) {
+    static void prepare(float* qt, const Tq* const* qrows, int M, int Mp, int D) {
         for (int d = 0; d < D; ++d)
             for (int m = 0; m < Mp; ++m) qt[(int64_t)d * Mp + m] = m < M ? to_f32(qrows[m][d]) : 0.0f;
     }
     // Scores of KB keys at once (independent accumulators keep both FMA pipes busy).
     template <int MV, int KB>
-    static inline void scores(const float* qt, const T* const* k, int D, float scale, float* out, int64_t stride) {
+    static inline void scores(const float* qt, const Tc* const* k, int D, float scale, float* out, int64_t stride) {
         Vec acc[KB][MV];
         for (int b = 0; b < KB; ++b)
             for (int v = 0; v < MV; ++v) acc[b][v] = Vec::zero();
@@ -104,7 +105,7 @@ struct QueryPack {
 #ifdef DT_HAS_BF16_DOT
 // bf16 with AVX512-BF16: lanes hold (q[d], q[d+1]) pairs and VDPBF16PS adds both products at once.
 template <>
-struct QueryPack<bf16_t> {
+struct QueryPack<bf16_t, bf16_t> {
     static void prepare(float* qt, const bf16_t* const* qrows, int M, int Mp, int D) {
         uint32_t* pairs = reinterpret_cast<uint32_t*>(qt);
         for (int d = 0; d < D; d += 2)
@@ -138,13 +139,14 @@ struct QueryPack<bf16_t> {
 #endif
 
 // Scores of keys [0, n) for MV vectors of transposed queries, into S[j * Mp + m].
-template <typename T, int MV>
-static inline void transposed_scores(const float* qt, const T* const* krows, int n, int D, float scale, float* S) {
+template <typename Tq, typename Tc, int MV>
+static inline void transposed_scores(const float* qt, const Tc* const* krows, int n, int D, float scale, float* S) {
     constexpr int KB = MV == 1 ? 8 : MV == 2 ? 4 : MV <= 4 ? 2 : 1;
+    typedef QueryPack<Tq, Tc> Pack;
     const int64_t stride = MV * Vec::W;
     int j = 0;
-    for (; j + KB <= n; j += KB) QueryPack<T>::template scores<MV, KB>(qt, krows + j, D, scale, S + j * stride, stride);
-    for (; j < n; ++j) QueryPack<T>::template scores<MV, 1>(qt, krows + j, D, scale, S + j * stride, stride);
+    for (; j + KB <= n; j += KB) Pack::template scores<MV, KB>(qt, krows + j, D, scale, S + j * stride, stride);
+    for (; j < n; ++j) Pack::template scores<MV, 1>(qt, krows + j, D, scale, S + j * stride, stride);
 }
 
 // Direct dot products, for items with few queries (decode): one horizontal sum per (query, key).
@@ -273,7 +275,7 @@ static inline void softcap(float* s, int64_t n, float cap) {
     for (; i < n; ++i) s[i] = cap * tanhf(s[i] / cap);
 }
 
-template <typename T>
+template <typename Tq, typename Tc>
 static void attend_item(const AttnCtx& c, int64_t index) {
     const dt_attention_args& a = *c.a;
     const AttnItem it = c.items[index / c.nsplit];
@@ -296,8 +298,8 @@ static void attend_item(const AttnCtx& c, int64_t index) {
     const int MV = Mp / Vec::W;
     const int KC = key_chunk(D);
     const int KCp = round_up(KC, Vec::W);
-    const T* kc = static_cast<const T*>(a.key_cache);
-    const T* vc = static_cast<const T*>(a.value_cache);
+    const Tc* kc = static_cast<const Tc*>(a.key_cache);
+    const Tc* vc = static_cast<const Tc*>(a.value_cache);
     const int32_t* table = a.block_table + (int64_t)it.seq * a.block_table_stride;
 
     // Scratch: acc [M][D] | mx, l, alpha [Mp] | S | queries | key and value row pointers [KC]
@@ -311,13 +313,13 @@ static void attend_item(const AttnCtx& c, int64_t index) {
     float* alpha = l + Mp;
     float* S = alpha + Mp;
     float* qbuf = S + s_size;
-    const T** krows = reinterpret_cast<const T**>(qbuf + q_size + 16);
-    const T** vrows = krows + KC;
-    const T** qrows = vrows + KC;
+    const Tc** krows = reinterpret_cast<const Tc**>(qbuf + q_size + 16);
+    const Tc** vrows = krows + KC;
+    const Tq** qrows = reinterpret_cast<const Tq**>(vrows + KC);
 
     for (int m = 0; m < M; ++m) {
         int r = it.row0 + m / g, h = it.kv_head * g + m % g;
-        qrows[m] = static_cast<const T*>(a.q) + (int64_t)(qs + r) * a.q_stride + (int64_t)h * D;
+        qrows[m] = static_cast<const Tq*>(a.q) + (int64_t)(qs + r) * a.q_stride + (int64_t)h * D;
     }
     memset(acc, 0, sizeof(float) * (int64_t)M * D);
     for (int m = 0; m < Mp; ++m) {
@@ -325,7 +327,7 @@ static void attend_item(const AttnCtx& c, int64_t index) {
         l[m] = 0.0f;
     }
     if (transposed) {
-        QueryPack<T>::prepare(qbuf, qrows, M, Mp, D);
+        QueryPack<Tq, Tc>::prepare(qbuf, qrows, M, Mp, D);
     } else {
         for (int m = 0; m < M; ++m)
             for (int d = 0; d < D; ++d) qbuf[(int64_t)m * D + d] = to_f32(qrows[m][d]);
@@ -346,20 +348,20 @@ static void attend_item(const AttnCtx& c, int64_t index) {
         // Scores.
         if (transposed) {
             switch (MV) {
-                case 1: transposed_scores<T, 1>(qbuf, krows, n, D, a.scale, S); break;
-                case 2: transposed_scores<T, 2>(qbuf, krows, n, D, a.scale, S); break;
-                case 3: transposed_scores<T, 3>(qbuf, krows, n, D, a.scale, S); break;
-                case 4: transposed_scores<T, 4>(qbuf, krows, n, D, a.scale, S); break;
-                case 5: transposed_scores<T, 5>(qbuf, krows, n, D, a.scale, S); break;
-                case 6: transposed_scores<T, 6>(qbuf, krows, n, D, a.scale, S); break;
-                case 7: transposed_scores<T, 7>(qbuf, krows, n, D, a.scale, S); break;
-                default: transposed_scores<T, 8>(qbuf, krows, n, D, a.scale, S); break;
+                case 1: transposed_scores<Tq, Tc, 1>(qbuf, krows, n, D, a.scale, S); break;
+                case 2: transposed_scores<Tq, Tc, 2>(qbuf, krows, n, D, a.scale, S); break;
+                case 3: transposed_scores<Tq, Tc, 3>(qbuf, krows, n, D, a.scale, S); break;
+                case 4: transposed_scores<Tq, Tc, 4>(qbuf, krows, n, D, a.scale, S); break;
+                case 5: transposed_scores<Tq, Tc, 5>(qbuf, krows, n, D, a.scale, S); break;
+                case 6: transposed_scores<Tq, Tc, 6>(qbuf, krows, n, D, a.scale, S); break;
+                case 7: transposed_scores<Tq, Tc, 7>(qbuf, krows, n, D, a.scale, S); break;
+                default: transposed_scores<Tq, Tc, 8>(qbuf, krows, n, D, a.scale, S); break;
             }
         } else {
             for (int m = 0; m < M; ++m) {
                 float* out = S + (int64_t)m * KCp;
 #ifdef DT_HAS_BF16_DOT
-                if (sizeof(T) == 2) {
+                if (sizeof(Tq) == 2 && sizeof(Tc) == 2) {
                     const bf16_t* qm = reinterpret_cast<const bf16_t*>(qrows[m]);
                     for (int j = 0; j < n; ++j)
                         out[j] = dot(qm, reinterpret_cast<const bf16_t*>(krows[j]), D) * a.scale;
@@ -434,7 +436,7 @@ static void attend_item(const AttnCtx& c, int64_t index) {
                 for (int d = 0; d < D; d += Vec::W) (Vec::load(am + d) * al).store(am + d);
             }
         }
-        accumulate_pv<T>(acc, M, D, S, sm, sj, vrows, n);
+        accumulate_pv<Tc>(acc, M, D, S, sm, sj, vrows, n);
     }
 
     if (c.nsplit > 1) {
@@ -449,7 +451,7 @@ static void attend_item(const AttnCtx& c, int64_t index) {
     }
     for (int m = 0; m < M; ++m) {
         int r = it.row0 + m / g, h = it.kv_head * g + m % g;
-        T* o = static_cast<T*>(a.out) + (int64_t)(qs + r) * a.out_stride + (int64_t)h * D;
+        Tq* o = static_cast<Tq*>(a.out) + (int64_t)(qs + r) * a.out_stride + (int64_t)h * D;
         Vec inv = Vec::set1(1.0f / l[m]);
         const float* am = acc + (int64_t)m * D;
         for (int d = 0; d < D; d += Vec::W) (Vec::load(am + d) * inv).store(o + d);
@@ -487,7 +489,15 @@ static void combine_item(const AttnCtx& c, int64_t item) {
     }
 }
 
-template <typename T>
+// Copy one row of n elements, converting (rounding to nearest even) when the cache's type differs.
+static inline void copy_row(float* dst, const float* src, int64_t n) { memcpy(dst, src, sizeof(float) * n); }
+static inline void copy_row(bf16_t* dst, const bf16_t* src, int64_t n) { memcpy(dst, src, sizeof(bf16_t) * n); }
+template <typename Td, typename Ts>
+static inline void copy_row(Td* dst, const Ts* src, int64_t n) {
+    for (int64_t i = 0; i < n; i += Vec::W) Vec::load(src + i).store(dst + i);  // n: a multiple of 16
+}
+
+template <typename Tq, typename Tc>
 static int kv_cache_write_impl(const dt_attention_args* a) {
     if (!a->k || !a->v || !a->slot_mapping) return DT_OK;
     const int64_t row = (int64_t)a->num_kv_heads * a->head_size;
@@ -506,10 +516,9 @@ static int kv_cache_write_impl(const dt_attention_args* a) {
         for (int64_t t = chunk * c.per; t < end; ++t) {
             int64_t slot = a.slot_mapping[t];
             if (slot < 0) continue;
-            memcpy(static_cast<T*>(a.key_cache) + slot * c.row, static_cast<const T*>(a.k) + t * a.k_stride,
-                   sizeof(T) * c.row);
-            memcpy(static_cast<T*>(a.value_cache) + slot * c.row, static_cast<const T*>(a.v) + t * a.v_stride,
-                   sizeof(T) * c.row);
+            copy_row(static_cast<Tc*>(a.key_cache) + slot * c.row, static_cast<const Tq*>(a.k) + t * a.k_stride, c.row);
+            copy_row(static_cast<Tc*>(a.value_cache) + slot * c.row, static_cast<const Tq*>(a.v) + t * a.v_stride,
+                     c.row);
         }
     };
     if (tokens * row < 65536 || a->num_threads <= 1) {
@@ -540,10 +549,10 @@ static int check_batch(const dt_attention_args* a) {
     return DT_OK;
 }
 
-template <typename T>
+template <typename Tq, typename Tc>
 static int attention_impl(const dt_attention_args* a) {
     int status = check_batch(a);
-    if (status == DT_OK) status = kv_cache_write_impl<T>(a);
+    if (status == DT_OK) status = kv_cache_write_impl<Tq, Tc>(a);
     if (status != DT_OK) return status;
     const int g = a->num_heads / a->num_kv_heads;
     // Rows per tile: enough queries to fill a vector of scores when prefilling; one row when decoding.
@@ -573,19 +582,23 @@ static int attention_impl(const dt_attention_args* a) {
         c.partial = static_cast<float*>(dt_scratch(3, sizeof(float) * n * c.nsplit * max_m * (a->head_size + 2)));
     }
     dt_parallel_for(n * c.nsplit, a->num_threads,
-                    [](void* p, int64_t i, int32_t) { attend_item<T>(*static_cast<AttnCtx*>(p), i); }, &c);
+                    [](void* p, int64_t i, int32_t) { attend_item<Tq, Tc>(*static_cast<AttnCtx*>(p), i); }, &c);
     if (c.nsplit > 1)
         dt_parallel_for(n, a->num_threads,
-                        [](void* p, int64_t i, int32_t) { combine_item<T>(*static_cast<AttnCtx*>(p), i); }, &c);
+                        [](void* p, int64_t i, int32_t) { combine_item<Tq>(*static_cast<AttnCtx*>(p), i); }, &c);
     return DT_OK;
 }
 
 static int attention(const dt_attention_args* a) {
-    return a->dtype == DT_BFLOAT16 ? attention_impl<bf16_t>(a) : attention_impl<float>(a);
+    const bool q16 = a->dtype == DT_BFLOAT16, c16 = a->cache_dtype == DT_BFLOAT16;
+    return q16 ? (c16 ? attention_impl<bf16_t, bf16_t>(a) : attention_impl<bf16_t, float>(a))
+               : (c16 ? attention_impl<float, bf16_t>(a) : attention_impl<float, float>(a));
 }
 
 static int kv_cache_write(const dt_attention_args* a) {
-    return a->dtype == DT_BFLOAT16 ? kv_cache_write_impl<bf16_t>(a) : kv_cache_write_impl<float>(a);
+    const bool q16 = a->dtype == DT_BFLOAT16, c16 = a->cache_dtype == DT_BFLOAT16;
+    return q16 ? (c16 ? kv_cache_write_impl<bf16_t, bf16_t>(a) : kv_cache_write_impl<bf16_t, float>(a))
+               : (c16 ? kv_cache_write_impl<float, bf16_t>(a) : kv_cache_write_impl<float, float>(a));
 }
 
 // ---------------------------------------------------------------------------------------------------

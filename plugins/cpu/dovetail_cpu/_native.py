@@ -37,6 +37,7 @@ class AttentionArgs(ctypes.Structure):
         ("num_tokens", c_int32), ("num_seqs", c_int32), ("num_heads", c_int32), ("num_kv_heads", c_int32),
         ("head_size", c_int32), ("block_size", c_int32), ("num_blocks", c_int32), ("sliding_window", c_int32),
         ("scale", c_float), ("softcap", c_float), ("dtype", c_int32), ("num_threads", c_int32),
+        ("cache_dtype", c_int32),
     ]
 
 

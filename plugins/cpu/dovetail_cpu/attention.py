@@ -3,7 +3,8 @@
 One call per layer writes the step's keys and values into the cache and attends every sequence of
 the mixed prefill/decode batch, threaded across sequences, KV heads and query tiles (split across
 the keys when there are fewer of those than threads). The KV-cache layout is the default
-``[2, blocks, block_size, kv_heads, head_size]``.
+``[2, blocks, block_size, kv_heads, head_size]``; the cache may be bfloat16 under a float32 model
+(``kv_cache_dtype="bfloat16"``: half the memory and bandwidth, keys and values rounded once).
 """
 
 from __future__ import annotations
@@ -87,15 +88,6 @@ class CpuSimdBackend(AttentionBackend, metaclass=_ReportsIsa):
         from dovetail_cpu import _native
 
         return _native.missing_reason()
-
-    @classmethod
-    def validate(cls, req):
-        reasons = super().validate(req)
-        dtype_name = str(req.dtype).removeprefix("torch.")
-        if req.kv_cache_dtype not in ("auto", dtype_name) and req.kv_cache_dtype in cls.supported_kv_cache_dtypes:
-            reasons.append(f"kv_cache_dtype {req.kv_cache_dtype!r} differs from the model dtype {dtype_name}; "
-                           f"{cls.name} keeps the cache in the model dtype (use kv_cache_dtype='auto')")
-        return reasons
 
     @classmethod
     def metadata_builder_cls(cls):

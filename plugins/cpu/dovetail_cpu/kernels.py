@@ -79,12 +79,15 @@ def batch_args(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tabl
     return args
 
 
-def _check_cache(kv_cache: torch.Tensor, dtype: torch.dtype, num_kv_heads: int | None, head_size: int) -> None:
+def _check_cache(kv_cache: torch.Tensor, num_kv_heads: int | None, head_size: int) -> int:
+    """The cache's dtype code; it may differ from the model's (a bfloat16 cache for a float32 model)."""
     shape = kv_cache.shape
-    if (kv_cache.dtype != dtype or len(shape) != 5 or shape[0] != 2 or shape[4] != head_size
+    code = DTYPE_CODES.get(kv_cache.dtype)
+    if (code is None or len(shape) != 5 or shape[0] != 2 or shape[4] != head_size
             or (num_kv_heads is not None and shape[3] != num_kv_heads) or not kv_cache.is_contiguous()):
-        raise ConfigError(f"kv_cache: expected a contiguous {dtype} cache [2, blocks, block_size, "
+        raise ConfigError(f"kv_cache: expected a contiguous float32 or bfloat16 cache [2, blocks, block_size, "
                           f"{num_kv_heads or 'kv_heads'}, {head_size}] (got {kv_cache.dtype}, shape {tuple(shape)})")
+    return code
 
 
 def _set_kv(args: AttentionArgs, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype, width: int) -> None:
@@ -107,7 +110,7 @@ def paged_attention(args: AttentionArgs, q: torch.Tensor, k: torch.Tensor | None
     """
     tokens, num_heads, head_size = q.shape
     code = dtype_code(q, "q")
-    _check_cache(kv_cache, q.dtype, None, head_size)
+    args.cache_dtype = _check_cache(kv_cache, None, head_size)
     shape = kv_cache.shape
     if shape[2] != args.block_size:
         raise ConfigError(f"kv_cache: block size {shape[2]} differs from the batch's {args.block_size}")
@@ -142,7 +145,7 @@ def write_kv_cache(args: AttentionArgs, k: torch.Tensor, v: torch.Tensor, kv_cac
     """Store ``k``/``v`` ``[tokens, kv_heads, head]`` at the slots of ``args`` (negative slot: skip)."""
     tokens, num_kv_heads, head_size = k.shape
     code = dtype_code(k, "k")
-    _check_cache(kv_cache, k.dtype, num_kv_heads, head_size)
+    args.cache_dtype = _check_cache(kv_cache, num_kv_heads, head_size)
     args.num_tokens = tokens
     _set_kv(args, k, v, k.dtype, num_kv_heads * head_size)
     base = kv_cache.data_ptr()
