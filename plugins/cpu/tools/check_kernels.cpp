@@ -95,7 +95,7 @@ void check_attention(int dtype, int D, int BS, int H, int Hkv, int window, float
     a.q_stride = H * D; a.k_stride = Hkv * D; a.v_stride = Hkv * D; a.out_stride = H * D;
     a.block_table_stride = blocks_per_seq; a.num_tokens = T; a.num_seqs = S; a.num_heads = H;
     a.num_kv_heads = Hkv; a.head_size = D; a.block_size = BS; a.num_blocks = NB; a.sliding_window = window;
-    a.scale = scale; a.softcap = softcap; a.dtype = dtype; a.num_threads = 2;
+    a.scale = scale; a.softcap = softcap; a.dtype = dtype; a.cache_dtype = dtype; a.num_threads = 2;
     if (dt_attention(&a) != DT_OK) {
         printf("  attention returned an error status\n");
         ++failures;
