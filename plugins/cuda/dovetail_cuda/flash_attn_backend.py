@@ -26,7 +26,7 @@ import torch
 from dovetail.attention.backend import (AttentionBackend, AttentionImpl, AttentionMetadataBuilder,
                                         AttentionRequirements)
 from dovetail.attention.batch import AttentionBatch
-from dovetail_cuda.kv_write import kv_cache_writer
+from dovetail_cuda.kv_write import write_kv_cache
 
 #: FlashAttention-2 refuses paged caches whose block size is not a multiple of this.
 FA2_BLOCK_MULTIPLE = 256
@@ -103,7 +103,7 @@ class FlashAttnImpl(AttentionImpl):
         self.fa3 = use_fa3()
         module = importlib.import_module("flash_attn_interface" if self.fa3 else "flash_attn")
         self.attend = module.flash_attn_with_kvcache if self.fa3 else module.flash_attn_varlen_func
-        self.write = kv_cache_writer()
+        self.write = write_kv_cache
         self.window = (spec.sliding_window - 1, 0) if spec.sliding_window else (-1, -1)
 
     def forward(self, q, k, v, kv_cache, metadata: FlashAttnMetadata):

@@ -35,7 +35,7 @@ import torch
 from dovetail.attention.backend import (AttentionBackend, AttentionImpl, AttentionLayerSpec,
                                         AttentionMetadataBuilder, AttentionRequirements)
 from dovetail.attention.batch import AttentionBatch
-from dovetail_cuda.kv_write import kv_cache_writer
+from dovetail_cuda.kv_write import write_kv_cache
 
 #: The float workspace FlashInfer's split-KV kernels use (the size vLLM gives it).
 WORKSPACE_BYTES = 256 * 1024 * 1024
@@ -45,9 +45,10 @@ PREFILL_BACKEND = os.environ.get("DOVETAIL_FLASHINFER_PREFILL_BACKEND", "fa2")
 
 
 VERIFICATION = (
-    "verified on one NVIDIA H200 (sm_90) with flashinfer-python 0.6.11.post2: against REFERENCE on random "
-    "inputs (prefill, chunked prefill, decode, GQA, sliding window, soft-capping, head sizes 64/128/256, "
-    "block sizes 16/32), whole-model greedy output against HF, CUDA graphs on and off"
+    "verified on one NVIDIA H200 (sm_90) with flashinfer-python 0.6.11.post2 on 2026-11-20: against REFERENCE "
+    "on random bfloat16 inputs (prefill, chunked prefill, decode, mixed batches, GQA 2/4/8, sliding window, "
+    "soft-capping; head sizes 64/128/256; block sizes 16/32), slots of -1 left unwritten, decode replayed from "
+    "a CUDA graph at new lengths, whole-model greedy output against HF (float16), graphs on and off identical"
 )
 
 
@@ -166,7 +167,7 @@ class FlashInferImpl(AttentionImpl):
     def __init__(self, spec: AttentionLayerSpec):
         super().__init__(spec)
         self.key = group_key(spec)
-        self.write = kv_cache_writer()
+        self.write = write_kv_cache
 
     def forward(self, q, k, v, kv_cache, metadata: FlashInferMetadata):
         self.write(k, v, kv_cache, metadata.slot_mapping)

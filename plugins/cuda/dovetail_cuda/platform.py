@@ -23,9 +23,10 @@ logger = logging.getLogger("dovetail")
 GRAPH_RESERVE_BYTES = 1 << 30
 
 VERIFICATION = (
-    "verified on one NVIDIA H200 (sm_90, torch 2.11+cu130): probe, memory profiling, CUDA graphs, "
-    "FLASHINFER and TRITON attention, greedy output against HF transformers; NCCL (tensor parallelism) "
-    "not exercised, since the engine runs one device"
+    "verified on one NVIDIA H200 (sm_90, driver 580.159, torch 2.11.0+cu130) on 2026-11-20: the NVML probe, "
+    "KV-cache sizing from gpu_memory_utilization, CUDA graphs (greedy tokens identical on and off), one host "
+    "synchronisation per step, greedy output against HF with FLASHINFER, TRITON and REFERENCE. Never exercised: "
+    "NCCL through torch.distributed (the engine runs one device), GPUs other than Hopper"
 )
 
 

@@ -1,0 +1,113 @@
+"""FLASH_ATTN's argument marshalling on the CPU, against stand-in ``flash_attn`` modules.
+
+FlashAttention is not installed on any machine this project runs on, so the
+stand-ins check the arguments as the packages document them (shapes, int32
+metadata, FA2's blocks of a multiple of 256) and compute the documented
+semantics: keys gathered through the block table, ``causal`` aligned to the
+end of the keys, ``window_size=(left, 0)`` keeping keys ``>= i + sk - sq - left``,
+``softcap``. The backend must then agree with REFERENCE through the conformance kit.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from dovetail import testing
+from dovetail_cuda import flash_attn_backend
+from dovetail_cuda.flash_attn_backend import FlashAttnBackend
+
+
+def _attend_paged(q, k_cache, v_cache, cu_q, seqlens_k, table, scale, causal, window, softcap):
+    assert q.dim() == 3 and k_cache.dim() == 4 and k_cache.shape == v_cache.shape
+    assert q.dtype in (torch.float16, torch.bfloat16) and k_cache.dtype == q.dtype
+    assert cu_q.dtype == torch.int32 and table.dtype == torch.int32 and seqlens_k.dtype == torch.int32
+    assert causal and window[1] in (0, -1)
+    heads, kv_heads, page = q.shape[1], k_cache.shape[2], k_cache.shape[1]
+    out = torch.empty_like(q)
+    for i in range(cu_q.numel() - 1):
+        start, end, sk = int(cu_q[i]), int(cu_q[i + 1]), int(seqlens_k[i])
+        pages = table[i, :-(-sk // page)].long()
+        keys = k_cache[pages].reshape(-1, kv_heads, q.shape[2])[:sk].float().repeat_interleave(heads // kv_heads, 1)
+        values = v_cache[pages].reshape(-1, kv_heads, q.shape[2])[:sk].float().repeat_interleave(heads // kv_heads, 1)
+        scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), keys) * scale
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
+        sq = end - start
+        row = torch.arange(sq).view(-1, 1) + sk - sq
+        col = torch.arange(sk).view(1, -1)
+        hidden = col > row
+        if window[0] >= 0:
+            hidden |= col < row - window[0]
+        scores = scores.masked_fill(hidden, float("-inf"))
+        out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values).to(q.dtype)
+    return out
+
+
+def _fa2_module():
+    def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                               softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                               alibi_slopes=None, deterministic=False, return_attn_probs=False, block_table=None):
+        assert block_table is not None and k.shape[1] % 256 == 0, "Paged KV cache block size must be divisible by 256"
+        assert cu_seqlens_k.dtype == torch.int32
+        seqlens_k = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).int()
+        assert int(seqlens_k.max()) <= max_seqlen_k and int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) <= max_seqlen_q
+        return _attend_paged(q, k, v, cu_seqlens_q, seqlens_k, block_table, softmax_scale, causal, window_size,
+                             softcap)
+
+    return types.SimpleNamespace(flash_attn_varlen_func=flash_attn_varlen_func)
+
+
+def _fa3_module():
+    def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary_cos=None, rotary_sin=None,
+                                cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, page_table=None,
+                                cu_seqlens_q=None, cu_seqlens_k_new=None, max_seqlen_q=None, rotary_seqlens=None,
+                                q_descale=None, k_descale=None, v_descale=None, softmax_scale=None, causal=False,
+                                window_size=(-1, -1), attention_chunk=0, softcap=0.0, rotary_interleaved=True,
+                                scheduler_metadata=None, num_splits=0, pack_gqa=None, sm_margin=0,
+                                return_softmax_lse=False):
+        assert k is None and v is None and page_table is not None and max_seqlen_q is not None
+        return _attend_paged(q, k_cache, v_cache, cu_seqlens_q, cache_seqlens, page_table, softmax_scale, causal,
+                             window_size, softcap)
+
+    return types.SimpleNamespace(flash_attn_with_kvcache=flash_attn_with_kvcache)
+
+
+@pytest.fixture(params=["fa2", "fa3"])
+def version(request, monkeypatch):
+    fa3 = request.param == "fa3"
+    monkeypatch.setattr(flash_attn_backend, "fa2_installed", lambda: not fa3)
+    monkeypatch.setattr(flash_attn_backend, "fa3_installed", lambda: fa3)
+    monkeypatch.setattr(flash_attn_backend, "use_fa3", lambda: fa3)
+    monkeypatch.setattr(FlashAttnBackend, "supported_device_types", None)
+    name = "flash_attn_interface" if fa3 else "flash_attn"
+    module = _fa3_module() if fa3 else _fa2_module()
+    monkeypatch.setattr(flash_attn_backend.importlib, "import_module",
+                        lambda requested: module if requested == name else pytest.fail(f"imported {requested}"))
+    return request.param
+
+
+CASES = [c for c in testing.attention_cases(head_sizes=(64,), block_sizes=(16, 256))]
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_flash_attn_marshalling_matches_reference(version, case):
+    if version == "fa2" and case.block_size % 256:
+        with pytest.raises(testing.NotApplicable, match="block size 16 not supported by FLASH_ATTN"):
+            testing.check_attention_case(FlashAttnBackend, case, dtype=torch.bfloat16, platform="cuda")
+        return
+    testing.check_attention_case(FlashAttnBackend, case, dtype=torch.bfloat16, platform="cuda")
+
+
+def test_graph_metadata_keeps_cu_seqlens_k_in_one_buffer(version):
+    from dovetail.attention.backend import AttentionLayerSpec
+    from dovetail.attention.batch import AttentionBatch
+
+    builder = FlashAttnBackend.metadata_builder_cls()(FlashAttnBackend, [AttentionLayerSpec(4, 2, 64, 0.125)], 256,
+                                                      torch.device("cpu"), torch.bfloat16)
+    first = builder.build_for_graph(AttentionBatch.from_lists([1, 1], [5, 300], [[0], [1, 2]], 256), 2)
+    second = builder.build_for_graph(AttentionBatch.from_lists([1, 1], [7, 9], [[0], [1]], 256), 2)
+    assert first.cu_seqlens_k.data_ptr() == second.cu_seqlens_k.data_ptr()
+    assert second.cu_seqlens_k.tolist() == [0, 7, 16]
