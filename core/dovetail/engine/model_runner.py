@@ -132,7 +132,10 @@ class ModelRunner:
     def capture_graphs(self) -> None:
         """Capture the decode graphs (after the KV cache is allocated); a no-op when graphs are off."""
         if self.use_graphs and self.kv_caches:
-            self.graphs = DecodeGraphs(self, graph_batch_sizes(self.max_num_seqs))
+            try:
+                self.graphs = DecodeGraphs(self, graph_batch_sizes(self.max_num_seqs))
+            except NotImplementedError as exc:
+                logger.warning("decode steps run eagerly: %s (the platform declares supports_graph_capture)", exc)
 
     # -- inputs ------------------------------------------------------------------------------
 
