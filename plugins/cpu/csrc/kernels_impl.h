@@ -302,18 +302,18 @@ static void attend_item(const AttnCtx& c, int64_t index) {
     const Tc* vc = static_cast<const Tc*>(a.value_cache);
     const int32_t* table = a.block_table + (int64_t)it.seq * a.block_table_stride;
 
-    // Scratch: acc [M][D] | mx, l, alpha [Mp] | S | queries | key and value row pointers [KC]
+    // Scratch, in 64-byte aligned parts: acc [M][D] | mx, l, alpha [Mp] | S | queries | row pointers
     const int64_t s_size = transposed ? (int64_t)KC * Mp : (int64_t)M * KCp;
     const int64_t q_size = transposed ? (int64_t)D * Mp : (int64_t)M * D;
-    size_t bytes = sizeof(float) * ((int64_t)M * D + 3 * Mp + s_size + q_size + 32) + sizeof(void*) * 2 * KC +
-                   sizeof(void*) * M;
-    float* acc = static_cast<float*>(dt_scratch(0, bytes));
-    float* mx = acc + (int64_t)M * D;
-    float* l = mx + Mp;
-    float* alpha = l + Mp;
-    float* S = alpha + Mp;
-    float* qbuf = S + s_size;
-    const Tc** krows = reinterpret_cast<const Tc**>(qbuf + q_size + 16);
+    const int64_t part[] = {(int64_t)M * D, Mp, Mp, Mp, s_size, q_size};
+    int64_t floats = 0;
+    for (int64_t n : part) floats += (n + 15) / 16 * 16;
+    char* base = static_cast<char*>(dt_scratch(0, sizeof(float) * floats + sizeof(void*) * (2 * KC + M)));
+    float* carve[6];
+    for (int i = 0, offset = 0; i < 6; offset += (int)((part[i] + 15) / 16 * 16), ++i)
+        carve[i] = reinterpret_cast<float*>(base) + offset;
+    float *acc = carve[0], *mx = carve[1], *l = carve[2], *alpha = carve[3], *S = carve[4], *qbuf = carve[5];
+    const Tc** krows = reinterpret_cast<const Tc**>(base + sizeof(float) * floats);
     const Tc** vrows = krows + KC;
     const Tq** qrows = reinterpret_cast<const Tq**>(vrows + KC);
 
