@@ -10,7 +10,7 @@ from dovetail.config import EngineArgs
 from dovetail.engine.llm_engine import LLMEngine, PromptType
 from dovetail.errors import RequestError
 from dovetail.outputs import RequestOutput
-from dovetail.sampling_params import SamplingParams
+from dovetail.sampling_params import RequestOutputKind, SamplingParams
 
 Message = dict[str, Any]
 
@@ -33,7 +33,7 @@ class LLM:
 
     def __init__(self, model: str | None = None, *, device: str | None = None,
                  attention_backend: str | None = None, quantization: str | None = None,
-                 dtype: str = "auto", **engine_args):
+                 dtype: str | None = None, **engine_args):
         args = EngineArgs(model or default_model(), device=device, attention_backend=attention_backend,
                           quantization=quantization, dtype=dtype, **engine_args)
         self.llm_engine = LLMEngine(args.create_engine_config())
@@ -53,7 +53,9 @@ class LLM:
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
-        params = self._params_list(sampling_params, len(prompts))
+        params = [p if p.output_kind == RequestOutputKind.FINAL_ONLY
+                  else p.model_copy(update={"output_kind": RequestOutputKind.FINAL_ONLY})
+                  for p in self._params_list(sampling_params, len(prompts))]
         if priority is not None and len(priority) != len(prompts):
             raise RequestError(f"priority: got {len(priority)} priorities for {len(prompts)} prompts", field="priority")
         engine = self.llm_engine

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 from typing import Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -10,6 +11,14 @@ from dovetail.config import format_validation_error
 from dovetail.errors import RequestError
 
 _EPS = 1e-5
+
+
+class RequestOutputKind(enum.IntEnum):
+    """What each RequestOutput of a request holds (vLLM's names)."""
+
+    CUMULATIVE = 0  # everything generated so far, at every step
+    DELTA = 1  # only what is new since the previous output
+    FINAL_ONLY = 2  # one output, when the request finishes
 
 
 class SamplingParams(BaseModel):
@@ -40,6 +49,7 @@ class SamplingParams(BaseModel):
     prompt_logprobs: Optional[int] = Field(default=None, ge=0)
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __init__(self, **data):
         try:

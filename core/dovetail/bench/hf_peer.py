@@ -12,10 +12,11 @@ from dovetail.bench.workload import BenchRequest
 def load_hf_model(model_dir: str, dtype: str, device: str, dummy: bool):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    torch_dtype = getattr(torch, dtype) if dtype != "auto" else "auto"
+    torch_dtype = getattr(torch, dtype) if dtype and dtype != "auto" else "auto"
     if dummy:
         config = AutoConfig.from_pretrained(model_dir)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+        with torch.device(device):  # random weights drawn where they will run
+            model = AutoModelForCausalLM.from_config(config, dtype=None if torch_dtype == "auto" else torch_dtype)
     else:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype)
     return model.to(device).eval()

@@ -28,7 +28,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser, model_positional: bool
                    help="REFERENCE, TRITON, CPU_SIMD, FLASHINFER, FLASH_ATTN, ROCM_AITER, ... "
                         "(env DOVETAIL_ATTENTION_BACKEND)")
     g.add_argument("--quantization", "-q", default=None, help="fp8, int8, gptq, awq")
-    g.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
+    g.add_argument("--dtype", default=None, choices=DTYPE_CHOICES, help="default: auto")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--block-size", type=int, default=None)
     g.add_argument("--gpu-memory-utilization", type=float, default=None)

@@ -18,6 +18,8 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self.enable_prefix_caching = enable_prefix_caching
         self.req_blocks: dict[str, list[Block]] = {}
+        self.req_block_ids: dict[str, list[int]] = {}
+        self.req_cached_blocks: dict[str, int] = {}  # leading blocks already entered in the prefix cache
         self.prefix_queries = 0  # tokens looked up in the prefix cache
         self.prefix_hits = 0  # of which were found
 
@@ -69,26 +71,37 @@ class KVCacheManager:
         revived = sum(1 for b in cached or () if b.ref_cnt == 0)
         if need + revived > self.pool.num_free:
             return False
-        blocks = self.req_blocks.setdefault(request.request_id, [])
+        rid = request.request_id
+        blocks = self.req_blocks.setdefault(rid, [])
+        ids = self.req_block_ids.setdefault(rid, [])
         for block in cached or ():
             self.pool.share(block)
-            blocks.append(block)
-        blocks.extend(self.pool.allocate(need))
-        # Remember the blocks that will be full of known tokens once this step runs.
-        full = min(request.num_computed_tokens + num_new_tokens, request.num_tokens) // self.block_size
-        if self.enable_prefix_caching and full:
-            for block, key in zip(blocks[:full], self._block_keys(request, full)):
-                self.pool.cache(block, key)
+        new_blocks = [*(cached or ()), *self.pool.allocate(need)]
+        blocks.extend(new_blocks)
+        ids.extend(b.block_id for b in new_blocks)
+        if self.enable_prefix_caching:
+            # Remember the blocks that will be full of known tokens once this step runs (only the new ones).
+            full = min(request.num_computed_tokens + num_new_tokens, request.num_tokens) // self.block_size
+            done = self.req_cached_blocks.get(rid, 0)
+            if full > done:
+                keys = self._block_keys(request, full)
+                for i in range(done, full):
+                    self.pool.cache(blocks[i], keys[i])
+                self.req_cached_blocks[rid] = full
         return True
 
     def free(self, request: Request) -> None:
         """Release every block of the request at once; the tail is evicted first."""
-        blocks = self.req_blocks.pop(request.request_id, None)
+        rid = request.request_id
+        blocks = self.req_blocks.pop(rid, None)
+        self.req_block_ids.pop(rid, None)
+        self.req_cached_blocks.pop(rid, None)
         if blocks:
             self.pool.release(list(reversed(blocks)))
 
     def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+        """The request's block table (the manager's own list: do not modify it)."""
+        return self.req_block_ids.get(request_id, [])
 
     def usage(self) -> float:
         return self.pool.usage()

@@ -30,7 +30,7 @@ from dovetail.model_interface import ModelContext
 from dovetail import model_loader
 from dovetail.outputs import RequestOutput
 from dovetail.plugin_manager import get_plugin_manager
-from dovetail.sampling_params import SamplingParams
+from dovetail.sampling_params import RequestOutputKind, SamplingParams
 from dovetail import selection
 
 logger = logging.getLogger("dovetail")
@@ -322,7 +322,16 @@ class LLMEngine:
                 if req.is_finished:
                     self.scheduler.finish(req)
                 touched[req.parent_id] = None
-        return [self._parent_output(pid) for pid in touched if pid in self._parents]
+        outputs = []
+        for pid in touched:
+            parent = self._parents.get(pid)
+            if parent is None:
+                continue
+            final_only = parent.children[0].params.output_kind == RequestOutputKind.FINAL_ONLY
+            if final_only and not all(c.is_finished for c in parent.children):
+                continue
+            outputs.append(self._parent_output(pid))
+        return outputs
 
     def _parent_output(self, parent_id: str) -> RequestOutput:
         parent = self._parents[parent_id]

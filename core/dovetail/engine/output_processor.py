@@ -14,6 +14,7 @@ import torch
 from dovetail.engine.detokenizer import IncrementalDetokenizer
 from dovetail.engine.request import Request, RequestStatus
 from dovetail.outputs import CompletionOutput, Logprob, RequestOutput
+from dovetail.sampling_params import RequestOutputKind
 
 
 class OutputProcessor:
@@ -24,7 +25,10 @@ class OutputProcessor:
         self.max_model_len = max_model_len
 
     def attach(self, req: Request) -> None:
-        if self.tokenizer is not None:
+        # Text is built token by token only when someone can see it before the end (or stop strings
+        # need it); a final-only request is decoded once, when it finishes.
+        incremental = bool(req.params.stop_strings) or req.params.output_kind != RequestOutputKind.FINAL_ONLY
+        if self.tokenizer is not None and incremental:
             req.detokenizer = IncrementalDetokenizer(
                 self.tokenizer, req.prompt_token_ids, req.params.skip_special_tokens,
                 req.params.spaces_between_special_tokens)
@@ -96,6 +100,13 @@ class OutputProcessor:
     def finish(self, req: Request, reason: str) -> None:
         if req.detokenizer is not None and reason == "length":
             req.output_text += req.detokenizer.flush()
+        elif req.detokenizer is None and self.tokenizer is not None and reason != "abort":
+            ids = req.output_token_ids
+            if reason == "stop":  # without stop strings only a token (EOS or stop_token_ids) can stop it
+                ids = ids[:-1]  # and that token is not part of the text
+            req.output_text = self.tokenizer.decode(
+                ids, skip_special_tokens=req.params.skip_special_tokens,
+                spaces_between_special_tokens=req.params.spaces_between_special_tokens)
         req.finish_reason = reason
         req.status = RequestStatus.FINISHED
 
@@ -109,13 +120,16 @@ class OutputProcessor:
 
     def request_output(self, request_id: str, prompt, prompt_token_ids: list[int],
                        children: list[Request]) -> RequestOutput:
+        delta_only = children[0].params.output_kind == RequestOutputKind.DELTA
         completions, deltas = [], []
         for child in children:
             text = self._visible_text(child)
-            deltas.append((text[child.sent_text_len:], child.output_token_ids[child.sent_token_len:]))
+            delta = (text[child.sent_text_len:], child.output_token_ids[child.sent_token_len:])
+            deltas.append(delta)
             child.sent_text_len, child.sent_token_len = len(text), len(child.output_token_ids)
             completions.append(CompletionOutput(
-                index=child.index, text=text, token_ids=list(child.output_token_ids),
+                index=child.index, text=delta[0] if delta_only else text,
+                token_ids=list(delta[1] if delta_only else child.output_token_ids),
                 cumulative_logprob=child.cumulative_logprob if child.logprobs is not None else None,
                 logprobs=child.logprobs, finish_reason=child.finish_reason, stop_reason=child.stop_reason))
         first = children[0]
