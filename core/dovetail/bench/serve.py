@@ -5,7 +5,9 @@ same seeded request set (random prompt token ids, ``ignore_eos``, lengths
 uniform in the given ranges) is sent to ``/v1/completions`` as streams, with
 exponential gaps between arrivals. Reported per rate: time to first token and
 inter-token latency (mean, p50, p99), end-to-end latency, and output tokens
-per second over the wall time of the rate's run. The client is plain asyncio
+per second over the wall time of the rate's run. Inter-token latency is the
+gap between a stream's chunks (the server sends one per engine step, merging
+steps only for a client that lags behind). The client is plain asyncio
 (HTTP/1.1 and server-sent events), so it needs nothing beyond the standard
 library and measures every chunk when it arrives.
 """
