@@ -7,12 +7,19 @@ vocab 32000, float32, random weights) once under ``--model-dir``, then in one pr
   ``ignore_eos``) through ``LLM.generate`` after a warm-up call; output tokens / wall time. HF
   ``generate`` runs the same requests as one left-padded batch (greedy, ``max_new_tokens`` = the
   longest output); only the tokens each request asked for count.
+- C1-like: 32 requests of exactly 160 prompt + 96 output tokens, the shape llama.cpp's
+  llama-batched-bench runs (``-npp 160 -ntg 96 -npl 32``); output tokens / wall time.
 - C2: one 128-token prompt, 256 output tokens; ms per output token with prefill excluded (from the
   request's first and last token times; for HF, generating 257 tokens minus generating 1).
+
+With ``--llamacpp-bin`` and ``--gguf`` the same run also measures llama.cpp (cpu_llamacpp.py). Each
+figure is measured ``--repeat`` times, interleaved, with the 1-minute load average before it (the
+machine is shared: figures taken under load are not comparable).
 
 Usage::
 
     python benchmarks/cpu_c1c2.py [--backend CPU_SIMD] [--skip-hf] [--repeat 3] [--threads 2]
+        [--llamacpp-bin DIR --gguf C1-F32.gguf]
 """
 
 from __future__ import annotations
@@ -51,6 +58,16 @@ def c1_requests(num: int = 64, seed: int = 0) -> list[tuple[list[int], int]]:
         prompt_len, output_len = rng.randint(64, 256), rng.randint(64, 128)
         requests.append(([rng.randrange(2, 32000) for _ in range(prompt_len)], output_len))
     return requests
+
+
+def c1_like_requests(num: int = 32, prompt: int = 160, output: int = 96, seed: int = 0):
+    rng = random.Random(seed)
+    return [([rng.randrange(2, 32000) for _ in range(prompt)], output) for _ in range(num)]
+
+
+def load_average() -> float:
+    with open("/proc/loadavg") as f:
+        return float(f.read().split()[0])
 
 
 def dovetail_c1(llm, requests) -> float:
@@ -112,41 +129,64 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-dir", default="/tmp/dovetail-c1-model")
     parser.add_argument("--backend", action="append", help="attention backend(s) (default: CPU_SIMD)")
+    parser.add_argument("--kv-cache-dtype", default=None, help="e.g. bfloat16 (default: the model's dtype)")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: all usable)")
     parser.add_argument("--repeat", type=int, default=2, help="measurements of each figure")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--skip-c1", action="store_true")
     parser.add_argument("--skip-c2", action="store_true")
     parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--llamacpp-bin", help="llama.cpp's build/bin (llama-bench, llama-batched-bench)")
+    parser.add_argument("--gguf", help="the C1 model as f32 GGUF (../shared/peers/c1_gguf.py)")
     args = parser.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     path = build_model(Path(args.model_dir))
     requests = c1_requests(args.num_requests)
+    like = c1_like_requests()
     c2_prompt = random.Random(1).sample(range(2, 32000), 128)
-    results: dict = {"threads": args.threads, "requests": args.num_requests}
+    threads = args.threads or torch.get_num_threads()
+    results: dict = {}
+
+    def record(name, measure):
+        load = load_average()
+        value = measure()
+        results.setdefault(name, []).append(round(value, 2))
+        results.setdefault(name + " (load avg before)", []).append(load)
+        print(json.dumps({name: round(value, 2), "load": load}), flush=True)
+
     from dovetail import LLM
 
-    for backend in args.backend or ["CPU_SIMD"]:
-        llm = LLM(str(path), attention_backend=backend, cpu_threads=args.threads, max_model_len=2048)
-        for _ in range(args.repeat):
-            if not args.skip_c1:
-                results.setdefault(f"{backend} C1 tok/s", []).append(round(dovetail_c1(llm, requests), 1))
-            if not args.skip_c2:
-                results.setdefault(f"{backend} C2 ms/tok", []).append(round(dovetail_c2(llm, c2_prompt), 2))
-            print(json.dumps(results), flush=True)
-        del llm
+    engines = {b: LLM(str(path), attention_backend=b, cpu_threads=args.threads, max_model_len=2048,
+                      kv_cache_dtype=args.kv_cache_dtype) for b in args.backend or ["CPU_SIMD"]}
+    hf = None
     if not args.skip_hf:
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-        for _ in range(args.repeat):
+        hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    for _ in range(args.repeat):
+        for backend, llm in engines.items():
             if not args.skip_c1:
-                results.setdefault("HF C1 tok/s", []).append(round(hf_c1(model, requests), 1))
+                record(f"{backend} C1 tok/s", lambda: dovetail_c1(llm, requests))
+                record(f"{backend} C1-like tok/s", lambda: dovetail_c1(llm, like))
             if not args.skip_c2:
-                results.setdefault("HF C2 ms/tok", []).append(round(hf_c2(model, c2_prompt), 2))
-            print(json.dumps(results), flush=True)
-    summary = {k: (statistics.median(v) if isinstance(v, list) else v) for k, v in results.items()}
-    print("median:", json.dumps(summary))
+                record(f"{backend} C2 ms/tok", lambda: dovetail_c2(llm, c2_prompt))
+        if hf is not None:
+            torch.set_num_threads(threads)
+            if not args.skip_c2:
+                record("HF C2 ms/tok", lambda: hf_c2(hf, c2_prompt))
+            if not args.skip_c1:
+                record("HF C1 tok/s", lambda: hf_c1(hf, requests))
+        if args.llamacpp_bin and args.gguf:
+            import cpu_llamacpp
+
+            if not args.skip_c2:
+                record("llama.cpp C2 ms/tok", lambda: cpu_llamacpp.c2_ms_per_token(args.llamacpp_bin, args.gguf,
+                                                                                   threads))
+            if not args.skip_c1:
+                record("llama.cpp C1-like tok/s", lambda: cpu_llamacpp.c1_like(args.llamacpp_bin, args.gguf,
+                                                                               threads)["output_tok_s"])
+    summary = {k: statistics.median(v) for k, v in results.items()}
+    print("threads:", threads, "median:", json.dumps(summary))
 
 
 if __name__ == "__main__":
