@@ -31,8 +31,9 @@ def test_unknown_sampling_field_is_named():
 
 
 def test_min_tokens_above_max_tokens():
-    with pytest.raises(RequestError, match=r"min_tokens \(5\) must be <= max_tokens \(2\)"):
+    with pytest.raises(RequestError, match=r"min_tokens: must be <= max_tokens \(2\) \(got 5\)") as info:
         SamplingParams(min_tokens=5, max_tokens=2)
+    assert info.value.field == "min_tokens"
 
 
 def test_assignment_is_validated_too():

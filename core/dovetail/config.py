@@ -64,6 +64,8 @@ class SchedulerConfig(_Section):
     max_num_batched_tokens: Optional[int] = Field(default=None, ge=1)
     enable_chunked_prefill: bool = True
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    #: Schedule and prepare the next step while the device runs the current one (None: on accelerators).
+    async_scheduling: Optional[bool] = None
     max_waiting_requests: Optional[int] = Field(default=None, ge=1)
 
 

@@ -109,7 +109,7 @@ class LLM:
         results: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
         try:
-            while pending:
+            while pending or engine.has_unfinished_requests():  # also drains a step in flight
                 for out in engine.step():
                     if out.finished and out.request_id in pending:
                         results[out.request_id] = out

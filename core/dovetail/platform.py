@@ -36,6 +36,16 @@ class DeviceGraph(ABC):
         """Run the recorded work again."""
 
 
+class HostCopy:
+    """A device-to-host copy in flight; :meth:`wait` returns the host tensor once it has landed."""
+
+    def __init__(self, tensor: "torch.Tensor"):
+        self._tensor = tensor
+
+    def wait(self) -> "torch.Tensor":
+        return self._tensor.cpu()
+
+
 @dataclass(frozen=True)
 class ProbeResult:
     """Whether a platform is usable on this machine, and if not, why."""
@@ -117,6 +127,15 @@ class Platform(ABC):
 
     def reset_peak_memory_stats(self, index: int = 0) -> None:
         """Start a new peak-memory measurement (used by the profiling run)."""
+
+    def copy_to_host_async(self, tensor: "torch.Tensor") -> HostCopy:
+        """Start copying ``tensor`` to the host without waiting for work queued after it.
+
+        The engine overlaps the next step's scheduling with the device through this:
+        override it (pinned memory plus an event) on devices that run asynchronously.
+        The default copies when :meth:`HostCopy.wait` is called.
+        """
+        return HostCopy(tensor)
 
     def synchronize(self) -> None:
         """Wait for every queued operation on the device to finish."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from typing import Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from dovetail.config import format_validation_error
 from dovetail.errors import RequestError
@@ -99,11 +99,13 @@ class SamplingParams(BaseModel):
             raise ValueError("token ids must be >= 0")
         return v
 
-    @model_validator(mode="after")
-    def _cross_field(self):
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
-        return self
+    @field_validator("min_tokens")
+    @classmethod
+    def _min_not_above_max(cls, value, info):
+        max_tokens = info.data.get("max_tokens")
+        if max_tokens is not None and value > max_tokens:
+            raise ValueError(f"must be <= max_tokens ({max_tokens})")
+        return value
 
     @property
     def stop_strings(self) -> list[str]:

@@ -41,6 +41,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, model_positional: bool
     g.add_argument("--max-num-seqs", type=int, default=None)
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
     g.add_argument("--scheduling-policy", default=None, choices=("fcfs", "priority"))
+    g.add_argument("--async-scheduling", type=_bool, default=None, metavar="BOOL",
+                   help="overlap scheduling with the device's work (default: on for accelerators)")
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--load-format", default=None, choices=("auto", "safetensors", "dummy"))
     g.add_argument("--enforce-eager", action="store_true", default=None)
@@ -52,7 +54,7 @@ ENGINE_KEYS = (
     "device", "attention_backend", "quantization", "dtype", "max_model_len", "block_size",
     "gpu_memory_utilization", "kv_cache_memory_bytes", "kv_cache_dtype", "num_gpu_blocks_override",
     "enable_prefix_caching", "enable_chunked_prefill", "max_num_seqs", "max_num_batched_tokens",
-    "scheduling_policy", "seed", "load_format", "enforce_eager", "cpu_threads", "tensor_parallel_size",
+    "scheduling_policy", "async_scheduling", "seed", "load_format", "enforce_eager", "cpu_threads", "tensor_parallel_size",
 )
 
 

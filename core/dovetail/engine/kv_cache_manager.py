@@ -81,7 +81,7 @@ class KVCacheManager:
         ids.extend(b.block_id for b in new_blocks)
         if self.enable_prefix_caching:
             # Remember the blocks that will be full of known tokens once this step runs (only the new ones).
-            full = min(request.num_computed_tokens + num_new_tokens, request.num_tokens) // self.block_size
+            full = min(request.num_computed_tokens + num_new_tokens, len(request.all_token_ids)) // self.block_size
             done = self.req_cached_blocks.get(rid, 0)
             if full > done:
                 keys = self._block_keys(request, full)

@@ -23,7 +23,7 @@ from dovetail.engine.kv_cache_manager import KVCacheManager
 from dovetail.engine.model_runner import ModelRunner
 from dovetail.engine.output_processor import OutputProcessor
 from dovetail.engine.request import Request
-from dovetail.engine.sampler import sample
+from dovetail.engine.sampler import PendingSample, launch_sample
 from dovetail.engine.scheduler import Scheduler
 from dovetail.errors import ConfigError, RequestError
 from dovetail.model_interface import ModelContext
@@ -39,6 +39,14 @@ logger = logging.getLogger("dovetail")
 MAX_LOGPROBS = 20
 
 PromptType = Union[str, list[int], dict]
+
+
+@dataclass
+class _InFlight:
+    """A launched step: its sampling on the device and the requests of its rows."""
+
+    sample: PendingSample
+    requests: list[Request]
 
 
 @dataclass
@@ -105,6 +113,9 @@ class LLMEngine:
         self._parents: dict[str, _Parent] = {}
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
+        self._in_flight: _InFlight | None = None
+        async_scheduling = config.scheduler.async_scheduling
+        self.overlap = self.platform.is_accelerator if async_scheduling is None else async_scheduling
         self.startup_seconds = time.monotonic() - t0
         logger.info("engine ready in %.1fs: model %s (%s) on %s, dtype %s, attention %s, %d KV blocks of %d tokens",
                     self.startup_seconds, self.model_path, self.model_choice.architecture, platform_name,
@@ -295,7 +306,8 @@ class LLMEngine:
                     self.outputs.finish(child, "abort")
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._parents)
+        """Whether any request is unfinished, or a launched step still has to be applied."""
+        return bool(self._parents) or self._in_flight is not None
 
     def num_unfinished_requests(self) -> int:
         return len(self._parents)
@@ -303,25 +315,66 @@ class LLMEngine:
     # -- the step -------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduling step; return the progress of every request that advanced or finished."""
+        """Run one scheduling step; return the progress of every request that advanced or finished.
+
+        With overlapped (async) scheduling, a step launches its batch on the device
+        and then applies the tokens of the step before, so the host schedules and
+        prepares while the device computes; a request's newest token then feeds
+        the next step from the device. Requests whose penalties need the host to
+        know every token so far wait for the step in flight first.
+        """
+        outputs: list[RequestOutput] = []
+        if self._in_flight is not None and (not self.overlap or self._needs_every_token()):
+            outputs += self._apply(self._in_flight)
+            self._in_flight = None
         batch = self.scheduler.schedule()
-        if not batch:
-            return []
+        launched = self._launch(batch) if batch else None
+        if self._in_flight is not None:
+            outputs += self._apply(self._in_flight)
+        self._in_flight = launched
+        if launched is not None and not self.overlap:
+            outputs += self._apply(launched)
+            self._in_flight = None
+        return outputs
+
+    def _needs_every_token(self) -> bool:
+        return any(r.num_pending and (r.params.repetition_penalty != 1.0 or r.params.presence_penalty
+                                      or r.params.frequency_penalty) for r in self.scheduler.running)
+
+    def _launch(self, batch) -> "_InFlight":
+        """Run the model on ``batch`` and queue the sampling; nothing waits for the device."""
         tables = [self.kv_manager.block_ids(r.request_id) for r in batch.requests]
-        logits = self.runner.execute(batch, tables)
+        prev = self._in_flight.sample.tokens if self._in_flight is not None else None
+        logits = self.runner.execute(batch, tables, prev)
         for req, n in zip(batch.requests, batch.num_new_tokens):
             req.num_computed_tokens += n
         for request_id, (prompt_logits, predicted) in logits.prompt_logits.items():
             self.outputs.add_prompt_logprobs(self._requests[request_id], prompt_logits, predicted)
+        requests = logits.sample_requests
+        if not requests:
+            return None
+        pending = launch_sample(logits.sample_logits, requests, self.vocab_size)
+        pending.start_transfer(self.platform)
+        for row, req in enumerate(requests):
+            req.num_pending += 1
+            req.pending_row = row
+            if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+                req.stop_scheduling = True  # it finishes with this token whatever its value
+        return _InFlight(pending, requests)
+
+    def _apply(self, in_flight: "_InFlight") -> list[RequestOutput]:
+        """Wait for a launched step's tokens, apply them and the stop rules, and build the outputs."""
+        result = in_flight.sample.result()
+        now = time.monotonic()
         touched: dict[str, None] = {}
-        if logits.sample_requests:
-            result = sample(logits.sample_logits, logits.sample_requests, self.vocab_size)
-            now = time.monotonic()
-            for req, token, info in zip(logits.sample_requests, result.token_ids, result.logprobs):
-                self.outputs.append_token(req, token, info, now)
-                if req.is_finished:
-                    self.scheduler.finish(req)
-                touched[req.parent_id] = None
+        for req, token, info in zip(in_flight.requests, result.token_ids, result.logprobs):
+            req.num_pending -= 1
+            if req.is_finished or req.request_id not in self._requests:
+                continue  # finished by an earlier token, or aborted, while this step ran
+            self.outputs.append_token(req, token, info, now)
+            if req.is_finished:
+                self.scheduler.finish(req)
+            touched[req.parent_id] = None
         outputs = []
         for pid in touched:
             parent = self._parents.get(pid)

@@ -63,6 +63,30 @@ def _to(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return host.to(device, non_blocking=True)
 
 
+def pending_inputs(batch: ScheduledBatch) -> tuple[list[int], list[int]]:
+    """(input rows, rows of the in-flight step's tokens) of the sequences whose last input token is
+    still on the device."""
+    dst, src, offset = [], [], 0
+    for req, n in zip(batch.requests, batch.num_new_tokens):
+        offset += n
+        if req.num_computed_tokens + n > len(req.all_token_ids):
+            dst.append(offset - 1)
+            src.append(req.pending_row)
+    return dst, src
+
+
+def fill_pending(input_ids: torch.Tensor, rows: tuple[list[int], list[int]], prev_tokens: torch.Tensor | None):
+    """Copy the in-flight step's sampled tokens into ``input_ids`` on the device, without the host."""
+    dst, src = rows
+    if not dst:
+        return
+    if prev_tokens is None:
+        raise RuntimeError("a sequence waits for a token of a step that is not in flight")
+    index = _to(torch.tensor(dst, dtype=torch.long), input_ids.device)
+    input_ids.index_copy_(0, index, prev_tokens.index_select(0, _to(torch.tensor(src, dtype=torch.long),
+                                                                      prev_tokens.device)))
+
+
 def block_table_array(block_tables: list[list[int]], rows: int | None = None, fill: int = 0) -> np.ndarray:
     """``[rows, widest table]`` int32 on the host, each table left-aligned and padded with ``fill``."""
     rows = len(block_tables) if rows is None else rows
@@ -140,12 +164,17 @@ class ModelRunner:
     # -- inputs ------------------------------------------------------------------------------
 
     def prepare(self, batch: ScheduledBatch, block_tables: list[list[int]]):
-        """Flatten the batch into input ids, positions and the attention batch."""
+        """Flatten the batch into input ids, positions and the attention batch.
+
+        A sequence whose last input token is still on the device (sampled by the
+        step in flight) gets a 0 there; :func:`pending_inputs` says where to put it.
+        """
         bs = self.block_size
         starts = [req.num_computed_tokens for req in batch.requests]
         query_lens = list(batch.num_new_tokens)
         input_ids = list(itertools.chain.from_iterable(
-            req.all_token_ids[s:s + n] for req, s, n in zip(batch.requests, starts, query_lens)))
+            req.all_token_ids[s:s + n] if s + n <= len(req.all_token_ids) else [*req.all_token_ids[s:], 0]
+            for req, s, n in zip(batch.requests, starts, query_lens)))
         q_lens = torch.tensor(query_lens, dtype=torch.long)
         seq_lens = torch.tensor(starts, dtype=torch.long) + q_lens
         qsl = torch.zeros(len(query_lens) + 1, dtype=torch.long)
@@ -174,10 +203,14 @@ class ModelRunner:
             return self.model(input_ids, positions)
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch, block_tables: list[list[int]]) -> StepLogits:
+    def execute(self, batch: ScheduledBatch, block_tables: list[list[int]],
+                prev_tokens: torch.Tensor | None = None) -> StepLogits:
+        """Run one step; ``prev_tokens`` are the device tokens of the step in flight, which the
+        sequences with a pending last token read their input from."""
         if self.graphs is not None and self.graphs.can_run(batch):
-            return StepLogits(self.graphs.run(batch, block_tables), list(batch.requests), {})
+            return StepLogits(self.graphs.run(batch, block_tables, prev_tokens), list(batch.requests), {})
         input_ids, positions, attn = self.prepare(batch, block_tables)
+        fill_pending(input_ids, pending_inputs(batch), prev_tokens)
         hidden = self.run_model(input_ids, positions, attn)
         sample_rows, sample_requests = [], []
         prompt_rows: dict[str, tuple[list[int], list[int]]] = {}
@@ -290,11 +323,13 @@ class DecodeGraphs:
             n == 1 and req.num_computed_tokens + 1 == req.num_tokens
             for req, n in zip(batch.requests, batch.num_new_tokens))
 
-    def run(self, batch: ScheduledBatch, block_tables: list[list[int]]) -> torch.Tensor:
+    def run(self, batch: ScheduledBatch, block_tables: list[list[int]],
+            prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """The logits ``[len(batch.requests), vocab]`` of a decode-only step."""
         n = len(batch.requests)
         size = next(s for s in self.sizes if s >= n)
         attn = self._load(batch.requests, block_tables, size)
+        fill_pending(self.input_ids, pending_inputs(batch), prev_tokens)
         self.runner.metadata_builder.build_for_graph(attn, size)
         self.graphs[size].replay()
         return self.logits[:n]
@@ -306,7 +341,8 @@ class DecodeGraphs:
         inputs = np.zeros((3, size), dtype=np.int64)
         ids, positions, slots = inputs
         positions[:n] = [req.num_computed_tokens for req in requests]
-        ids[:n] = [req.all_token_ids[req.num_computed_tokens] for req in requests]
+        ids[:n] = [req.all_token_ids[req.num_computed_tokens] if req.num_computed_tokens < len(req.all_token_ids)
+                   else 0 for req in requests]
         table = block_table_array(list(block_tables) + [[spare]] * (size - n), fill=spare)
         slots[:] = table[np.arange(size), positions // bs].astype(np.int64) * bs + positions % bs
         seq_lens = torch.from_numpy((positions + 1).astype(np.int32))

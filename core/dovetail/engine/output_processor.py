@@ -131,7 +131,7 @@ class OutputProcessor:
                 index=child.index, text=delta[0] if delta_only else text,
                 token_ids=list(delta[1] if delta_only else child.output_token_ids),
                 cumulative_logprob=child.cumulative_logprob if child.logprobs is not None else None,
-                logprobs=child.logprobs, finish_reason=child.finish_reason, stop_reason=child.stop_reason))
+                logprobs=None if child.logprobs is None else list(child.logprobs), finish_reason=child.finish_reason, stop_reason=child.stop_reason))
         first = children[0]
         return RequestOutput(
             request_id=request_id, prompt=prompt, prompt_token_ids=list(prompt_token_ids), outputs=completions,

@@ -56,10 +56,21 @@ class Request:
         self.sent_text_len = 0
         self.sent_token_len = 0
         self.max_tokens = params.max_tokens
+        # Tokens sampled on the device whose values the host has not seen yet (overlapped steps):
+        # the newest is row ``pending_row`` of the step in flight. ``stop_scheduling`` marks a request
+        # that will reach its length limit with them.
+        self.num_pending = 0
+        self.pending_row = -1
+        self.stop_scheduling = False
 
     @property
     def num_tokens(self) -> int:
-        return len(self.all_token_ids)
+        """Tokens of the sequence, including sampled ones still on their way to the host."""
+        return len(self.all_token_ids) + self.num_pending
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids) + self.num_pending
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -81,7 +81,7 @@ def _bias_and_bans(logits: torch.Tensor, requests: list[Request]) -> None:
                 rows.append(row)
                 tokens.append(token)
                 values.append(float(bias))
-        if len(req.output_token_ids) < p.min_tokens:
+        if req.num_output_tokens < p.min_tokens:
             banned = set(p.stop_token_ids or ())
             if not p.ignore_eos:
                 banned |= req.eos_token_ids
@@ -169,7 +169,7 @@ def _sample_random(logits: torch.Tensor, sampled: torch.Tensor, requests: list[R
         noise = torch.empty_like(probs).exponential_()
     if seeded:
         seeds = _host_to([_signed64(params[j].seed) for j in seeded], torch.long, dev)
-        steps = _host_to([len(requests[random_rows[j]].output_token_ids) for j in seeded], torch.long, dev)
+        steps = _host_to([requests[random_rows[j]].num_output_tokens for j in seeded], torch.long, dev)
         seeded_noise = seeded_exponential(seeds, steps, probs.shape[1])
         if len(seeded) == len(params):
             noise = seeded_noise
@@ -190,21 +190,45 @@ def _top_logprobs(logprobs: torch.Tensor, sampled: torch.Tensor, rows: list[int]
 
 def _plain_greedy(p, req: Request) -> bool:
     """Greedy with nothing that changes the logits or asks for logprobs: the argmax of the raw logits."""
-    return (p.greedy and p.logprobs is None and not p.logit_bias and len(req.output_token_ids) >= p.min_tokens
+    return (p.greedy and p.logprobs is None and not p.logit_bias and req.num_output_tokens >= p.min_tokens
             and p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty)
 
 
-def sample(logits: torch.Tensor, requests: list[Request], vocab_size: int | None = None) -> SampleResult:
-    """Sample one token per row of ``logits`` (``[rows, vocab]``), row ``i`` for ``requests[i]``."""
+@dataclass
+class PendingSample:
+    """Tokens sampled on the device, on their way to the host.
+
+    ``tokens`` (int64 ``[rows]``, on the device) can feed the next step before the
+    host has seen them; :meth:`result` waits for the transfer started by
+    :meth:`start_transfer` (or copies now) and decodes it.
+    """
+
+    tokens: torch.Tensor
+    packed: torch.Tensor
+    decode: "callable"
+    _copy: object = None
+
+    def start_transfer(self, platform) -> None:
+        self._copy = platform.copy_to_host_async(self.packed)
+
+    def result(self) -> SampleResult:
+        host = self._copy.wait() if self._copy is not None else self.packed
+        return self.decode(host.tolist())
+
+
+def launch_sample(logits: torch.Tensor, requests: list[Request], vocab_size: int | None = None) -> PendingSample:
+    """Queue the sampling of one token per row of ``logits`` (``[rows, vocab]``); nothing waits for the device."""
+    n = len(requests)
     if all(_plain_greedy(r.params, r) for r in requests):
         top = logits[:, :vocab_size] if vocab_size is not None else logits
-        return SampleResult(token_ids=top.argmax(dim=-1).tolist(), logprobs=[None] * len(requests))
+        sampled = top.argmax(dim=-1)
+        return PendingSample(sampled, sampled, lambda host: SampleResult(host, [None] * n))
     logits = logits.float()
     if vocab_size is not None and logits.shape[1] > vocab_size:
         logits = logits[:, :vocab_size]
     logprob_rows = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
     raw_logprobs = torch.log_softmax(logits, dim=-1) if logprob_rows else None
-    if any(r.params.logit_bias or len(r.output_token_ids) < r.params.min_tokens for r in requests):
+    if any(r.params.logit_bias or r.num_output_tokens < r.params.min_tokens for r in requests):
         logits = logits.clone()
         _bias_and_bans(logits, requests)
     if any(r.params.repetition_penalty != 1.0 or r.params.presence_penalty or r.params.frequency_penalty
@@ -214,20 +238,29 @@ def sample(logits: torch.Tensor, requests: list[Request], vocab_size: int | None
     sampled = logits.argmax(dim=-1)
     _sample_random(logits, sampled, requests)
     if not logprob_rows:
-        return SampleResult(token_ids=sampled.tolist(), logprobs=[None] * len(requests))
+        return PendingSample(sampled, sampled, lambda host: SampleResult(host, [None] * n))
 
     # One transfer for everything: int64 token ids and float32 logprobs fit float64 exactly.
     k_max = max(requests[i].params.logprobs for i in logprob_rows)
     chosen_lp, ranks, top_vals, top_ids = _top_logprobs(raw_logprobs, sampled, logprob_rows, k_max)
-    n, m = len(requests), len(logprob_rows)
     packed = torch.cat([sampled.double(), chosen_lp.double(), ranks.double(), top_vals.double().flatten(),
-                        top_ids.double().flatten()]).tolist()
-    token_ids = [int(t) for t in packed[:n]]
-    chosen, rank_list = packed[n:n + m], packed[n + m:n + 2 * m]
-    vals, ids = packed[n + 2 * m:n + 2 * m + m * k_max], packed[n + 2 * m + m * k_max:]
-    results: list = [None] * n
-    for j, row in enumerate(logprob_rows):
-        k = requests[row].params.logprobs
-        top = [(int(ids[j * k_max + t]), vals[j * k_max + t]) for t in range(k)]
-        results[row] = (chosen[j], int(rank_list[j]), top)
-    return SampleResult(token_ids=token_ids, logprobs=results)
+                        top_ids.double().flatten()])
+    top_k = [requests[row].params.logprobs for row in logprob_rows]
+
+    def decode(values: list) -> SampleResult:
+        m = len(logprob_rows)
+        token_ids = [int(t) for t in values[:n]]
+        chosen, rank_list = values[n:n + m], values[n + m:n + 2 * m]
+        vals, ids = values[n + 2 * m:n + 2 * m + m * k_max], values[n + 2 * m + m * k_max:]
+        results: list = [None] * n
+        for j, row in enumerate(logprob_rows):
+            top = [(int(ids[j * k_max + t]), vals[j * k_max + t]) for t in range(top_k[j])]
+            results[row] = (chosen[j], int(rank_list[j]), top)
+        return SampleResult(token_ids=token_ids, logprobs=results)
+
+    return PendingSample(sampled, packed, decode)
+
+
+def sample(logits: torch.Tensor, requests: list[Request], vocab_size: int | None = None) -> SampleResult:
+    """Sample one token per row of ``logits`` and wait for the result (one transfer to the host)."""
+    return launch_sample(logits, requests, vocab_size).result()

@@ -71,9 +71,8 @@ class Scheduler:
         self.kv.free(request)
 
     def finish(self, request: Request) -> None:
-        if request in self.running:
-            self.running.remove(request)
-        self.kv.free(request)
+        """A request is done (it may have been preempted since its last token was sampled)."""
+        self.abort(request)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -105,7 +104,7 @@ class Scheduler:
         # Decodes first, then chunked prefills in progress.
         order = sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens != 1)
         for request in order:
-            if request not in self.running or budget[0] <= 0:
+            if request not in self.running or budget[0] <= 0 or request.stop_scheduling:
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget[0])
             while not self.kv.allocate(request, num_new):

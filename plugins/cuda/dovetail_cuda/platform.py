@@ -14,7 +14,7 @@ import os
 import torch
 
 from dovetail.errors import ConfigError
-from dovetail.platform import DeviceGraph, Platform, ProbeResult
+from dovetail.platform import DeviceGraph, HostCopy, Platform, ProbeResult
 from dovetail_cuda import probe as cuda_probe
 
 logger = logging.getLogger("dovetail")
@@ -38,6 +38,19 @@ class CudaGraph(DeviceGraph):
 
     def replay(self) -> None:
         self.graph.replay()
+
+
+class _CudaHostCopy(HostCopy):
+    """A copy into pinned host memory, ordered on the current stream, with an event to wait on."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self._host = tensor.to("cpu", non_blocking=True)
+        self._event = torch.cuda.Event()
+        self._event.record()
+
+    def wait(self) -> torch.Tensor:
+        self._event.synchronize()
+        return self._host
 
 
 class CudaPlatform(Platform):
@@ -82,6 +95,9 @@ class CudaPlatform(Platform):
 
     def synchronize(self) -> None:
         torch.cuda.synchronize()
+
+    def copy_to_host_async(self, tensor: torch.Tensor) -> HostCopy:
+        return _CudaHostCopy(tensor)
 
     def empty_cache(self) -> None:
         torch.cuda.empty_cache()
