@@ -83,8 +83,33 @@ def test_graphs_on_and_off_give_identical_tokens(model_dir, backend):
     assert len(replays) == MAX_TOKENS - 1, "every decode step should replay a graph"
 
 
+def _sync_counts(engine) -> list[int]:
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(f"s{i}", {"prompt_token_ids": p}, SamplingParams(temperature=0.8, top_p=0.9,
+                                                                          max_tokens=8, ignore_eos=True))
+    counts = []
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        while engine.has_unfinished_requests():
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                engine.step()
+            counts.append(sum("synchroniz" in str(w.message).lower() for w in caught))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return counts
+
+
+def test_overlapped_steps_never_block_on_an_implicit_synchronisation(model_dir):
+    llm = LLM(str(model_dir), attention_backend="TRITON", async_scheduling=True, **ENGINE)
+    _greedy(llm, PROMPTS[:2])  # warm-up
+    counts = _sync_counts(llm.llm_engine)
+    assert counts and all(c == 0 for c in counts), counts  # tokens arrive by a pinned copy and an event
+
+
 def test_each_step_synchronises_with_the_host_once(model_dir):
-    llm = LLM(str(model_dir), attention_backend="FLASHINFER", **ENGINE)
+    llm = LLM(str(model_dir), attention_backend="TRITON", async_scheduling=False, **ENGINE)
     engine = llm.llm_engine
     _greedy(llm, PROMPTS[:2])  # warm-up
     for i, p in enumerate(PROMPTS):
