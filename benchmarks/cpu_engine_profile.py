@@ -62,7 +62,9 @@ def instrument(llm) -> None:
     engine.runner.run_model = timed("forward (other)", engine.runner.run_model)
     engine.model.compute_logits = timed("compute_logits (lm_head)", engine.model.compute_logits)
     engine.outputs.append_token = timed("output processing", engine.outputs.append_token)
-    llm_engine_module.sample = timed("sample", llm_engine_module.sample)
+    for name in ("sample", "launch_sample"):  # the sampler's entry point, whichever the engine calls
+        if hasattr(llm_engine_module, name):
+            setattr(llm_engine_module, name, timed("sample", getattr(llm_engine_module, name)))
     ops = None
     for module in engine.model.modules():
         if isinstance(module, Linear):

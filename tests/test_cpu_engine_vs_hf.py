@@ -50,11 +50,12 @@ def test_cpu_simd_is_chosen_by_default_and_matches_hf(tiny_llama_dir, llama_refe
 def test_forced_isa_path_matches_hf(tiny_llama_dir, llama_reference, path):
     if path not in isa.supported_isas():
         pytest.skip(f"this CPU lacks the {path} path")
+    before = isa.selected_isa()
     isa.select_isa(path)
     try:
         check(generate(LLM(str(tiny_llama_dir), attention_backend="CPU_SIMD")), llama_reference)
     finally:
-        isa.select_isa("auto")
+        isa.select_isa(before)
 
 
 def test_chunked_prefill_prefix_cache_and_preemption(tiny_llama_dir, llama_reference):

@@ -21,9 +21,10 @@ def isa_path(request):
     name = request.param
     if name not in isa.supported_isas():
         pytest.skip(f"this CPU (or build) lacks the {name} path; it runs: {', '.join(isa.supported_isas())}")
+    before = isa.selected_isa()
     isa.select_isa(name)
     yield name
-    isa.select_isa("auto")
+    isa.select_isa(before)
 
 
 def rand(*shape, dtype=torch.float32, seed=0):

@@ -89,14 +89,18 @@ def test_isa_this_cpu_lacks_is_refused():
 
 
 def test_auto_picks_the_best_path():
-    assert isa.select_isa("auto") == isa.supported_isas()[0]
-    flags = cpu_info.cpu_flags()
-    if "avx512_bf16" in flags:
-        assert isa.selected_isa() == "avx512_bf16"
-    elif {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
-        assert isa.selected_isa() == "avx512"
-    elif {"avx2", "fma"} <= flags:
-        assert isa.selected_isa() == "avx2"
+    before = isa.selected_isa()
+    try:
+        assert isa.select_isa("auto") == isa.supported_isas()[0]
+        flags = cpu_info.cpu_flags()
+        if "avx512_bf16" in flags:
+            assert isa.selected_isa() == "avx512_bf16"
+        elif {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
+            assert isa.selected_isa() == "avx512"
+        elif {"avx2", "fma"} <= flags:
+            assert isa.selected_isa() == "avx2"
+    finally:
+        isa.select_isa(before)
 
 
 def _run(code: str, **env) -> str:
