@@ -17,7 +17,7 @@ PROMPTS = [{"prompt_token_ids": list(range(5 + i, 5 + i + n))} for i, n in enume
 
 @pytest.fixture(scope="module")
 def pair(tiny_llama_dir):
-    kwargs = dict(attention_backend="REFERENCE", max_model_len=256, block_size=8)
+    kwargs = dict(attention_backend="REFERENCE", max_model_len=256, block_size=8, dtype="float32")
     return (LLM(str(tiny_llama_dir), async_scheduling=False, **kwargs),
             LLM(str(tiny_llama_dir), async_scheduling=True, **kwargs))
 
@@ -62,7 +62,8 @@ def test_penalties_wait_for_every_token(pair):
 
 
 def test_stop_strings_and_chunked_prefill(tiny_llama_dir):
-    kwargs = dict(attention_backend="REFERENCE", max_model_len=256, max_num_batched_tokens=16, max_num_seqs=3)
+    kwargs = dict(attention_backend="REFERENCE", max_model_len=256, max_num_batched_tokens=16, max_num_seqs=3,
+                  dtype="float32")
     pair = (LLM(str(tiny_llama_dir), async_scheduling=False, **kwargs),
             LLM(str(tiny_llama_dir), async_scheduling=True, **kwargs))
     full = pair[0].generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
@@ -71,7 +72,8 @@ def test_stop_strings_and_chunked_prefill(tiny_llama_dir):
 
 
 def test_preemption_under_overlap(tiny_llama_dir):
-    kwargs = dict(attention_backend="REFERENCE", max_model_len=200, num_gpu_blocks_override=31, max_num_seqs=8)
+    kwargs = dict(attention_backend="REFERENCE", max_model_len=200, num_gpu_blocks_override=31, max_num_seqs=8,
+                  dtype="float32")
     pair = (LLM(str(tiny_llama_dir), async_scheduling=False, **kwargs),
             LLM(str(tiny_llama_dir), async_scheduling=True, **kwargs))
     prompts = [{"prompt_token_ids": list(range(10 + i, 160 + i))} for i in range(4)]
