@@ -17,7 +17,8 @@ PROMPTS = [{"prompt_token_ids": list(range(5 + i, 5 + i + n))} for i, n in enume
 
 @pytest.fixture(scope="module")
 def pair(tiny_llama_dir):
-    kwargs = dict(attention_backend="REFERENCE", max_model_len=256, block_size=8, dtype="float32")
+    kwargs = dict(attention_backend="REFERENCE", max_model_len=256, block_size=8, dtype="float32",
+                  num_gpu_blocks_override=400)
     return (LLM(str(tiny_llama_dir), async_scheduling=False, **kwargs),
             LLM(str(tiny_llama_dir), async_scheduling=True, **kwargs))
 
@@ -63,6 +64,7 @@ def test_penalties_wait_for_every_token(pair):
 
 def test_stop_strings_and_chunked_prefill(tiny_llama_dir):
     kwargs = dict(attention_backend="REFERENCE", max_model_len=256, max_num_batched_tokens=16, max_num_seqs=3,
+                  num_gpu_blocks_override=200,
                   dtype="float32")
     pair = (LLM(str(tiny_llama_dir), async_scheduling=False, **kwargs),
             LLM(str(tiny_llama_dir), async_scheduling=True, **kwargs))
