@@ -48,6 +48,12 @@ static inline Vec as_stored(Vec v, const bf16_t*) {
 
 static const float kNegInf = -INFINITY;
 
+// Ask for a row of the cache ahead of use: blocks are scattered, so the hardware cannot guess them.
+static inline void prefetch_row(const void* p, int bytes) {
+    const char* c = static_cast<const char*>(p);
+    for (int i = 0; i < bytes; i += 64) __builtin_prefetch(c + i, 0, 3);
+}
+
 // ---------------------------------------------------------------------------------------------------
 // Paged attention
 // ---------------------------------------------------------------------------------------------------
@@ -298,6 +304,8 @@ static void attend_item(const AttnCtx& c, int64_t index) {
     const int MV = Mp / Vec::W;
     const int KC = key_chunk(D);
     const int KCp = round_up(KC, Vec::W);
+    const int row_bytes = D * (int)sizeof(Tc);
+    const int kAhead = 6;  // keys to prefetch ahead in the decode loop
     const Tc* kc = static_cast<const Tc*>(a.key_cache);
     const Tc* vc = static_cast<const Tc*>(a.value_cache);
     const int32_t* table = a.block_table + (int64_t)it.seq * a.block_table_stride;
@@ -347,6 +355,10 @@ static void attend_item(const AttnCtx& c, int64_t index) {
         }
         // Scores.
         if (transposed) {
+            for (int j = 0; j < n; ++j) {
+                prefetch_row(krows[j], row_bytes);
+                prefetch_row(vrows[j], row_bytes);
+            }
             switch (MV) {
                 case 1: transposed_scores<Tq, Tc, 1>(qbuf, krows, n, D, a.scale, S); break;
                 case 2: transposed_scores<Tq, Tc, 2>(qbuf, krows, n, D, a.scale, S); break;
@@ -358,21 +370,23 @@ static void attend_item(const AttnCtx& c, int64_t index) {
                 default: transposed_scores<Tq, Tc, 8>(qbuf, krows, n, D, a.scale, S); break;
             }
         } else {
-            for (int m = 0; m < M; ++m) {
-                float* out = S + (int64_t)m * KCp;
+            for (int j = 0; j < imin(kAhead, n); ++j) prefetch_row(krows[j], row_bytes);
+            for (int j = 0; j < n; ++j) {
+                if (j + kAhead < n) prefetch_row(krows[j + kAhead], row_bytes);
+                prefetch_row(vrows[j], row_bytes);  // read after this chunk's softmax
+                for (int m = 0; m < M; ++m) {
 #ifdef DT_HAS_BF16_DOT
-                if (sizeof(Tq) == 2 && sizeof(Tc) == 2) {
-                    const bf16_t* qm = reinterpret_cast<const bf16_t*>(qrows[m]);
-                    for (int j = 0; j < n; ++j)
-                        out[j] = dot(qm, reinterpret_cast<const bf16_t*>(krows[j]), D) * a.scale;
-                } else
+                    if (sizeof(Tq) == 2 && sizeof(Tc) == 2) {
+                        S[(int64_t)m * KCp + j] = dot(reinterpret_cast<const bf16_t*>(qrows[m]),
+                                                      reinterpret_cast<const bf16_t*>(krows[j]), D) * a.scale;
+                        continue;
+                    }
 #endif
-                {
-                    const float* qm = qbuf + (int64_t)m * D;
-                    for (int j = 0; j < n; ++j) out[j] = dot(qm, krows[j], D) * a.scale;
+                    S[(int64_t)m * KCp + j] = dot(qbuf + (int64_t)m * D, krows[j], D) * a.scale;
                 }
-                for (int j = n; j < KCp; ++j) out[j] = kNegInf;
             }
+            for (int m = 0; m < M; ++m)
+                for (int j = n; j < KCp; ++j) S[(int64_t)m * KCp + j] = kNegInf;
         }
         if (a.softcap > 0.0f) {
             if (transposed) softcap(S, (int64_t)n * Mp, a.softcap);
