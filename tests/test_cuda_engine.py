@@ -83,50 +83,49 @@ def test_graphs_on_and_off_give_identical_tokens(model_dir, backend):
     assert len(replays) == MAX_TOKENS - 1, "every decode step should replay a graph"
 
 
-def _sync_counts(engine) -> list[int]:
+def _sync_counts(engine, monkeypatch) -> tuple[list[int], list[int]]:
+    """Per step: implicit synchronisations torch reports, and explicit waits for sampled tokens."""
+    from dovetail_cuda import platform as cuda_platform
+
+    waits = [0]
+    original = cuda_platform._CudaHostCopy.wait
+
+    def counted(self):
+        waits[0] += 1
+        return original(self)
+
+    monkeypatch.setattr(cuda_platform._CudaHostCopy, "wait", counted)
     for i, p in enumerate(PROMPTS):
         engine.add_request(f"s{i}", {"prompt_token_ids": p}, SamplingParams(temperature=0.8, top_p=0.9,
                                                                           max_tokens=8, ignore_eos=True))
-    counts = []
+    implicit, explicit = [], []
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("warn")
     try:
         while engine.has_unfinished_requests():
+            waits[0] = 0
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 engine.step()
-            counts.append(sum("synchroniz" in str(w.message).lower() for w in caught))
+            implicit.append(sum("synchroniz" in str(w.message).lower() for w in caught))
+            explicit.append(waits[0])
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    return counts
+    return implicit, explicit
 
 
-def test_overlapped_steps_never_block_on_an_implicit_synchronisation(model_dir):
-    llm = LLM(str(model_dir), attention_backend="TRITON", async_scheduling=True, **ENGINE)
+@pytest.mark.parametrize("overlap", [False, True])
+def test_each_step_waits_for_the_device_once(model_dir, monkeypatch, overlap):
+    """The only host wait of a step is for the sampled tokens (a pinned copy and an event); with
+    overlapped scheduling it waits for the step before, after launching its own."""
+    llm = LLM(str(model_dir), attention_backend="TRITON", async_scheduling=overlap, **ENGINE)
     _greedy(llm, PROMPTS[:2])  # warm-up
-    counts = _sync_counts(llm.llm_engine)
-    assert counts and all(c == 0 for c in counts), counts  # tokens arrive by a pinned copy and an event
-
-
-def test_each_step_synchronises_with_the_host_once(model_dir):
-    llm = LLM(str(model_dir), attention_backend="TRITON", async_scheduling=False, **ENGINE)
-    engine = llm.llm_engine
-    _greedy(llm, PROMPTS[:2])  # warm-up
-    for i, p in enumerate(PROMPTS):
-        engine.add_request(f"s{i}", {"prompt_token_ids": p}, SamplingParams(temperature=0.8, top_p=0.9,
-                                                                          max_tokens=8, ignore_eos=True))
-    counts = []
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        while engine.has_unfinished_requests():
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                engine.step()
-            counts.append(sum("synchroniz" in str(w.message).lower() for w in caught))
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    assert counts and all(c == 1 for c in counts), counts
+    implicit, explicit = _sync_counts(llm.llm_engine, monkeypatch)
+    assert implicit and all(c == 0 for c in implicit), implicit
+    if overlap:
+        assert explicit[0] == 0 and all(c == 1 for c in explicit[1:]), explicit
+    else:
+        assert all(c == 1 for c in explicit), explicit
 
 
 def test_kv_cache_is_sized_from_gpu_memory_utilization(model_dir):

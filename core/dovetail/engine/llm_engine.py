@@ -9,6 +9,7 @@ model once, samples, applies stop rules and returns the requests' progress.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import time
@@ -203,6 +204,8 @@ class LLMEngine:
         if cache.num_gpu_blocks_override:
             num_blocks = cache.num_gpu_blocks_override
         elif self.platform.is_accelerator:
+            gc.collect()  # an engine dropped earlier in this process must not count in the profile
+            self.platform.empty_cache()
             sched = self.config.scheduler
             budget = self.platform.kv_cache_bytes(self.config, lambda: self.runner.profile(
                 sched.max_num_batched_tokens, sched.max_num_seqs, self.max_model_len))
