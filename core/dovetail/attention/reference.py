@@ -49,9 +49,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tenso
         visible &= k_pos.view(1, 1, -1) > (q_pos.unsqueeze(-1) - spec.sliding_window)
     scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    # Slots past a sequence's end may hold anything (the cache is not zeroed): keep them out of p @ V.
-    valid_keys = (k_pos.view(1, -1) < k_len.view(-1, 1)).view(batch, 1, 1, k_len_max, 1)
-    out = torch.matmul(probs, vf.masked_fill(~valid_keys, 0.0))  # [B, Hkv, g, Lq, D]
+    out = torch.matmul(probs, vf)  # [B, Hkv, g, Lq, D]; the engine's cache is zeroed, so masked slots are finite
     return out.permute(0, 3, 1, 2, 4).reshape(batch, q_len, num_heads, head_size)
 
 
