@@ -2,13 +2,16 @@
 
 It computes in float32 whatever the model's dtype, gathers each sequence's keys
 and values through its block table, and applies the causal, sliding-window and
-soft-capping rules exactly as :mod:`dovetail.attention.backend` defines them.
+soft-capping rules exactly as :mod:`dovetail.attention.backend` defines them
+(through torch's ``scaled_dot_product_attention`` with an explicit mask, or
+written out when soft-capping is on).
 Decodes are attended together in one padded batch; prefills one sequence at a time.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from dovetail.attention.backend import AttentionBackend, AttentionImpl, AttentionLayerSpec
 from dovetail.attention.batch import AttentionBatch
@@ -34,23 +37,21 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tenso
     position ``j``); ``q_pos``: ``[B, Lq]`` absolute positions of the queries;
     ``k_len``: ``[B]`` valid keys per sequence. Returns ``[B, Lq, Hq, D]`` float32.
     """
-    batch, q_len, num_heads, head_size = q.shape
-    k_len_max, num_kv_heads = k.shape[1], k.shape[2]
-    group = num_heads // num_kv_heads
-    qf = q.float().view(batch, q_len, num_kv_heads, group, head_size).permute(0, 2, 3, 1, 4)
-    kf = k.float().permute(0, 2, 1, 3).unsqueeze(2)  # [B, Hkv, 1, Lk, D]
-    vf = v.float().permute(0, 2, 1, 3).unsqueeze(2)
-    scores = torch.matmul(qf, kf.transpose(-1, -2)) * spec.scale  # [B, Hkv, g, Lq, Lk]
-    if spec.logit_softcap:
-        scores = torch.tanh(scores / spec.logit_softcap) * spec.logit_softcap
-    k_pos = torch.arange(k_len_max, device=q.device)
-    visible = (k_pos.view(1, 1, -1) <= q_pos.unsqueeze(-1)) & (k_pos.view(1, 1, -1) < k_len.view(-1, 1, 1))
+    k_pos = torch.arange(k.shape[1], device=q.device).view(1, 1, -1)
+    visible = (k_pos <= q_pos.unsqueeze(-1)) & (k_pos < k_len.view(-1, 1, 1))
     if spec.sliding_window:
-        visible &= k_pos.view(1, 1, -1) > (q_pos.unsqueeze(-1) - spec.sliding_window)
-    scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.matmul(probs, vf)  # [B, Hkv, g, Lq, D]; the engine's cache is zeroed, so masked slots are finite
-    return out.permute(0, 3, 1, 2, 4).reshape(batch, q_len, num_heads, head_size)
+        visible &= k_pos > (q_pos.unsqueeze(-1) - spec.sliding_window)
+    qf, kf, vf = (t.float().transpose(1, 2) for t in (q, k, v))  # [B, H, L, D]
+    if not spec.logit_softcap:
+        out = F.scaled_dot_product_attention(qf, kf, vf, attn_mask=visible.unsqueeze(1), scale=spec.scale,
+                                             enable_gqa=True)
+        return out.transpose(1, 2)
+    group = q.shape[2] // k.shape[2]
+    kf, vf = kf.repeat_interleave(group, dim=1), vf.repeat_interleave(group, dim=1)
+    scores = torch.matmul(qf, kf.transpose(-1, -2)) * spec.scale
+    scores = torch.tanh(scores / spec.logit_softcap) * spec.logit_softcap
+    probs = torch.softmax(scores.masked_fill(~visible.unsqueeze(1), float("-inf")), dim=-1)
+    return torch.matmul(probs, vf).transpose(1, 2)
 
 
 def gather_kv(kv_cache: torch.Tensor, block_table_row: torch.Tensor, num_blocks: int):
