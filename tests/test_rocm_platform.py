@@ -22,7 +22,8 @@ from dovetail.errors import ConfigError, SelectionError
 from dovetail.plugin_manager import get_plugin_manager
 from dovetail_rocm import kfd
 from dovetail_rocm.kfd import KfdGpu
-from dovetail_rocm.platform import GRAPH_RESERVE_BYTES, RocmPlatform, kv_cache_budget
+from dovetail.platform import kv_cache_budget
+from dovetail_rocm.platform import RocmPlatform
 from dovetail_rocm.probe import find_devices, probe
 from dovetail_rocm.visible_devices import apply_hip_visible_devices, apply_rocr_visible_devices, visible_gpus
 from test_rocm_fake_aiter import install_fake_aiter
@@ -327,8 +328,8 @@ def test_fused_ops_are_the_cores_triton_ops_when_triton_imports(machine, monkeyp
 def test_kv_cache_budget_leaves_out_memory_held_outside_torch_and_the_graph_reserve():
     gib = 2**30
     # 192 GiB device, 20 GiB free, torch holds 160 GiB: 12 GiB are held outside torch (HIP context, RCCL, others)
-    assert kv_cache_budget(192 * gib, 20 * gib, 160 * gib, 30 * gib, 0.9, GRAPH_RESERVE_BYTES) == \
-        int(192 * gib * 0.9) - 30 * gib - 12 * gib - GRAPH_RESERVE_BYTES
+    assert kv_cache_budget(192 * gib, 20 * gib, 160 * gib, 30 * gib, 0.9, RocmPlatform.graph_memory_reserve) == \
+        int(192 * gib * 0.9) - 30 * gib - 12 * gib - RocmPlatform.graph_memory_reserve
     assert kv_cache_budget(192 * gib, 192 * gib, 0, 30 * gib, 0.5, 0) == 66 * gib
     with pytest.raises(ConfigError, match="gpu_memory_utilization: 0.1 leaves no memory for the KV cache"):
         kv_cache_budget(192 * gib, 100 * gib, 10 * gib, 30 * gib, 0.1, 0)

@@ -20,7 +20,8 @@ from dovetail.cli import plugins_cmd
 from dovetail.config import EngineArgs
 from dovetail.errors import ConfigError, PluginError, SelectionError
 from dovetail_xpu import probe as xpu_probe
-from dovetail_xpu.platform import XpuPlatform, kv_cache_budget
+from dovetail.platform import kv_cache_budget
+from dovetail_xpu.platform import XpuPlatform
 from dovetail_xpu.probe import IntelGpu, apply_affinity_mask, find_devices, probe
 
 ARC_A770, ARC_B580, MI300X_PCI = 0x56A0, 0xE20B, 0x74A1

@@ -9,9 +9,12 @@ vendor.
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, TypeVar
+
+logger = logging.getLogger("dovetail")
 
 if TYPE_CHECKING:
     import torch
@@ -34,6 +37,24 @@ class DeviceGraph(ABC):
     @abstractmethod
     def replay(self) -> None:
         """Run the recorded work again."""
+
+
+def kv_cache_budget(total: int, free: int, reserved: int, peak: int, utilization: float, reserve: int = 0) -> int:
+    """Bytes for the KV cache: ``total * utilization`` less the profiled peak, the memory held outside
+    torch's allocator (``total - free - reserved``: the driver's context, communication libraries,
+    other processes) and ``reserve``. A budget of zero or less is an error naming ``gpu_memory_utilization``.
+    """
+    outside_torch = max(0, total - free - reserved)
+    budget = int(total * utilization) - peak - outside_torch - reserve
+    if budget <= 0:
+        from dovetail.errors import ConfigError
+
+        gib = 2**30
+        raise ConfigError(f"gpu_memory_utilization: {utilization} leaves no memory for the KV cache (profiled "
+                          f"peak {peak / gib:.2f} GiB, {outside_torch / gib:.2f} GiB used outside torch, "
+                          f"{reserve / gib:.2f} GiB graph reserve, of {total / gib:.2f} GiB); raise it, or "
+                          "lower max_num_batched_tokens")
+    return budget
 
 
 class HostCopy:
@@ -90,6 +111,8 @@ class Platform(ABC):
     dist_backend: ClassVar[str] = "gloo"
     is_accelerator: ClassVar[bool] = True
     supports_graph_capture: ClassVar[bool] = False
+    #: Bytes the KV-cache sizing leaves free for captured graphs (when not ``enforce_eager``).
+    graph_memory_reserve: ClassVar[int] = 0
 
     # -- discovery -------------------------------------------------------------------
 
@@ -192,12 +215,21 @@ class Platform(ABC):
         """Bytes to give the KV cache on one device.
 
         ``profile()`` runs the model once on the largest batch the scheduler can
-        form and returns the peak bytes it used. The default, for accelerators,
-        is ``memory_total * gpu_memory_utilization - peak``.
+        form and returns the peak bytes it used. The default, for accelerators, is
+        :func:`kv_cache_budget` of this device's memory, keeping
+        ``graph_memory_reserve`` free unless ``enforce_eager``.
         """
+        self.empty_cache()
         peak = profile()
-        total = self.memory_total()
-        return int(total * config.cache.gpu_memory_utilization) - peak
+        total, free = self.memory_total(), self.memory_free()
+        reserved = self.memory_stats().get("reserved", 0)
+        reserve = 0 if config.device.enforce_eager else self.graph_memory_reserve
+        budget = kv_cache_budget(total, free, reserved, peak, config.cache.gpu_memory_utilization, reserve)
+        logger.info("%s: KV cache gets %.2f GiB = %.2f GiB total x %.2f - %.2f GiB profiled peak - %.2f GiB "
+                    "outside torch - %.2f GiB graph reserve", self.name, budget / 2**30, total / 2**30,
+                    config.cache.gpu_memory_utilization, peak / 2**30, max(0, total - free - reserved) / 2**30,
+                    reserve / 2**30)
+        return budget
 
     # -- graphs (only asked when ``supports_graph_capture``) ------------------------------
 

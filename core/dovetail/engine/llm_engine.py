@@ -19,7 +19,7 @@ from typing import Iterable, Union
 import torch
 
 from dovetail.attention.backend import AttentionRequirements
-from dovetail.config import DEFAULT_KV_CACHE_BYTES, EngineArgs, EngineConfig
+from dovetail.config import EngineArgs, EngineConfig
 from dovetail.engine.kv_cache_manager import KVCacheManager
 from dovetail.engine.model_runner import ModelRunner
 from dovetail.engine.output_processor import OutputProcessor

@@ -13,14 +13,12 @@ import os
 
 import torch
 
-from dovetail.errors import ConfigError
 from dovetail.platform import DeviceGraph, HostCopy, Platform, ProbeResult
 from dovetail_cuda import probe as cuda_probe
 
 logger = logging.getLogger("dovetail")
 
 #: Device memory kept outside the KV cache for the CUDA graphs and the attention workspaces.
-GRAPH_RESERVE_BYTES = 1 << 30
 
 VERIFICATION = (
     "verified on one NVIDIA H200 (sm_90, driver 580.159, torch 2.11.0+cu130) on 2026-11-20: the NVML probe, "
@@ -62,6 +60,7 @@ class CudaPlatform(Platform):
     dist_backend = "nccl"
     is_accelerator = True
     supports_graph_capture = True
+    graph_memory_reserve = 1 << 30
 
     @classmethod
     def probe(cls) -> ProbeResult:
@@ -155,25 +154,6 @@ class CudaPlatform(Platform):
         if not fa3_installed() and config.cache.block_size % FA2_BLOCK_MULTIPLE:
             config.cache.block_size = FA2_BLOCK_MULTIPLE
             logger.info("cuda: block_size set to %d for FLASH_ATTN (FlashAttention-2)", FA2_BLOCK_MULTIPLE)
-
-    def kv_cache_bytes(self, config, profile) -> int:
-        """``total * gpu_memory_utilization`` less the profiled peak, memory outside torch's allocator
-        (the CUDA context, cuBLAS and NCCL, other processes) and, with graphs on, a reserve for them."""
-        torch.cuda.empty_cache()
-        peak = profile()
-        free, total = torch.cuda.mem_get_info()
-        outside_torch = max(0, total - free - torch.cuda.memory_reserved())
-        reserve = 0 if config.device.enforce_eager else GRAPH_RESERVE_BYTES
-        budget = int(total * config.cache.gpu_memory_utilization) - peak - outside_torch - reserve
-        logger.info("cuda: KV cache gets %.2f GiB = %.2f GiB total x %.2f - %.2f GiB profiled peak - %.2f GiB "
-                    "outside torch - %.2f GiB graph reserve", budget / 2**30, total / 2**30,
-                    config.cache.gpu_memory_utilization, peak / 2**30, outside_torch / 2**30, reserve / 2**30)
-        if budget <= 0:
-            raise ConfigError(
-                f"gpu_memory_utilization: {config.cache.gpu_memory_utilization} leaves no memory for the KV cache "
-                f"(the model's profiled peak is {peak / 2**30:.2f} GiB and {outside_torch / 2**30:.2f} GiB are "
-                f"used outside torch, of {total / 2**30:.2f} GiB); raise it, or lower max_num_batched_tokens")
-        return budget
 
     # -- graphs --------------------------------------------------------------------------
 

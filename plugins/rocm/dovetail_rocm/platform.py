@@ -37,24 +37,6 @@ VERIFICATION = (
 
 
 #: Device memory kept outside the KV cache for the decode graphs when they are on.
-GRAPH_RESERVE_BYTES = 1 << 30
-
-
-def kv_cache_budget(total: int, free: int, reserved: int, peak: int, utilization: float, reserve: int) -> int:
-    """Bytes for the KV cache: ``total * utilization`` less the profiled peak, the memory held outside
-    torch's allocator (HIP context, RCCL, other processes: ``total - free - reserved``) and ``reserve``.
-
-    A budget of zero or less is an error naming ``gpu_memory_utilization``.
-    """
-    outside_torch = max(0, total - free - reserved)
-    budget = int(total * utilization) - peak - outside_torch - reserve
-    if budget <= 0:
-        gib = 2**30
-        raise ConfigError(f"gpu_memory_utilization: {utilization} leaves no memory for the KV cache (profiled "
-                          f"peak {peak / gib:.2f} GiB, {outside_torch / gib:.2f} GiB used outside torch, "
-                          f"{reserve / gib:.2f} GiB graph reserve, of {total / gib:.2f} GiB); raise it, or "
-                          "lower max_num_batched_tokens")
-    return budget
 
 
 class HipGraph(DeviceGraph):
@@ -76,6 +58,7 @@ class RocmPlatform(Platform):
     dist_backend = "nccl"
     is_accelerator = True
     supports_graph_capture = True  # torch.cuda.CUDAGraph is a HIP graph on ROCm torch
+    graph_memory_reserve = 1 << 30
 
     def __init__(self):
         self.devices = rocm_probe.find_devices()
@@ -100,7 +83,8 @@ class RocmPlatform(Platform):
 
     def memory_stats(self, index: int = 0) -> dict[str, int]:
         return {"allocated": torch.cuda.memory_allocated(index),
-                "peak_allocated": torch.cuda.max_memory_allocated(index)}
+                "peak_allocated": torch.cuda.max_memory_allocated(index),
+                "reserved": torch.cuda.memory_reserved(index)}
 
     def reset_peak_memory_stats(self, index: int = 0) -> None:
         torch.cuda.reset_peak_memory_stats(index)
@@ -155,17 +139,6 @@ class RocmPlatform(Platform):
         if not user_set:
             config.cache.block_size = AITER_BLOCK_SIZES[0]
             logger.info("rocm: block_size set to %d for attention backend %s", AITER_BLOCK_SIZES[0], AITER_BACKEND)
-
-    def kv_cache_bytes(self, config, profile) -> int:
-        torch.cuda.empty_cache()
-        peak = profile()
-        free, total = torch.cuda.mem_get_info()
-        reserve = 0 if config.device.enforce_eager else GRAPH_RESERVE_BYTES
-        budget = kv_cache_budget(total, free, torch.cuda.memory_reserved(), peak,
-                                 config.cache.gpu_memory_utilization, reserve)
-        logger.info("rocm: KV cache gets %.2f GiB of %.2f GiB (profiled peak %.2f GiB)", budget / 2**30,
-                    total / 2**30, peak / 2**30)
-        return budget
 
     # -- graphs --------------------------------------------------------------------------
 

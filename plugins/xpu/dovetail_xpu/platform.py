@@ -13,7 +13,6 @@ import logging
 
 import torch
 
-from dovetail.errors import ConfigError
 from dovetail.platform import Platform, ProbeResult
 from dovetail_xpu import probe as xpu_probe
 
@@ -26,22 +25,6 @@ VERIFICATION = (
     "call (memory queries, set_device, synchronize), the core's Triton kernels (attention, fused ops) on "
     "an Intel GPU, xccl through torch.distributed."
 )
-
-
-def kv_cache_budget(total: int, free: int, reserved: int, peak: int, utilization: float) -> int:
-    """Bytes for the KV cache: ``total * utilization`` less the profiled peak and the memory held outside
-    torch's allocator (``total - free - reserved``: the runtime, other processes).
-
-    A budget of zero or less is an error naming ``gpu_memory_utilization``.
-    """
-    outside_torch = max(0, total - free - reserved)
-    budget = int(total * utilization) - peak - outside_torch
-    if budget <= 0:
-        gib = 2**30
-        raise ConfigError(f"gpu_memory_utilization: {utilization} leaves no memory for the KV cache (profiled "
-                          f"peak {peak / gib:.2f} GiB, {outside_torch / gib:.2f} GiB used outside torch, of "
-                          f"{total / gib:.2f} GiB); raise it, or lower max_num_batched_tokens")
-    return budget
 
 
 class XpuPlatform(Platform):
@@ -77,7 +60,8 @@ class XpuPlatform(Platform):
 
     def memory_stats(self, index: int = 0) -> dict[str, int]:
         return {"allocated": torch.xpu.memory_allocated(index),
-                "peak_allocated": torch.xpu.max_memory_allocated(index)}
+                "peak_allocated": torch.xpu.max_memory_allocated(index),
+                "reserved": torch.xpu.memory_reserved(index)}
 
     def reset_peak_memory_stats(self, index: int = 0) -> None:
         torch.xpu.reset_peak_memory_stats(index)
@@ -121,15 +105,6 @@ class XpuPlatform(Platform):
         if not config.device.enforce_eager:
             config.device.enforce_eager = True
             logger.info("xpu: enforce_eager set (decode graphs are not supported on this platform)")
-
-    def kv_cache_bytes(self, config, profile) -> int:
-        torch.xpu.empty_cache()
-        peak = profile()
-        free, total = torch.xpu.mem_get_info()
-        budget = kv_cache_budget(total, free, torch.xpu.memory_reserved(), peak, config.cache.gpu_memory_utilization)
-        logger.info("xpu: KV cache gets %.2f GiB of %.2f GiB (profiled peak %.2f GiB)", budget / 2**30,
-                    total / 2**30, peak / 2**30)
-        return budget
 
     def describe(self) -> str:
         if self.devices.problem:
