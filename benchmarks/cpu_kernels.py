@@ -5,6 +5,8 @@
   long decode; float32 and bfloat16.
 - fused ops: RMSNorm with residual add, NeoX rotary, SiLU-and-mul (``CpuFusedOps``) against
   ``dovetail.ops.FusedOps`` at 1, 32 and 2048 tokens of the C1 shapes (hidden 512, intermediate 1376).
+- small-batch linear (``CpuFusedOps.linear``, the CPU side of a proposed core seam) against
+  ``F.linear`` on the C1 model's weights (QKV, gate/up, down, LM head) at 1, 4 and 32 rows.
 
 Prints one line per case: median and best microseconds of each, and the speed-up (median). Usage::
 
@@ -96,6 +98,21 @@ def ops_cases(dtype):
     return results
 
 
+def linear_cases(dtype):
+    from dovetail_cpu import kernels
+
+    results = []
+    for name, (n, k) in {"qkv 1024x512": (1024, 512), "gate_up 2752x512": (2752, 512),
+                         "down 512x1376": (512, 1376), "lm_head 32000x512": (32000, 512)}.items():
+        w = torch.randn(n, k).to(dtype)
+        for rows in (1, 4, 32):
+            x = torch.randn(rows, k).to(dtype)
+            threads = torch.get_num_threads()
+            results.append((f"{name}, {rows} rows", timed(lambda: torch.nn.functional.linear(x, w)),
+                            timed(lambda: kernels.linear(x, w, None, threads))))
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--isa", nargs="*", default=["auto"])
@@ -103,6 +120,7 @@ def main() -> None:
     parser.add_argument("--dtype", nargs="*", default=["float32", "bfloat16"])
     parser.add_argument("--skip-ops", action="store_true")
     parser.add_argument("--skip-attention", action="store_true")
+    parser.add_argument("--skip-linear", action="store_true")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -114,6 +132,7 @@ def main() -> None:
             dtype = getattr(torch, dtype_name)
             cases = [] if args.skip_attention else [("attention",) + c for c in attention_cases(dtype)]
             cases += [] if args.skip_ops else [("fused op",) + c for c in ops_cases(dtype)]
+            cases += [] if args.skip_linear else [("linear",) + c for c in linear_cases(dtype)]
             for kind, name, (ref_med, ref_best), (our_med, our_best) in cases:
                 label = "REFERENCE" if kind == "attention" else "torch"
                 print(f"[{chosen} {dtype_name} {torch.get_num_threads()}t] {kind} {name}: {label} "

@@ -88,3 +88,17 @@ def test_out_of_range_position_is_an_error():
     cache = torch.zeros(10, 64)
     with pytest.raises(ConfigError, match="positions"):
         OPS.rotary_embedding(torch.tensor([3, 10]), q, k, cache, 64, 64)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows,n,k", [(1, 300, 512), (3, 64, 100), (4, 130, 256), (7, 48, 64), (2, 20000, 64)])
+def test_small_batch_linear(isa_path, dtype, rows, n, k):
+    from dovetail_cpu import kernels
+
+    x, w, b = rand(rows, k, dtype=dtype, seed=8), rand(n, k, dtype=dtype, seed=9), rand(n, dtype=dtype, seed=10)
+    want = torch.nn.functional.linear(x.float(), w.float(), b.float())
+    tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=0.1)
+    torch.testing.assert_close(kernels.linear(x, w, b, 2).float(), want, **tol)
+    torch.testing.assert_close(OPS.linear(x, w, None).float(), want - b.float(), **tol)
+    if dtype == torch.bfloat16:  # a float32 weight under bfloat16 activations
+        torch.testing.assert_close(kernels.linear(x, w.float(), None, 2).float(), want - b.float(), **tol)

@@ -22,6 +22,11 @@ from pathlib import Path
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
+try:
+    from setuptools.command.bdist_wheel import bdist_wheel
+except ImportError:  # setuptools < 70.1
+    from wheel.bdist_wheel import bdist_wheel
+
 HERE = Path(__file__).resolve().parent
 CSRC = HERE / "csrc"
 LIBRARY = "dovetail_cpu.libdovetail_cpu_kernels"
@@ -124,7 +129,14 @@ class BuildKernels(build_ext):
             raise RuntimeError(f"building the dovetail-cpu kernels failed:\n$ {' '.join(cmd)}\n{result.stdout}")
 
 
+class AnyPythonWheel(bdist_wheel):
+    """The library is called through ctypes, not Python's C API: one wheel per platform serves every Python 3."""
+
+    def get_tag(self):
+        return ("py3", "none", super().get_tag()[2])
+
+
 setup(
     ext_modules=[Extension(LIBRARY, sources=[str(p.relative_to(HERE)) for p in sorted(CSRC.glob("*.cpp"))])],
-    cmdclass={"build_ext": BuildKernels},
+    cmdclass={"build_ext": BuildKernels, "bdist_wheel": AnyPythonWheel},
 )

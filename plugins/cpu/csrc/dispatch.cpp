@@ -224,4 +224,9 @@ int dt_rotary_neox(const int64_t* positions, int64_t num_positions, const void* 
                          head_size, rot_dim, dtype, num_threads);
 }
 
+void dt_linear(const void* x, int64_t x_stride, const void* weight, int32_t weight_dtype, const void* bias, void* out,
+               int64_t m, int64_t n, int64_t k, int32_t dtype, int32_t num_threads) {
+    table()->linear(x, x_stride, weight, weight_dtype, bias, out, m, n, k, dtype, num_threads);
+}
+
 }  // extern "C"

@@ -79,6 +79,10 @@ typedef struct dt_kernel_table {
                         int64_t k_stride, void* q_out, void* k_out, const float* cos_sin, int64_t tokens,
                         int32_t num_heads, int32_t num_kv_heads, int32_t head_size, int32_t rot_dim,
                         int32_t dtype, int32_t num_threads);
+    // out[m] = W x[m] (+ bias) for a few rows m: W [n, k] row-major (float32 or bfloat16), streamed once by
+    // all threads together; x rows strided, out contiguous [m, n], bias (may be NULL) and out in dtype.
+    void (*linear)(const void* x, int64_t x_stride, const void* weight, int32_t weight_dtype, const void* bias,
+                   void* out, int64_t m, int64_t n, int64_t k, int32_t dtype, int32_t num_threads);
 } dt_kernel_table;
 
 // -- provided by dispatch.cpp to the ISA translation units (compiled without ISA flags) --------------
@@ -111,6 +115,8 @@ DT_API void dt_add_rms_norm(const void* x, int64_t x_stride, const void* residua
                      int64_t n, float eps, int32_t dtype, int32_t num_threads);
 DT_API void dt_silu_and_mul(const void* x, int64_t x_stride, void* out, int64_t rows, int64_t d, int32_t dtype,
                      int32_t num_threads);
+DT_API void dt_linear(const void* x, int64_t x_stride, const void* weight, int32_t weight_dtype, const void* bias,
+                      void* out, int64_t m, int64_t n, int64_t k, int32_t dtype, int32_t num_threads);
 DT_API int dt_rotary_neox(const int64_t* positions, int64_t num_positions, const void* q, int64_t q_stride, const void* k, int64_t k_stride,
                     void* q_out, void* k_out, const float* cos_sin, int64_t tokens, int32_t num_heads,
                     int32_t num_kv_heads, int32_t head_size, int32_t rot_dim, int32_t dtype, int32_t num_threads);

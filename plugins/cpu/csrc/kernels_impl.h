@@ -788,8 +788,94 @@ static int rotary_neox(const int64_t* positions, int64_t num_positions, const vo
                                     D, rot, threads);
 }
 
+// ---------------------------------------------------------------------------------------------------
+// Linear layers at small batch (decode): a memory-bound matrix-vector product over all threads
+// ---------------------------------------------------------------------------------------------------
+
+struct LinearCtx {
+    const float* x;  // [m][k] float32 (converted once)
+    const void* w;
+    const void* bias;
+    void* out;
+    int64_t m, n, k, rows_per_chunk;
+    int32_t dtype;
+};
+
+static inline float dot_n(const float* x, const float* w, int64_t k) {
+    Vec a0 = Vec::zero(), a1 = Vec::zero();
+    int64_t i = 0;
+    for (; i + 2 * Vec::W <= k; i += 2 * Vec::W) {
+        a0 = Vec::fma(Vec::load(x + i), Vec::load(w + i), a0);
+        a1 = Vec::fma(Vec::load(x + i + Vec::W), Vec::load(w + i + Vec::W), a1);
+    }
+    for (; i + Vec::W <= k; i += Vec::W) a0 = Vec::fma(Vec::load(x + i), Vec::load(w + i), a0);
+    if (i < k) a1 = Vec::fma(Vec::load_n(x + i, (int)(k - i)), Vec::load_n(w + i, (int)(k - i)), a1);
+    return (a0 + a1).reduce_add();
+}
+static inline float dot_n(const float* x, const bf16_t* w, int64_t k) {
+    Vec a0 = Vec::zero(), a1 = Vec::zero();
+    int64_t i = 0;
+    for (; i + 2 * Vec::W <= k; i += 2 * Vec::W) {
+        a0 = Vec::fma(Vec::load(x + i), Vec::load(w + i), a0);
+        a1 = Vec::fma(Vec::load(x + i + Vec::W), Vec::load(w + i + Vec::W), a1);
+    }
+    for (; i + Vec::W <= k; i += Vec::W) a0 = Vec::fma(Vec::load(x + i), Vec::load(w + i), a0);
+    if (i < k) a1 = Vec::fma(Vec::load_n(x + i, (int)(k - i)), Vec::load_n(w + i, (int)(k - i)), a1);
+    return (a0 + a1).reduce_add();
+}
+
+template <typename T, typename Tw>
+static void linear_chunk(const LinearCtx& c, int64_t chunk) {
+    const int64_t n0 = chunk * c.rows_per_chunk, n1 = lmin(n0 + c.rows_per_chunk, c.n);
+    const Tw* w = static_cast<const Tw*>(c.w);
+    const T* bias = static_cast<const T*>(c.bias);
+    T* out = static_cast<T*>(c.out);
+    for (int64_t r = n0; r < n1; ++r) {
+        const Tw* row = w + r * c.k;
+        if (r + 4 < n1) prefetch_row(row + 4 * c.k, (int)(c.k * sizeof(Tw)));
+        const float b = bias ? to_f32(bias[r]) : 0.0f;
+        int64_t m = 0;
+        for (; m + 4 <= c.m && c.k % Vec::W == 0; m += 4) {  // four rows of x share each load of the weight
+            const float* x0 = c.x + m * c.k;
+            Vec a0 = Vec::zero(), a1 = Vec::zero(), a2 = Vec::zero(), a3 = Vec::zero();
+            for (int64_t i = 0; i < c.k; i += Vec::W) {
+                Vec wv = Vec::load(row + i);
+                a0 = Vec::fma(Vec::load(x0 + i), wv, a0);
+                a1 = Vec::fma(Vec::load(x0 + c.k + i), wv, a1);
+                a2 = Vec::fma(Vec::load(x0 + 2 * c.k + i), wv, a2);
+                a3 = Vec::fma(Vec::load(x0 + 3 * c.k + i), wv, a3);
+            }
+            put(out + m * c.n + r, a0.reduce_add() + b);
+            put(out + (m + 1) * c.n + r, a1.reduce_add() + b);
+            put(out + (m + 2) * c.n + r, a2.reduce_add() + b);
+            put(out + (m + 3) * c.n + r, a3.reduce_add() + b);
+        }
+        for (; m < c.m; ++m) put(out + m * c.n + r, dot_n(c.x + m * c.k, row, c.k) + b);
+    }
+}
+
+template <typename T>
+static void linear_impl(const void* x, int64_t xs, const void* w, int32_t wdtype, const void* bias, void* out,
+                        int64_t m, int64_t n, int64_t k, int32_t threads) {
+    float* xf = static_cast<float*>(dt_scratch(2, sizeof(float) * m * k));
+    for (int64_t i = 0; i < m; ++i)
+        for (int64_t j = 0; j < k; ++j) xf[i * k + j] = to_f32(static_cast<const T*>(x)[i * xs + j]);
+    // Chunks of rows small enough to balance threads, large enough to stream the weight in long runs.
+    int64_t per = imax(16, (int)((n + 8 * threads - 1) / (8 * threads)));
+    LinearCtx c = {xf, w, bias, out, m, n, k, per, 0};
+    auto body = wdtype == DT_BFLOAT16 ? [](void* p, int64_t i, int32_t) { linear_chunk<T, bf16_t>(*static_cast<LinearCtx*>(p), i); }
+                                      : [](void* p, int64_t i, int32_t) { linear_chunk<T, float>(*static_cast<LinearCtx*>(p), i); };
+    dt_parallel_for((n + per - 1) / per, threads, body, &c);
+}
+
+static void linear(const void* x, int64_t xs, const void* w, int32_t wdtype, const void* bias, void* out, int64_t m,
+                   int64_t n, int64_t k, int32_t dtype, int32_t threads) {
+    if (dtype == DT_BFLOAT16) linear_impl<bf16_t>(x, xs, w, wdtype, bias, out, m, n, k, threads);
+    else linear_impl<float>(x, xs, w, wdtype, bias, out, m, n, k, threads);
+}
+
 static const dt_kernel_table kTable = {
-    DT_ISA_NAME, attention, kv_cache_write, rms_norm, add_rms_norm, silu_and_mul, rotary_neox,
+    DT_ISA_NAME, attention, kv_cache_write, rms_norm, add_rms_norm, silu_and_mul, rotary_neox, linear,
 };
 
 }  // namespace DT_NS

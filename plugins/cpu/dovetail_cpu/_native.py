@@ -54,6 +54,8 @@ _SIGNATURES = {
     "dt_add_rms_norm": ([c_void_p, c_int64, c_void_p, c_int64, c_void_p, c_int32, c_void_p, c_void_p, c_int64,
                          c_int64, c_float, c_int32, c_int32], None),
     "dt_silu_and_mul": ([c_void_p, c_int64, c_void_p, c_int64, c_int64, c_int32, c_int32], None),
+    "dt_linear": ([c_void_p, c_int64, c_void_p, c_int32, c_void_p, c_void_p, c_int64, c_int64, c_int64, c_int32,
+                   c_int32], None),
     "dt_rotary_neox": ([c_void_p, c_int64, c_void_p, c_int64, c_void_p, c_int64, c_void_p, c_void_p, c_void_p,
                         c_int64, c_int32, c_int32, c_int32, c_int32, c_int32, c_int32], c_int),
 }

@@ -239,3 +239,27 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
         k_width // head_size, head_size, rotary_dim, dtype_code(q, "q"), num_threads)
     _check_status(status)
     return q_out, k_out
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, num_threads: int) -> torch.Tensor:
+    """``F.linear`` for a few rows (decode): the weight streamed once, split over every thread.
+
+    ``x`` ``[..., k]`` in float32 or bfloat16; ``weight`` ``[n, k]`` contiguous in float32 or ``x``'s dtype;
+    ``bias`` ``[n]`` in ``x``'s dtype or None.
+    """
+    k = x.shape[-1]
+    rows = _rows(x, "x")
+    code = dtype_code(x, "x")
+    if weight.dim() != 2 or weight.shape[1] != k or not weight.is_contiguous() or weight.dtype not in (torch.float32,
+                                                                                                       x.dtype):
+        raise ConfigError(f"weight: expected a contiguous float32 or {x.dtype} [n, {k}] matrix "
+                          f"(got {weight.dtype}, shape {tuple(weight.shape)})")
+    n = weight.shape[0]
+    if bias is not None and (bias.dtype != x.dtype or bias.shape != (n,) or not bias.is_contiguous()):
+        raise ConfigError(f"bias: expected a contiguous {x.dtype} vector of {n} (got {bias.dtype}, "
+                          f"shape {tuple(bias.shape)})")
+    out = torch.empty(*x.shape[:-1], n, dtype=x.dtype)
+    _native.lib().dt_linear(rows.data_ptr(), rows.stride(0), weight.data_ptr(), DTYPE_CODES[weight.dtype],
+                            None if bias is None else bias.data_ptr(), out.data_ptr(), rows.shape[0], n, k, code,
+                            num_threads)
+    return out

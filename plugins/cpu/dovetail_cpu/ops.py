@@ -42,3 +42,23 @@ class CpuFusedOps(FusedOps):
             return kernels.rotary_embedding(positions, q, k, cos_sin_cache, head_size, rotary_dim,
                                             torch.get_num_threads())
         return super().rotary_embedding(positions, q, k, cos_sin_cache, head_size, rotary_dim)
+
+    #: Rows up to which the C++ matrix-vector kernel beats torch's GEMM on the measured CPU (Zen 4, 2 cores;
+    #: benchmarks/cpu_kernels.py), and up to which it does for float32 vocabulary-sized outputs (n >= 16384).
+    LINEAR_MAX_ROWS = 4
+    LINEAR_MAX_ROWS_WIDE = 32
+
+    def linear(self, x, weight, bias=None):
+        """``F.linear(x, weight, bias)``, through the C++ kernel for decode-sized batches.
+
+        Nothing in the core calls this yet: it is the CPU half of a proposed seam (``FusedOps.linear``
+        called by ``UnquantizedMethod.apply`` and ``LMHead.forward``); ``benchmarks/cpu_c1c2.py
+        --linear-seam`` measures what that seam would give.
+        """
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        wide = weight.shape[0] >= 16384 and weight.dtype == torch.float32
+        limit = self.LINEAR_MAX_ROWS_WIDE if wide else self.LINEAR_MAX_ROWS
+        if (0 < rows <= limit and x.dtype in _KERNEL_DTYPES and weight.dtype in (torch.float32, x.dtype)
+                and weight.is_contiguous() and x.stride(-1) == 1 and (bias is None or bias.dtype == x.dtype)):
+            return kernels.linear(x, weight, bias, torch.get_num_threads())
+        return torch.nn.functional.linear(x, weight, bias)
