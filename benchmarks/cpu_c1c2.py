@@ -132,34 +132,6 @@ def hf_c2(model, prompt: list[int], output_len: int = 256) -> float:
     return (timed(output_len + 1) - timed(1)) / output_len * 1000
 
 
-def use_linear_seam(enabled: bool) -> None:
-    """Route the engine's unquantized linears and LM head through ``CpuFusedOps.linear`` (or back to torch).
-
-    An experiment, in this process only: it measures what a core seam calling the platform's linear
-    would give. The core does not have that seam; nothing else patches it.
-    """
-    from dovetail.layers.embedding import LMHead
-    from dovetail.quantization.unquantized import UnquantizedMethod
-    from dovetail_cpu.ops import CpuFusedOps
-
-    original = use_linear_seam.__dict__.setdefault("original", (UnquantizedMethod.apply, LMHead.forward))
-    if not enabled:
-        UnquantizedMethod.apply, LMHead.forward = original
-        return
-    ops = CpuFusedOps()
-
-    def apply(self, layer, x, bias):
-        return ops.linear(x, layer.weight, bias)
-
-    def lm_head(self, hidden_states):
-        logits = ops.linear(hidden_states, self.weight)
-        if self.final_logit_softcap:
-            logits = torch.tanh(logits / self.final_logit_softcap) * self.final_logit_softcap
-        return logits
-
-    UnquantizedMethod.apply, LMHead.forward = apply, lm_head
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-dir", default="/tmp/dovetail-c1-model")
@@ -173,8 +145,6 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--llamacpp-bin", help="llama.cpp's build/bin (llama-bench, llama-batched-bench)")
     parser.add_argument("--gguf", help="the C1 model as f32 GGUF (../shared/peers/c1_gguf.py)")
-    parser.add_argument("--linear-seam", action="store_true",
-                        help="also measure CPU_SIMD with the proposed linear seam (see use_linear_seam)")
     args = parser.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     path = build_model(Path(args.model_dir))
@@ -206,16 +176,12 @@ def main() -> None:
 
         hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     for _ in range(args.repeat):
-        for seam in ([False, True] if args.linear_seam else [False]):
-            use_linear_seam(seam)
-            for backend, llm in engines.items():
-                name = backend + (" +linear seam" if seam else "")
-                if not args.skip_c1:
-                    record(f"{name} C1 tok/s", lambda: dovetail_c1(llm, requests))
-                    record(f"{name} C1-like tok/s", lambda: dovetail_c1(llm, like))
-                if not args.skip_c2:
-                    record(f"{name} C2 ms/tok", lambda: dovetail_c2(llm, c2_prompt))
-        use_linear_seam(False)
+        for backend, llm in engines.items():
+            if not args.skip_c1:
+                record(f"{backend} C1 tok/s", lambda: dovetail_c1(llm, requests))
+                record(f"{backend} C1-like tok/s", lambda: dovetail_c1(llm, like))
+            if not args.skip_c2:
+                record(f"{backend} C2 ms/tok", lambda: dovetail_c2(llm, c2_prompt))
         if hf is not None:
             torch.set_num_threads(threads)
             if not args.skip_c2:

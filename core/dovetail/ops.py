@@ -16,6 +16,10 @@ class FusedOps:
 
     name = "torch"
 
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x @ weight.T + bias``: every unquantized linear layer and the LM head call this."""
+        return F.linear(x, weight, bias)
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """``x / rms(x) * weight``, computed in float32 and returned in ``x``'s dtype."""
         dtype = x.dtype

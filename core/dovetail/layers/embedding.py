@@ -41,9 +41,10 @@ class LMHead(nn.Module):
         else:
             self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=ctx.dtype), requires_grad=False)
         self.final_logit_softcap = final_logit_softcap
+        self.ops = ctx.ops
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden_states, self.weight)
+        logits = self.ops.linear(hidden_states, self.weight)
         if self.final_logit_softcap:
             logits = torch.tanh(logits / self.final_logit_softcap) * self.final_logit_softcap
         return logits

@@ -30,6 +30,8 @@ class Linear(nn.Module):
         self.prefix = prefix
         #: The platform's quantization kernels (``Platform.quant_kernels()``), which quantized methods call.
         self.quant_kernels = ctx.quant_kernels or _DEFAULT_KERNELS
+        #: The platform's fused ops; the unquantized method calls their ``linear``.
+        self.ops = ctx.ops
         self.method = ctx.quant if ctx.quant.quantizes(prefix) else UnquantizedMethod()
         self.method.create_weights(self, input_size, self.output_sizes, ctx.dtype)
         if bias:

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from dovetail.quantization.base import QuantMethod
 
 
 class UnquantizedMethod(QuantMethod):
-    """``y = x @ W.T + b`` with ``W`` in the model's dtype."""
+    """``y = x @ W.T + b`` with ``W`` in the model's dtype, through the platform's ``FusedOps.linear``."""
 
     name = "none"
 
@@ -20,4 +19,4 @@ class UnquantizedMethod(QuantMethod):
         layer.register_parameter("weight", weight)
 
     def apply(self, layer, x, bias):
-        return F.linear(x, layer.weight, bias)
+        return layer.ops.linear(x, layer.weight, bias)

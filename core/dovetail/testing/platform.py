@@ -67,6 +67,10 @@ def check_fused_ops(ops: FusedOps, device: torch.device | str = "cpu", dtype: to
         close(got_res, want_res, "add_rms_norm (residual)")
         gate_up = rand(tokens, 2 * hidden)
         close(ops.silu_and_mul(gate_up), ref.silu_and_mul(gate_up), "silu_and_mul")
+    for rows, out_features, in_features in ((1, 96, 64), (3, 300, 512), (40, 130, 256)):
+        x, weight, bias = rand(rows, in_features), rand(out_features, in_features), rand(out_features)
+        close(ops.linear(x, weight, bias), ref.linear(x, weight, bias), "linear (with bias)")
+        close(ops.linear(x, weight), ref.linear(x, weight), "linear")
     for head_size, rotary_dim, heads, kv_heads in ((64, 64, 4, 2), (128, 128, 8, 8), (128, 64, 2, 1)):
         tokens, max_pos = 9, 64
         positions = torch.randint(0, max_pos, (tokens,), generator=gen).to(device)

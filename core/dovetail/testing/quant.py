@@ -7,12 +7,13 @@ from typing import Callable
 import torch
 from torch import nn
 
+from dovetail.ops import FusedOps
 from dovetail.quantization.base import QuantMethod
 from dovetail.quantization.kernels import QuantKernels
 
 
 class _Layer(nn.Module):
-    """A bare layer carrying what Linear gives a method: sizes, prefix, kernels."""
+    """A bare layer carrying what Linear gives a method: sizes, prefix, kernels, fused ops."""
 
     def __init__(self, input_size: int, output_sizes: list[int], kernels: QuantKernels):
         super().__init__()
@@ -21,6 +22,7 @@ class _Layer(nn.Module):
         self.output_size = sum(output_sizes)
         self.prefix = "conformance.linear"
         self.quant_kernels = kernels
+        self.ops = FusedOps()
 
 
 def check_quant_roundtrip(method: QuantMethod, quantize: Callable[[torch.Tensor], dict[str, torch.Tensor]],

@@ -16,7 +16,7 @@ _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class CpuFusedOps(FusedOps):
-    """RMSNorm (with the residual add), NeoX rotary embedding and SiLU-and-mul in C++."""
+    """RMSNorm (with the residual add), NeoX rotary embedding, SiLU-and-mul and decode-sized linear in C++."""
 
     name = "cpu_simd"
 
@@ -49,12 +49,7 @@ class CpuFusedOps(FusedOps):
     LINEAR_MAX_ROWS_WIDE = 32
 
     def linear(self, x, weight, bias=None):
-        """``F.linear(x, weight, bias)``, through the C++ kernel for decode-sized batches.
-
-        Nothing in the core calls this yet: it is the CPU half of a proposed seam (``FusedOps.linear``
-        called by ``UnquantizedMethod.apply`` and ``LMHead.forward``); ``benchmarks/cpu_c1c2.py
-        --linear-seam`` measures what that seam would give.
-        """
+        """``F.linear(x, weight, bias)``, through the C++ kernel for decode-sized batches, torch's GEMM above."""
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         wide = weight.shape[0] >= 16384 and weight.dtype == torch.float32
         limit = self.LINEAR_MAX_ROWS_WIDE if wide else self.LINEAR_MAX_ROWS
