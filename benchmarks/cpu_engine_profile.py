@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from cpu_c1c2 import build_model, c1_requests, use_linear_seam
+from cpu_c1c2 import build_model, c1_requests
 
 TIMES: dict[str, float] = collections.defaultdict(float)
 CALLS: dict[str, int] = collections.defaultdict(int)
@@ -86,12 +86,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--num-requests", type=int, default=32)
     parser.add_argument("--c2", action="store_true", help="one 128-token prompt, 256 output tokens")
-    parser.add_argument("--linear-seam", action="store_true", help="the proposed linear seam (cpu_c1c2.py)")
     args = parser.parse_args()
     from dovetail import LLM, SamplingParams
 
-    if args.linear_seam:
-        use_linear_seam(True)
     path = build_model(__import__("pathlib").Path(args.model_dir))
     llm = LLM(str(path), attention_backend=args.backend, cpu_threads=args.threads, max_model_len=2048)
     if args.c2:

@@ -5,8 +5,8 @@
   long decode; float32 and bfloat16.
 - fused ops: RMSNorm with residual add, NeoX rotary, SiLU-and-mul (``CpuFusedOps``) against
   ``dovetail.ops.FusedOps`` at 1, 32 and 2048 tokens of the C1 shapes (hidden 512, intermediate 1376).
-- small-batch linear (``CpuFusedOps.linear``, the CPU side of a proposed core seam) against
-  ``F.linear`` on the C1 model's weights (QKV, gate/up, down, LM head) at 1, 4 and 32 rows.
+- linear (the C++ kernel behind ``CpuFusedOps.linear``) against ``F.linear`` on the C1 model's weights
+  (QKV, gate/up, down, LM head) at 1 to 256 rows: where it wins sets ``CpuFusedOps.LINEAR_MAX_ROWS``.
 
 Prints one line per case: median and best microseconds of each, and the speed-up (median). Usage::
 
@@ -105,7 +105,7 @@ def linear_cases(dtype):
     for name, (n, k) in {"qkv 1024x512": (1024, 512), "gate_up 2752x512": (2752, 512),
                          "down 512x1376": (512, 1376), "lm_head 32000x512": (32000, 512)}.items():
         w = torch.randn(n, k).to(dtype)
-        for rows in (1, 4, 32):
+        for rows in (1, 4, 16, 32, 64, 128, 256):
             x = torch.randn(rows, k).to(dtype)
             threads = torch.get_num_threads()
             results.append((f"{name}, {rows} rows", timed(lambda: torch.nn.functional.linear(x, w)),

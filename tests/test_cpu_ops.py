@@ -91,7 +91,8 @@ def test_out_of_range_position_is_an_error():
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("rows,n,k", [(1, 300, 512), (3, 64, 100), (4, 130, 256), (7, 48, 64), (2, 20000, 64)])
+@pytest.mark.parametrize("rows,n,k", [(1, 300, 512), (3, 64, 100), (4, 130, 256), (7, 48, 64), (2, 20000, 64),
+                                        (37, 130, 256), (9, 66, 96)])
 def test_small_batch_linear(isa_path, dtype, rows, n, k):
     from dovetail_cpu import kernels
 

@@ -824,8 +824,31 @@ static inline float dot_n(const float* x, const bf16_t* w, int64_t k) {
     return (a0 + a1).reduce_add();
 }
 
+// Weight rows per register tile: 4 x-rows by kLinearTileN weight rows of accumulators (16 of 32 registers
+// with AVX-512, 8 of 16 with AVX2), so each weight load feeds four FMAs and each x load kLinearTileN.
+constexpr int kLinearTileN = sizeof(Vec) >= 64 ? 4 : 2;
+
+template <int MR, int NR, typename Tw>
+static inline void linear_tile(const float* x, int64_t k, const Tw* const* rows, float* sums) {
+    Vec acc[MR][NR];
+    for (int a = 0; a < MR; ++a)
+        for (int b = 0; b < NR; ++b) acc[a][b] = Vec::zero();
+    for (int64_t i = 0; i < k; i += Vec::W) {
+        Vec wv[NR];
+        for (int b = 0; b < NR; ++b) wv[b] = Vec::load(rows[b] + i);
+        for (int a = 0; a < MR; ++a) {
+            Vec xv = Vec::load(x + a * k + i);
+            for (int b = 0; b < NR; ++b) acc[a][b] = Vec::fma(xv, wv[b], acc[a][b]);
+        }
+    }
+    for (int a = 0; a < MR; ++a)
+        for (int b = 0; b < NR; ++b) sums[a * NR + b] = acc[a][b].reduce_add();
+}
+
+// Up to four rows of x (decode at batch 1-4): one weight row at a time, a single stream per thread, which
+// the hardware prefetchers follow best; the weight is read from memory once.
 template <typename T, typename Tw>
-static void linear_chunk(const LinearCtx& c, int64_t chunk) {
+static void linear_chunk_narrow(const LinearCtx& c, int64_t chunk) {
     const int64_t n0 = chunk * c.rows_per_chunk, n1 = lmin(n0 + c.rows_per_chunk, c.n);
     const Tw* w = static_cast<const Tw*>(c.w);
     const T* bias = static_cast<const T*>(c.bias);
@@ -834,24 +857,47 @@ static void linear_chunk(const LinearCtx& c, int64_t chunk) {
         const Tw* row = w + r * c.k;
         if (r + 4 < n1) prefetch_row(row + 4 * c.k, (int)(c.k * sizeof(Tw)));
         const float b = bias ? to_f32(bias[r]) : 0.0f;
-        int64_t m = 0;
-        for (; m + 4 <= c.m && c.k % Vec::W == 0; m += 4) {  // four rows of x share each load of the weight
-            const float* x0 = c.x + m * c.k;
-            Vec a0 = Vec::zero(), a1 = Vec::zero(), a2 = Vec::zero(), a3 = Vec::zero();
-            for (int64_t i = 0; i < c.k; i += Vec::W) {
-                Vec wv = Vec::load(row + i);
-                a0 = Vec::fma(Vec::load(x0 + i), wv, a0);
-                a1 = Vec::fma(Vec::load(x0 + c.k + i), wv, a1);
-                a2 = Vec::fma(Vec::load(x0 + 2 * c.k + i), wv, a2);
-                a3 = Vec::fma(Vec::load(x0 + 3 * c.k + i), wv, a3);
-            }
-            put(out + m * c.n + r, a0.reduce_add() + b);
-            put(out + (m + 1) * c.n + r, a1.reduce_add() + b);
-            put(out + (m + 2) * c.n + r, a2.reduce_add() + b);
-            put(out + (m + 3) * c.n + r, a3.reduce_add() + b);
+        if (c.m == 4 && c.k % Vec::W == 0) {
+            float sums[4];
+            const Tw* rows[1] = {row};
+            linear_tile<4, 1>(c.x, c.k, rows, sums);
+            for (int a = 0; a < 4; ++a) put(out + a * c.n + r, sums[a] + b);
+            continue;
         }
-        for (; m < c.m; ++m) put(out + m * c.n + r, dot_n(c.x + m * c.k, row, c.k) + b);
+        for (int64_t m = 0; m < c.m; ++m) put(out + m * c.n + r, dot_n(c.x + m * c.k, row, c.k) + b);
     }
+}
+
+
+// More rows of x: tiles of 4 x-rows by kLinearTileN weight rows.
+template <typename T, typename Tw>
+static void linear_chunk(const LinearCtx& c, int64_t chunk) {
+    const int64_t n0 = chunk * c.rows_per_chunk, n1 = lmin(n0 + c.rows_per_chunk, c.n);
+    const Tw* w = static_cast<const Tw*>(c.w);
+    const T* bias = static_cast<const T*>(c.bias);
+    T* out = static_cast<T*>(c.out);
+    auto bias_at = [&](int64_t r) { return bias ? to_f32(bias[r]) : 0.0f; };
+    int64_t r = n0;
+    if (c.k % Vec::W == 0) {
+        for (; r + kLinearTileN <= n1; r += kLinearTileN) {
+            const Tw* rows[kLinearTileN];
+            for (int b = 0; b < kLinearTileN; ++b) rows[b] = w + (r + b) * c.k;
+            if (r + 2 * kLinearTileN <= n1) prefetch_row(rows[0] + kLinearTileN * c.k, (int)(kLinearTileN * c.k * sizeof(Tw)));
+            float sums[4 * kLinearTileN];
+            int64_t m = 0;
+            for (; m + 4 <= c.m; m += 4) {
+                linear_tile<4, kLinearTileN>(c.x + m * c.k, c.k, rows, sums);
+                for (int a = 0; a < 4; ++a)
+                    for (int b = 0; b < kLinearTileN; ++b) put(out + (m + a) * c.n + r + b, sums[a * kLinearTileN + b] + bias_at(r + b));
+            }
+            for (; m < c.m; ++m) {
+                linear_tile<1, kLinearTileN>(c.x + m * c.k, c.k, rows, sums);
+                for (int b = 0; b < kLinearTileN; ++b) put(out + m * c.n + r + b, sums[b] + bias_at(r + b));
+            }
+        }
+    }
+    for (; r < n1; ++r)
+        for (int64_t m = 0; m < c.m; ++m) put(out + m * c.n + r, dot_n(c.x + m * c.k, w + r * c.k, c.k) + bias_at(r));
 }
 
 template <typename T>
@@ -863,8 +909,13 @@ static void linear_impl(const void* x, int64_t xs, const void* w, int32_t wdtype
     // Chunks of rows small enough to balance threads, large enough to stream the weight in long runs.
     int64_t per = imax(16, (int)((n + 8 * threads - 1) / (8 * threads)));
     LinearCtx c = {xf, w, bias, out, m, n, k, per, 0};
-    auto body = wdtype == DT_BFLOAT16 ? [](void* p, int64_t i, int32_t) { linear_chunk<T, bf16_t>(*static_cast<LinearCtx*>(p), i); }
-                                      : [](void* p, int64_t i, int32_t) { linear_chunk<T, float>(*static_cast<LinearCtx*>(p), i); };
+    void (*body)(void*, int64_t, int32_t);
+    if (m <= 4)
+        body = wdtype == DT_BFLOAT16 ? [](void* p, int64_t i, int32_t) { linear_chunk_narrow<T, bf16_t>(*static_cast<LinearCtx*>(p), i); }
+                                     : [](void* p, int64_t i, int32_t) { linear_chunk_narrow<T, float>(*static_cast<LinearCtx*>(p), i); };
+    else
+        body = wdtype == DT_BFLOAT16 ? [](void* p, int64_t i, int32_t) { linear_chunk<T, bf16_t>(*static_cast<LinearCtx*>(p), i); }
+                                     : [](void* p, int64_t i, int32_t) { linear_chunk<T, float>(*static_cast<LinearCtx*>(p), i); };
     dt_parallel_for((n + per - 1) / per, threads, body, &c);
 }
 

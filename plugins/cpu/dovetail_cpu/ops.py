@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from dovetail.ops import FusedOps
-from dovetail_cpu import kernels
+from dovetail_cpu import _native, kernels
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -43,17 +43,26 @@ class CpuFusedOps(FusedOps):
                                             torch.get_num_threads())
         return super().rotary_embedding(positions, q, k, cos_sin_cache, head_size, rotary_dim)
 
-    #: Rows up to which the C++ matrix-vector kernel beats torch's GEMM on the measured CPU (Zen 4, 2 cores;
-    #: benchmarks/cpu_kernels.py), and up to which it does for float32 vocabulary-sized outputs (n >= 16384).
-    LINEAR_MAX_ROWS = 4
-    LINEAR_MAX_ROWS_WIDE = 32
+    #: Rows (tokens) up to which the C++ register-tiled kernel beats torch's GEMM, by (ISA, weight dtype, wide):
+    #: wide is a vocabulary-sized output (n >= 16384). Measured on Zen 4 with 2 threads (benchmarks/cpu_kernels.py
+    #: --skip-ops --skip-attention); in bfloat16 torch uses the CPU's BF16 dot-product instructions and wins beyond a few rows.
+    LINEAR_MAX_ROWS = {
+        ("avx512", torch.float32, False): 64, ("avx512", torch.float32, True): 256,
+        ("avx2", torch.float32, False): 16, ("avx2", torch.float32, True): 64,
+    }
+    LINEAR_MAX_ROWS_DEFAULT = 4
 
     def linear(self, x, weight, bias=None):
-        """``F.linear(x, weight, bias)``, through the C++ kernel for decode-sized batches, torch's GEMM above."""
+        """``F.linear(x, weight, bias)``, through the C++ kernel up to the measured batch sizes, torch's GEMM above."""
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        wide = weight.shape[0] >= 16384 and weight.dtype == torch.float32
-        limit = self.LINEAR_MAX_ROWS_WIDE if wide else self.LINEAR_MAX_ROWS
+        key = (self._isa_family(), weight.dtype, weight.shape[0] >= 16384)
+        limit = self.LINEAR_MAX_ROWS.get(key, self.LINEAR_MAX_ROWS_DEFAULT)
         if (0 < rows <= limit and x.dtype in _KERNEL_DTYPES and weight.dtype in (torch.float32, x.dtype)
                 and weight.is_contiguous() and x.stride(-1) == 1 and (bias is None or bias.dtype == x.dtype)):
             return kernels.linear(x, weight, bias, torch.get_num_threads())
         return torch.nn.functional.linear(x, weight, bias)
+
+    @staticmethod
+    def _isa_family() -> str:
+        isa = _native.current_isa()
+        return "avx512" if isa.startswith("avx512") else isa
