@@ -61,6 +61,7 @@ _SIGNATURES = {
 }
 
 _lib: ctypes.CDLL | None = None
+_current_isa: str | None = None
 
 
 def missing_reason() -> str | None:
@@ -97,7 +98,9 @@ def compiled_isas() -> list[str]:
 
 
 def current_isa() -> str:
-    return lib().dt_current_isa().decode()
+    if _current_isa is None:
+        lib()
+    return _current_isa
 
 
 def has_openmp() -> bool:
@@ -114,7 +117,8 @@ def set_isa(name: str, source: str = "select_isa") -> str:
     if code == -2:
         raise ConfigError(f"{source}: this CPU cannot run the {name!r} kernels; it runs: "
                           f"{loaded.dt_supported_isas().decode().replace(',', ', ')}")
-    chosen = loaded.dt_current_isa().decode()
+    global _current_isa
+    chosen = _current_isa = loaded.dt_current_isa().decode()
     logger.info("cpu kernels: using the %s path (%s; this CPU runs: %s)", chosen,
                 "forced by " + source if name != "auto" else "auto",
                 loaded.dt_supported_isas().decode().replace(",", ", "))
