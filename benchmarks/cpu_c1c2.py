@@ -3,8 +3,8 @@
 Builds the C1 model (Llama: hidden 512, 8 layers, 8 heads, 4 KV heads, intermediate 1376,
 vocab 32000, float32, random weights) once under ``--model-dir``, then in one process:
 
-- C1: 64 requests (prompt 64-256, output 64-128 tokens, ``random.Random(0)``, random token ids,
-  ``ignore_eos``) through ``LLM.generate`` after a warm-up call; output tokens / wall time. HF
+- C1: 64 requests (prompt 64-256, output 64-128 tokens, ``random.Random(round)``, random token ids,
+  ``ignore_eos``) through ``LLM.generate`` after a warm-up call on other prompts; output tokens / wall time. HF
   ``generate`` runs the same requests as one left-padded batch (greedy, ``max_new_tokens`` = the
   longest output); only the tokens each request asked for count.
 - C1-like: 32 requests of exactly 160 prompt + 96 output tokens, the shape llama.cpp's
@@ -82,7 +82,7 @@ def dovetail_c1(llm, requests) -> float:
 
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in requests]
     prompts = [{"prompt_token_ids": p} for p, _ in requests]
-    llm.generate(prompts[:4], params[:4], use_tqdm=False)  # warm-up
+    llm.generate([{"prompt_token_ids": p[::-1]} for p, _ in requests[:4]], params[:4], use_tqdm=False)  # warm-up
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
@@ -148,8 +148,6 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     path = build_model(Path(args.model_dir))
-    requests = c1_requests(args.num_requests)
-    like = c1_like_requests()
     c2_prompt = random.Random(1).sample(range(2, 32000), 128)
     threads = args.threads or torch.get_num_threads()
     results: dict = {}
@@ -175,7 +173,9 @@ def main() -> None:
         from transformers import AutoModelForCausalLM
 
         hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-    for _ in range(args.repeat):
+    for repeat in range(args.repeat):
+        # Fresh prompts each round: the same prompts again would hit Dovetail's prefix cache.
+        requests, like = c1_requests(args.num_requests, seed=repeat), c1_like_requests(seed=repeat)
         for backend, llm in engines.items():
             if not args.skip_c1:
                 record(f"{backend} C1 tok/s", lambda: dovetail_c1(llm, requests))
