@@ -178,7 +178,7 @@ class Platform(ABC):
         return checkpoint_dtype if checkpoint_dtype in supported else supported[0]
 
     def fused_ops(self) -> "FusedOps":
-        """The fused operations models call (RMSNorm with residual, rotary, SiLU-and-mul).
+        """The fused operations models call (dense linear, RMSNorm with residual, rotary, SiLU-and-mul, MoE).
 
         Return a :class:`dovetail.ops.FusedOps` subclass instance overriding the
         operations this platform does faster; the default is plain torch.
