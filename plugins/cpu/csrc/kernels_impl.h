@@ -801,18 +801,9 @@ struct LinearCtx {
     int32_t dtype;
 };
 
-static inline float dot_n(const float* x, const float* w, int64_t k) {
-    Vec a0 = Vec::zero(), a1 = Vec::zero();
-    int64_t i = 0;
-    for (; i + 2 * Vec::W <= k; i += 2 * Vec::W) {
-        a0 = Vec::fma(Vec::load(x + i), Vec::load(w + i), a0);
-        a1 = Vec::fma(Vec::load(x + i + Vec::W), Vec::load(w + i + Vec::W), a1);
-    }
-    for (; i + Vec::W <= k; i += Vec::W) a0 = Vec::fma(Vec::load(x + i), Vec::load(w + i), a0);
-    if (i < k) a1 = Vec::fma(Vec::load_n(x + i, (int)(k - i)), Vec::load_n(w + i, (int)(k - i)), a1);
-    return (a0 + a1).reduce_add();
-}
-static inline float dot_n(const float* x, const bf16_t* w, int64_t k) {
+// A float32 row against a weight row in float32 or bfloat16 (Vec::load widens either).
+template <typename Tw>
+static inline float dot_n(const float* x, const Tw* w, int64_t k) {
     Vec a0 = Vec::zero(), a1 = Vec::zero();
     int64_t i = 0;
     for (; i + 2 * Vec::W <= k; i += 2 * Vec::W) {
@@ -867,7 +858,6 @@ static void linear_chunk_narrow(const LinearCtx& c, int64_t chunk) {
         for (int64_t m = 0; m < c.m; ++m) put(out + m * c.n + r, dot_n(c.x + m * c.k, row, c.k) + b);
     }
 }
-
 
 // More rows of x: tiles of 4 x-rows by kLinearTileN weight rows.
 template <typename T, typename Tw>
