@@ -5,12 +5,7 @@
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site
-python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . -e plugins/cuda -e plugins/models \
-  >/tmp/pip.log 2>&1 || { tail -20 /tmp/pip.log; exit 1; }
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+source benchmarks/h200_setup.sh || exit 1
 echo "== GPU tests (t=${SECONDS}s)"
 timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_engine_async_scheduling.py 2>&1 | tail -3
 timeout 360 python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests/test_cuda_engine.py tests/test_cuda_sampler.py \
