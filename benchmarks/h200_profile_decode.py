@@ -1,0 +1,139 @@
+"""Where a batch-1 decode step spends its GPU time: kernel by kernel, and the GEMV bandwidth it reaches.
+
+    python3 benchmarks/h200_profile_decode.py --model llama-3.1-8b [--quantization fp8] [--gemv]
+
+The engine runs eagerly (CUDA graphs change launch gaps, not kernel durations) under
+``torch.profiler``. One request of 128 prompt tokens is generated twice, with 1 and
+with 65 output tokens; the difference of each kernel's total GPU time, divided by 64,
+is that kernel's cost per decode step (prefill and start-up cancel out). ``--gemv``
+first times cuBLAS ``F.linear`` at M=1 on the model's projection shapes (several
+weight copies in rotation so none stays in L2) and a device-to-device copy. Prints
+tables and writes ``$OUT/profile_<model>[_<quant>].json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+LLAMA_8B_SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
+                   "lm_head": (128256, 4096)}
+
+
+def _time_graph(fn, iters: int = 20, repeats: int = 5) -> float:
+    """Median microseconds per ``fn()`` call, ``iters`` calls captured in one CUDA graph."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(iters):
+            fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / iters)
+    return sorted(times)[len(times) // 2]
+
+
+def gemv_bandwidth() -> dict:
+    """cuBLAS bf16 GEMV at M=1 on llama-3.1-8b's shapes, and the copy bandwidth, in GB/s."""
+    results = {}
+    src = torch.empty(2 * 1024**3, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    us = _time_graph(lambda: dst.copy_(src), iters=5)
+    results["copy_GBps"] = 2 * src.numel() / us / 1e3
+    for name, (n, k) in LLAMA_8B_SHAPES.items():
+        copies = max(2, (256 * 1024**2) // (n * k * 2) + 1)
+        weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        state = {"i": 0}
+
+        def call():
+            state["i"] = (state["i"] + 1) % copies
+            torch.nn.functional.linear(x, weights[state["i"]])
+
+        us = _time_graph(call, iters=copies * 4)
+        results[name] = {"us": us, "GBps": n * k * 2 / us / 1e3}
+        del weights
+    return results
+
+
+def _kernel_times(prof) -> dict[str, tuple[float, int]]:
+    totals: dict[str, list] = defaultdict(lambda: [0.0, 0])
+    for event in prof.key_averages():
+        device_us = getattr(event, "self_device_time_total", None)
+        if device_us is None:
+            device_us = event.self_cuda_time_total
+        if device_us > 0:
+            totals[event.key][0] += device_us
+            totals[event.key][1] += event.count
+    return {k: (v[0], v[1]) for k, v in totals.items()}
+
+
+def profile_decode(model: str, quantization: str | None, backend: str) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    from dovetail.bench import shapes
+    from dovetail.llm import LLM
+    from dovetail.sampling_params import SamplingParams
+
+    model_dir, defaults = shapes.materialize(model)
+    llm = LLM(model_dir, attention_backend=backend, enforce_eager=True, quantization=quantization, **defaults)
+    prompt = [{"prompt_token_ids": list(range(1000, 1128))}]
+
+    def run(tokens: int):
+        llm.generate(prompt, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True), use_tqdm=False)
+
+    run(8)
+    measured = {}
+    for tokens in (1, 65):
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            run(tokens)
+            torch.cuda.synchronize()
+        measured[tokens] = _kernel_times(prof)
+    per_step = {}
+    for name in set(measured[1]) | set(measured[65]):
+        t65, c65 = measured[65].get(name, (0.0, 0))
+        t1, c1 = measured[1].get(name, (0.0, 0))
+        per_step[name] = {"us": (t65 - t1) / 64, "calls": (c65 - c1) / 64}
+    ranked = sorted(per_step.items(), key=lambda kv: -kv[1]["us"])
+    total = sum(v["us"] for _, v in ranked)
+    del llm
+    return {"model": model, "quantization": quantization, "backend": backend, "gpu_us_per_step": total,
+            "kernels": [{"name": k[:140], **v} for k, v in ranked if abs(v["us"]) > 0.05]}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="llama-3.1-8b")
+    p.add_argument("--quantization", default=None)
+    p.add_argument("--attention-backend", default="TRITON")
+    p.add_argument("--gemv", action="store_true")
+    args = p.parse_args()
+    out = Path(os.environ.get("OUT", "/tmp/out"))
+    out.mkdir(parents=True, exist_ok=True)
+    result = {}
+    if args.gemv:
+        result["gemv"] = gemv_bandwidth()
+        print(json.dumps(result["gemv"]))
+    result["profile"] = profile_decode(args.model, args.quantization, args.attention_backend)
+    prof = result["profile"]
+    print(f"{args.model} {args.quantization or 'bf16'}: GPU time per decode step {prof['gpu_us_per_step']:.1f} us")
+    for kernel in prof["kernels"][:30]:
+        print(f"{kernel['us']:9.1f} us {kernel['calls']:6.1f} calls  {kernel['name'][:110]}")
+    suffix = f"_{args.quantization}" if args.quantization else ""
+    (out / f"profile_{args.model}{suffix}.json").write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
