@@ -801,20 +801,21 @@ struct LinearCtx {
     int32_t dtype;
 };
 
-// A float32 row against a weight row in float32 or bfloat16 (Vec::load widens either). Four independent
+// A float32 row against a weight row in float32 or bfloat16 (StreamVec::load widens either). Four independent
 // accumulators keep enough loads in flight to stream the weight at the memory's bandwidth.
 template <typename Tw>
 static inline float dot_n(const float* x, const Tw* w, int64_t k) {
-    Vec a0 = Vec::zero(), a1 = Vec::zero(), a2 = Vec::zero(), a3 = Vec::zero();
+    typedef StreamVec V;
+    V a0 = V::zero(), a1 = V::zero(), a2 = V::zero(), a3 = V::zero();
     int64_t i = 0;
-    for (; i + 4 * Vec::W <= k; i += 4 * Vec::W) {
-        a0 = Vec::fma(Vec::load(x + i), Vec::load(w + i), a0);
-        a1 = Vec::fma(Vec::load(x + i + Vec::W), Vec::load(w + i + Vec::W), a1);
-        a2 = Vec::fma(Vec::load(x + i + 2 * Vec::W), Vec::load(w + i + 2 * Vec::W), a2);
-        a3 = Vec::fma(Vec::load(x + i + 3 * Vec::W), Vec::load(w + i + 3 * Vec::W), a3);
+    for (; i + 4 * V::W <= k; i += 4 * V::W) {
+        a0 = V::fma(V::load(x + i), V::load(w + i), a0);
+        a1 = V::fma(V::load(x + i + V::W), V::load(w + i + V::W), a1);
+        a2 = V::fma(V::load(x + i + 2 * V::W), V::load(w + i + 2 * V::W), a2);
+        a3 = V::fma(V::load(x + i + 3 * V::W), V::load(w + i + 3 * V::W), a3);
     }
-    for (; i + Vec::W <= k; i += Vec::W) a0 = Vec::fma(Vec::load(x + i), Vec::load(w + i), a0);
-    if (i < k) a1 = Vec::fma(Vec::load_n(x + i, (int)(k - i)), Vec::load_n(w + i, (int)(k - i)), a1);
+    for (; i + V::W <= k; i += V::W) a0 = V::fma(V::load(x + i), V::load(w + i), a0);
+    if (i < k) a1 = V::fma(V::load_n(x + i, (int)(k - i)), V::load_n(w + i, (int)(k - i)), a1);
     return ((a0 + a1) + (a2 + a3)).reduce_add();
 }
 
@@ -822,17 +823,17 @@ static inline float dot_n(const float* x, const Tw* w, int64_t k) {
 // with AVX-512, 8 of 16 with AVX2), so each weight load feeds four FMAs and each x load kLinearTileN.
 constexpr int kLinearTileN = sizeof(Vec) >= 64 ? 4 : 2;
 
-template <int MR, int NR, typename Tw>
+template <typename V, int MR, int NR, typename Tw>
 static inline void linear_tile(const float* x, int64_t k, const Tw* const* rows, float* sums) {
-    Vec acc[MR][NR];
+    V acc[MR][NR];
     for (int a = 0; a < MR; ++a)
-        for (int b = 0; b < NR; ++b) acc[a][b] = Vec::zero();
-    for (int64_t i = 0; i < k; i += Vec::W) {
-        Vec wv[NR];
-        for (int b = 0; b < NR; ++b) wv[b] = Vec::load(rows[b] + i);
+        for (int b = 0; b < NR; ++b) acc[a][b] = V::zero();
+    for (int64_t i = 0; i < k; i += V::W) {
+        V wv[NR];
+        for (int b = 0; b < NR; ++b) wv[b] = V::load(rows[b] + i);
         for (int a = 0; a < MR; ++a) {
-            Vec xv = Vec::load(x + a * k + i);
-            for (int b = 0; b < NR; ++b) acc[a][b] = Vec::fma(xv, wv[b], acc[a][b]);
+            V xv = V::load(x + a * k + i);
+            for (int b = 0; b < NR; ++b) acc[a][b] = V::fma(xv, wv[b], acc[a][b]);
         }
     }
     for (int a = 0; a < MR; ++a)
@@ -850,10 +851,10 @@ static void linear_chunk_narrow(const LinearCtx& c, int64_t chunk) {
     for (int64_t r = n0; r < n1; ++r) {
         const Tw* row = w + r * c.k;
         const float b = bias ? to_f32(bias[r]) : 0.0f;
-        if (c.m == 4 && c.k % Vec::W == 0) {
+        if (c.m == 4 && c.k % StreamVec::W == 0) {
             float sums[4];
             const Tw* rows[1] = {row};
-            linear_tile<4, 1>(c.x, c.k, rows, sums);
+            linear_tile<StreamVec, 4, 1>(c.x, c.k, rows, sums);
             for (int a = 0; a < 4; ++a) put(out + a * c.n + r, sums[a] + b);
             continue;
         }
@@ -878,12 +879,12 @@ static void linear_chunk(const LinearCtx& c, int64_t chunk) {
             float sums[4 * kLinearTileN];
             int64_t m = 0;
             for (; m + 4 <= c.m; m += 4) {
-                linear_tile<4, kLinearTileN>(c.x + m * c.k, c.k, rows, sums);
+                linear_tile<Vec, 4, kLinearTileN>(c.x + m * c.k, c.k, rows, sums);
                 for (int a = 0; a < 4; ++a)
                     for (int b = 0; b < kLinearTileN; ++b) put(out + (m + a) * c.n + r + b, sums[a * kLinearTileN + b] + bias_at(r + b));
             }
             for (; m < c.m; ++m) {
-                linear_tile<1, kLinearTileN>(c.x + m * c.k, c.k, rows, sums);
+                linear_tile<Vec, 1, kLinearTileN>(c.x + m * c.k, c.k, rows, sums);
                 for (int b = 0; b < kLinearTileN; ++b) put(out + m * c.n + r + b, sums[b] + bias_at(r + b));
             }
         }

@@ -1,4 +1,5 @@
-// 8 float32 lanes in an AVX2 register (compiled with -mavx2 -mfma -mf16c).
+// 8 float32 lanes in an AVX2 register (compiled with -mavx2 -mfma -mf16c): `Vec` of the AVX2 kernels, and the
+// `StreamVec` of the AVX-512 ones (vec_avx512.h includes this file with DT_VEC_AVX512 defined).
 #pragma once
 
 #include <immintrin.h>
@@ -10,19 +11,19 @@ static inline __m256i dt_lane_mask(int n) {
     return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
-struct Vec {
+struct Vec256 {
     static constexpr int W = 8;
     __m256 v;
 
-    static inline Vec zero() { return {_mm256_setzero_ps()}; }
-    static inline Vec set1(float x) { return {_mm256_set1_ps(x)}; }
-    static inline Vec load(const float* p) { return {_mm256_loadu_ps(p)}; }
-    static inline Vec load(const uint16_t* p) {
+    static inline Vec256 zero() { return {_mm256_setzero_ps()}; }
+    static inline Vec256 set1(float x) { return {_mm256_set1_ps(x)}; }
+    static inline Vec256 load(const float* p) { return {_mm256_loadu_ps(p)}; }
+    static inline Vec256 load(const uint16_t* p) {
         __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
         return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))};
     }
-    static inline Vec load_n(const float* p, int n) { return {_mm256_maskload_ps(p, dt_lane_mask(n))}; }
-    static inline Vec load_n(const uint16_t* p, int n) {
+    static inline Vec256 load_n(const float* p, int n) { return {_mm256_maskload_ps(p, dt_lane_mask(n))}; }
+    static inline Vec256 load_n(const uint16_t* p, int n) {
         alignas(32) uint16_t tmp[8] = {0, 0, 0, 0, 0, 0, 0, 0};
         for (int i = 0; i < n; ++i) tmp[i] = p[i];
         return load(tmp);
@@ -49,12 +50,12 @@ struct Vec {
         return _mm256_castsi256_si128(packed);
     }
 
-    friend inline Vec operator+(Vec a, Vec b) { return {_mm256_add_ps(a.v, b.v)}; }
-    friend inline Vec operator-(Vec a, Vec b) { return {_mm256_sub_ps(a.v, b.v)}; }
-    friend inline Vec operator*(Vec a, Vec b) { return {_mm256_mul_ps(a.v, b.v)}; }
-    friend inline Vec operator/(Vec a, Vec b) { return {_mm256_div_ps(a.v, b.v)}; }
-    static inline Vec fma(Vec a, Vec b, Vec c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
-    static inline Vec max(Vec a, Vec b) { return {_mm256_max_ps(a.v, b.v)}; }
+    friend inline Vec256 operator+(Vec256 a, Vec256 b) { return {_mm256_add_ps(a.v, b.v)}; }
+    friend inline Vec256 operator-(Vec256 a, Vec256 b) { return {_mm256_sub_ps(a.v, b.v)}; }
+    friend inline Vec256 operator*(Vec256 a, Vec256 b) { return {_mm256_mul_ps(a.v, b.v)}; }
+    friend inline Vec256 operator/(Vec256 a, Vec256 b) { return {_mm256_div_ps(a.v, b.v)}; }
+    static inline Vec256 fma(Vec256 a, Vec256 b, Vec256 c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
+    static inline Vec256 max(Vec256 a, Vec256 b) { return {_mm256_max_ps(a.v, b.v)}; }
     inline float reduce_add() const {
         __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
         s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -67,12 +68,12 @@ struct Vec {
         s = _mm_max_ss(s, _mm_movehdup_ps(s));
         return _mm_cvtss_f32(s);
     }
-    inline Vec where_equal(Vec a, Vec b, Vec x) const {
+    inline Vec256 where_equal(Vec256 a, Vec256 b, Vec256 x) const {
         return {_mm256_blendv_ps(v, x.v, _mm256_cmp_ps(a.v, b.v, _CMP_EQ_OQ))};
     }
 
     // exp with ~1 ulp error on [-87, 88]; exactly 0 below -87.3 (so exp(-inf) == 0).
-    static inline Vec exp(Vec x) {
+    static inline Vec256 exp(Vec256 x) {
         __m256 xv = _mm256_min_ps(x.v, _mm256_set1_ps(88.3762626647949f));
         __m256 tiny = _mm256_cmp_ps(xv, _mm256_set1_ps(-87.3365447505531f), _CMP_LT_OQ);
         xv = _mm256_max_ps(xv, _mm256_set1_ps(-87.3365447505531f));
@@ -97,5 +98,12 @@ struct Vec {
         return {_mm256_andnot_ps(tiny, e)};
     }
 };
+
+// The vector of dot products that stream a weight from memory (decode-sized linear layers): 256-bit loads
+// read it faster than 512-bit ones on Zen 4 (benchmarks/cpu_kernels.py --decode-pass).
+typedef Vec256 StreamVec;
+#ifndef DT_VEC_AVX512
+typedef Vec256 Vec;
+#endif
 
 }  // namespace DT_NS

@@ -4,6 +4,9 @@
 #include <immintrin.h>
 #include <stdint.h>
 
+#define DT_VEC_AVX512 1
+#include "vec_avx2.h"
+
 namespace DT_NS {
 
 struct Vec {

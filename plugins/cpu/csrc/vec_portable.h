@@ -179,4 +179,6 @@ struct Vec {
 
 #endif
 
+typedef Vec StreamVec;
+
 }  // namespace DT_NS
