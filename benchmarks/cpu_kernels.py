@@ -7,6 +7,9 @@
   ``dovetail.ops.FusedOps`` at 1, 32 and 2048 tokens of the C1 shapes (hidden 512, intermediate 1376).
 - linear (the C++ kernel behind ``CpuFusedOps.linear``) against ``F.linear`` on the C1 model's weights
   (QKV, gate/up, down, LM head) at 1 to 256 rows: where it wins sets ``CpuFusedOps.LINEAR_MAX_ROWS``.
+- ``--decode-pass``: only one batch-1 pass over every linear weight of the C1 model (8 layers and the LM
+  head, 158 MB in float32, what a C2 decode step reads), through each ``--isa`` in interleaved rounds and
+  through ``F.linear``: milliseconds per pass and the bandwidth it reached.
 
 Prints one line per case: median and best microseconds of each, and the speed-up (median). Usage::
 
@@ -113,6 +116,36 @@ def linear_cases(dtype):
     return results
 
 
+def decode_pass(isas: list[str], rounds: int = 5) -> None:
+    """Time batch-1 passes over the C1 model's linear weights per ISA, interleaved so that all see the same noise."""
+    from dovetail_cpu import kernels
+
+    shapes = [(1024, 512), (512, 512), (2752, 512), (512, 1376)] * 8 + [(32000, 512)]
+    weights = [torch.randn(n, k) for n, k in shapes]
+    inputs = {k: torch.randn(1, k) for k in (512, 1376)}
+    total = sum(w.numel() * w.element_size() for w in weights)
+    threads = torch.get_num_threads()
+
+    def kernel_pass():
+        for w in weights:
+            kernels.linear(inputs[w.shape[1]], w, None, threads)
+
+    def torch_pass():
+        for w in weights:
+            torch.nn.functional.linear(inputs[w.shape[1]], w)
+
+    results: dict[str, list[float]] = {}
+    for _ in range(rounds):
+        for path in isas:
+            chosen = isa.select_isa(path)
+            results.setdefault(chosen, []).append(timed(kernel_pass, min_time=0.2)[0])
+        results.setdefault("torch F.linear", []).append(timed(torch_pass, min_time=0.2)[0])
+    for name, times in results.items():
+        med = statistics.median(times)
+        print(f"decode pass ({total / 1e6:.0f} MB, {threads}t) {name}: {med * 1e3:.2f} ms (rounds "
+              f"{', '.join(f'{t * 1e3:.2f}' for t in times)}), {total / med / 1e9:.1f} GB/s", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--isa", nargs="*", default=["auto"])
@@ -121,10 +154,14 @@ def main() -> None:
     parser.add_argument("--skip-ops", action="store_true")
     parser.add_argument("--skip-attention", action="store_true")
     parser.add_argument("--skip-linear", action="store_true")
+    parser.add_argument("--decode-pass", action="store_true", help="only time batch-1 passes over the C1 weights")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
+    if args.decode_pass:
+        decode_pass(args.isa)
+        return
     rows = []
     for path in args.isa:
         chosen = isa.select_isa(path)
