@@ -17,16 +17,19 @@ from dovetail.attention.backend import AttentionBackend, AttentionImpl, Attentio
 from dovetail.attention.batch import AttentionBatch
 
 
-def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor):
-    """Store new keys/values at their slots in a ``[2, blocks, block_size, kv_heads, head]`` cache."""
+def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> bool:
+    """Store new keys/values at their slots in a ``[2, blocks, block_size, kv_heads, head]`` cache
+    (a negative slot skips its token); returns whether every token was stored."""
     num_kv_heads, head_size = kv_cache.shape[-2], kv_cache.shape[-1]
     key_cache = kv_cache[0].view(-1, num_kv_heads, head_size)
     value_cache = kv_cache[1].view(-1, num_kv_heads, head_size)
     valid = slot_mapping >= 0
-    if not bool(valid.all()):
+    every_slot = bool(valid.all())
+    if not every_slot:
         slot_mapping, k, v = slot_mapping[valid], k[valid], v[valid]
     key_cache.index_copy_(0, slot_mapping, k.to(key_cache.dtype))
     value_cache.index_copy_(0, slot_mapping, v.to(value_cache.dtype))
+    return every_slot
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
@@ -67,7 +70,8 @@ class ReferenceAttentionImpl(AttentionImpl):
     """Plain-torch paged attention for one layer."""
 
     def forward(self, q, k, v, kv_cache, metadata: AttentionBatch):
-        write_kv_cache(k, v, kv_cache, metadata.slot_mapping)
+        # A whole prompt attends to exactly the keys and values it just stored: no gather needed.
+        stored_as_is = write_kv_cache(k, v, kv_cache, metadata.slot_mapping) and kv_cache.dtype == k.dtype
         out = torch.empty_like(q)
         block_size = metadata.block_size
         qsl = metadata.query_start_loc_cpu.tolist()
@@ -84,7 +88,10 @@ class ReferenceAttentionImpl(AttentionImpl):
             start, end, seq_len = qsl[i], qsl[i + 1], seq_lens[i]
             if end == start:
                 continue
-            keys, values = gather_kv(kv_cache, metadata.block_table[i], -(-seq_len // block_size))
+            if end - start == seq_len and stored_as_is:
+                keys, values = k[start:end], v[start:end]
+            else:
+                keys, values = gather_kv(kv_cache, metadata.block_table[i], -(-seq_len // block_size))
             q_pos = torch.arange(seq_len - (end - start), seq_len, device=q.device).view(1, -1)
             k_len = torch.tensor([seq_len], device=q.device)
             out[start:end] = attend(q[start:end].unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
