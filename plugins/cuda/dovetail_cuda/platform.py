@@ -3,7 +3,8 @@
 The probe (:mod:`dovetail_cuda.probe`) uses NVML and never initialises CUDA;
 constructing the platform does. Memory is ``torch.cuda``'s, the distributed
 backend is NCCL, decode steps are captured as CUDA graphs, the fused ops are the
-core's Triton kernels, and FP8 linears use ``torch._scaled_mm`` on sm89+.
+core's Triton kernels, and FP8 linears on sm89+ use a Triton weight-only GEMV up to 16
+tokens and ``torch._scaled_mm`` above.
 """
 
 from __future__ import annotations
@@ -132,7 +133,7 @@ class CudaPlatform(Platform):
         return TritonFusedOps()
 
     def quant_kernels(self):
-        """FP8 through ``torch._scaled_mm`` on sm89+ (Ada, Hopper), INT8 ``_int_mm``, Triton for 4/8-bit."""
+        """On sm89+ (Ada, Hopper): FP8 on a Triton GEMV or ``_scaled_mm``, INT8 ``_int_mm``, Triton for 4/8-bit."""
         if self.capability() >= (8, 9):
             from dovetail.quantization.gpu_kernels import GpuQuantKernels
 

@@ -1,0 +1,201 @@
+"""Weight-only FP8 GEMV (W8A16) for a few tokens, in Triton.
+
+:func:`fp8_gemv` computes ``x @ (weight * scale[:, None]).T + bias`` for an FP8 e4m3 weight
+``[N, K]`` with one float32 scale per output channel. The activations stay in their own dtype
+(no per-token quantization kernels before the product), so at batch 1 to 16 the cost is one
+pass over the FP8 weight: half the bytes of a bfloat16 GEMV.
+
+Each program owns ``BLOCK_N`` outputs for ``BLOCK_M`` rows of ``x`` (all of them for M <= 16),
+streams its weight rows over K (or over one of ``SPLIT_K`` slices of K) in ``BLOCK_K`` chunks,
+converts them and accumulates in float32; the per-channel scale and the bias are applied once at
+the end. Two ways to multiply (:class:`Fp8GemvConfig` ``dot``):
+
+- ``dot=True`` (what :func:`default_config` picks): ``tl.dot`` on the tensor cores with the rows
+  padded to 16 and the weight converted to x's 16-bit dtype through float16 (exact for every e4m3
+  value); float32 x takes an IEEE float32 dot. Its weight loads are software-pipelined.
+- ``dot=False``: products summed in float32 registers, one ``[BLOCK_M, BLOCK_N, BLOCK_K]``
+  accumulator reduced over K after the loop; no faster on the H200, kept as a tuning option.
+
+With ``SPLIT_K > 1`` each program writes its float32 partial sums to a scratch tensor
+``[SPLIT_K, M, N]`` and counts itself done on an int32 counter of its output tile (one atomic add);
+the last of a tile's ``SPLIT_K`` programs to finish adds the partial sums up in slice order (the
+result does not depend on which program is last), finishes the tile and resets the counter to
+zero. One launch, no host synchronisation: it is captured by CUDA graphs. The counters are kept
+per device, so two split-K launches must not run at once on different streams of one device.
+
+On the CPU (``TRITON_INTERPRET=1``) triton's interpreter loads ``float8_e4m3fn`` tensors and
+converts them exactly (tests/test_fp8_gemv.py checks all 254 finite byte values through this
+kernel), so CI runs the kernel itself and no bit-decoding stand-in is needed. Only the
+tensor-core dot runs in float32 there (numpy has no bfloat16), which gives the same products:
+e4m3 and bfloat16/float16 values and their products are exact in float32.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from dovetail.triton import next_power_of_2
+
+
+@triton.jit(do_not_specialize=["M"])  # one compiled kernel for every token count
+def _fp8_gemv_kernel(
+    x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, part_ptr, count_ptr,
+    M, N, K, stride_xm, stride_wn, stride_om, k_chunk,
+    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, DOT: tl.constexpr, DOT_FP32: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < M
+    col_ok = cols < N
+    x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_xm
+    w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_wn
+    k_start = pid_k * k_chunk
+    k_end = tl.minimum(K, k_start + k_chunk)
+    if DOT:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    else:
+        acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < K
+        w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        a = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        # e4m3 -> float16 is one packed conversion per two values (and exact); triton's direct
+        # e4m3 -> bfloat16 costs several, which made the kernel compute-bound on the H200.
+        if DOT:
+            if DOT_FP32:
+                acc += tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+            else:
+                acc += tl.dot(a, tl.trans(w.to(tl.float16).to(a.dtype)))
+        else:
+            acc3 += a.to(tl.float32)[:, None, :] * w.to(tl.float16).to(tl.float32)[None, :, :]
+    if not DOT:
+        acc = tl.sum(acc3, axis=2)
+    out_mask = row_ok[:, None] & col_ok[None, :]
+    if SPLIT_K > 1:
+        # Each slice stores its partial sums; the last of this tile's programs to finish (counted in
+        # count_ptr, which it resets to 0 for the next call) adds them up.
+        parts = part_ptr + rows[:, None].to(tl.int64) * N + cols[None, :]
+        tl.store(parts + pid_k * M * N, acc, mask=out_mask)
+        tl.debug_barrier()
+        tile = count_ptr + pid_m * tl.num_programs(0) + pid_n
+        done = tl.atomic_add(tile, 1, sem="acq_rel")
+        if done == SPLIT_K - 1:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):  # in slice order, whichever program is last: deterministic
+                acc += tl.load(parts + s * M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(tile, 0)
+            _finish(acc, scale_ptr, bias_ptr, out_ptr, rows, cols, col_ok, out_mask, stride_om, HAS_BIAS)
+    else:
+        _finish(acc, scale_ptr, bias_ptr, out_ptr, rows, cols, col_ok, out_mask, stride_om, HAS_BIAS)
+
+
+@triton.jit
+def _finish(acc, scale_ptr, bias_ptr, out_ptr, rows, cols, col_ok, out_mask, stride_om, HAS_BIAS: tl.constexpr):
+    acc = acc * tl.load(scale_ptr + cols, mask=col_ok, other=0.0)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=out_mask)
+
+
+#: Whether triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``), whose numpy has no bfloat16.
+INTERPRETED = type(_fp8_gemv_kernel).__name__ == "InterpretedFunction"
+
+
+class Fp8GemvConfig(NamedTuple):
+    """Launch parameters of :func:`fp8_gemv`; ``dot`` picks tensor cores over register sums."""
+
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 2
+    split_k: int = 1
+    dot: bool = False
+
+
+#: Split K until a launch has at least this many programs (an H200 has 132 multiprocessors).
+MIN_PROGRAMS = 384
+
+
+@functools.lru_cache(maxsize=None)
+def default_config(m: int, n: int, k: int) -> Fp8GemvConfig:
+    """The launch parameters for ``x [m, k] @ weight[n, k].T``: the heuristic to retune.
+
+    From benchmarks/fp8_gemv_h200.py on an H200 (llama-3.1-8b's shapes, 1 to 16 tokens, 72
+    configs): the tensor-core dot with 64 weight rows and 128 of K per step, K split until there
+    are ``MIN_PROGRAMS`` programs (qkv 4, o 8, down 8, gate_up 1), was the fastest or within 3% of
+    it everywhere; without a split, 5 pipeline stages rather than 3 (lm_head: -11%).
+    """
+    block_n, block_k, split_k = 64, 128, 1
+    while triton.cdiv(n, block_n) * split_k < MIN_PROGRAMS and k >= 4 * block_k * split_k:
+        split_k *= 2
+    return Fp8GemvConfig(block_n, block_k, num_warps=4, num_stages=5 if split_k == 1 else 3, split_k=split_k,
+                         dot=True)
+
+
+def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None,
+             config: Fp8GemvConfig | None = None) -> torch.Tensor:
+    """``(x.float() @ (weight.float() * weight_scale[:, None]).T + bias)`` in x's dtype.
+
+    - ``x``: ``[..., K]`` float32, float16 or bfloat16, a few rows (any number works; the
+      weight is read once per 16 rows).
+    - ``weight``: ``[N, K]`` float8_e4m3fn; ``weight_scale``: N float32 scales (``[N]``,
+      ``[N, 1]`` or ``[1, N]``); ``bias``: ``[N]`` or None.
+    - ``config``: launch parameters; None takes :func:`default_config`.
+    """
+    k = x.shape[-1]
+    n = weight.shape[0]
+    if weight.dim() != 2 or weight.shape[1] != k or weight_scale.numel() != n:
+        raise ValueError(f"fp8_gemv: x [..., {k}], weight {tuple(weight.shape)} and weight_scale "
+                         f"{tuple(weight_scale.shape)} do not describe one [N, K] weight with N scales")
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    if weight.stride(-1) != 1:
+        weight = weight.contiguous()
+    m = x2.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out.reshape(*x.shape[:-1], n)
+    cfg = config or default_config(m, n, k)
+    scale = weight_scale.reshape(n).float().contiguous()
+    bias_arg = scale if bias is None else bias.contiguous()
+    block_m = 16 if cfg.dot else min(16, next_power_of_2(m))
+    k_chunk = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
+    grid = (triton.cdiv(n, cfg.block_n), cfg.split_k, triton.cdiv(m, block_m))
+    if cfg.split_k == 1:
+        part = counts = out
+    else:
+        part = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device)
+        counts = _tile_counters(x.device, grid[0] * grid[2])
+    _fp8_gemv_kernel[grid](x2, weight, scale, bias_arg, out, part, counts, m, n, k, x2.stride(0), weight.stride(0),
+                           out.stride(0), k_chunk, HAS_BIAS=bias is not None, SPLIT_K=cfg.split_k, BLOCK_M=block_m,
+                           BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT=cfg.dot,
+                           DOT_FP32=INTERPRETED or x.dtype == torch.float32,
+                           num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out.reshape(*x.shape[:-1], n)
+
+
+_counters: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """int32 zeros, one per output tile, that split-K launches on ``device`` share (each leaves them at zero).
+
+    Made on the first split-K call (the engine's warm-up, before graph capture); a larger one, when
+    needed, leaves the older in place for the graphs that captured it.
+    """
+    held = _counters.setdefault(device, [])
+    if not held or held[-1].numel() < tiles:
+        held.append(torch.zeros(max(tiles, 1 << 16), dtype=torch.int32, device=device))
+    return held[-1]

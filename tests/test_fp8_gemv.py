@@ -1,0 +1,177 @@
+"""The weight-only FP8 GEMV (``dovetail.triton.fp8_gemv``) and its routing in ``GpuQuantKernels``.
+
+Without a GPU the kernel runs in triton's CPU interpreter, switched on here before triton is first
+imported (``TRITON_INTERPRET=1``); with a GPU the same tests run the compiled kernel. The reference is
+``x.float() @ (w.float() * s[:, None]).T + bias`` on random inputs (never zeros); shapes are tiny and
+ragged (N, K not multiples of the blocks), and explicit configs cover split-K and both multiply paths.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+
+from dovetail.quantization import gpu_kernels, quant_ops  # noqa: E402
+from dovetail.quantization.fp8_scaled_mm import fp8_linear_scaled_mm  # noqa: E402
+from dovetail.quantization.gpu_kernels import GpuQuantKernels, use_fp8_gemv  # noqa: E402
+from dovetail.triton import fp8_gemv as fp8_gemv_module  # noqa: E402
+from dovetail.triton.fp8_gemv import INTERPRETED, Fp8GemvConfig, default_config, fp8_gemv  # noqa: E402
+
+FP8 = torch.float8_e4m3fn
+#: Register sums (split over 3 slices of K), tensor-core dot (split in 2), several K steps each.
+CONFIGS = {"default": None, "sum-split3": Fp8GemvConfig(16, 32, split_k=3),
+           "dot-split2": Fp8GemvConfig(16, 16, split_k=2, dot=True)}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels_can_run_here():
+    if DEVICE == "cpu" and not INTERPRETED:
+        pytest.fail("triton was imported before TRITON_INTERPRET=1 was set, so its kernels cannot run on the CPU "
+                    "in this process; something collected earlier imports triton at import time")
+
+
+def case(m, n, k, dtype=torch.float32, seed=0):
+    """x [m, k], FP8 weight [n, k] with row scales over three decades, its scales, a bias."""
+    gen = torch.Generator().manual_seed(seed)
+    row_scale = torch.logspace(-2, 1, n)[torch.randperm(n, generator=gen)]
+    q, scale = quant_ops.quantize_fp8_per_channel(torch.randn(n, k, generator=gen) * row_scale[:, None])
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    bias = torch.randn(n, generator=gen).to(dtype)
+    return x, q, scale, bias
+
+
+def reference(x, q, scale, bias=None):
+    out = x.float() @ (q.float() * scale.reshape(-1, 1)).t()
+    return out if bias is None else out + bias.float()
+
+
+def assert_close(out, ref, dtype):
+    """float32: within 1e-5 of max |ref|; 16-bit: the reference rounded to ``dtype``, within one ulp."""
+    assert out.dtype == dtype and out.shape == ref.shape
+    err = (out.cpu().float() - ref).abs()
+    bound = 1e-5 * ref.abs().max()
+    if dtype != torch.float32:
+        bound = bound + torch.finfo(dtype).eps * ref.abs()
+    assert bool((err <= bound).all()), f"max error {float(err.max()):.3g}, {float((err / bound).max()):.3g}x the bound"
+
+
+def on(*tensors):
+    return [t.to(DEVICE) for t in tensors]
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 3, 16])
+def test_fp8_gemv_matches_the_float_reference(m, dtype, config):
+    x, q, scale, bias = case(m, 40, 72, dtype, seed=m)
+    out = fp8_gemv(*on(x, q, scale, bias), config=CONFIGS[config])
+    assert_close(out, reference(x, q, scale, bias), dtype)
+
+
+def test_every_finite_e4m3_value_converts_exactly():
+    """All 254 finite bytes as weights (subnormals too), K = 1 and unit scales: each output is one product."""
+    codes = torch.arange(256, dtype=torch.uint8).view(FP8)
+    w = codes[torch.isfinite(codes.float())].reshape(-1, 1)
+    assert w.shape[0] == 254
+    x = torch.randn(3, 1) + 3.0
+    scale = torch.ones(254)
+    want = x @ w.float().t()
+    for config in (None, Fp8GemvConfig(16, 16, dot=True)):
+        assert torch.equal(fp8_gemv(*on(x, w, scale), config=config).cpu(), want)
+
+
+def test_shapes_strides_and_scale_layouts():
+    x, q, scale, bias = case(6, 24, 40, seed=3)
+    ref = reference(x, q, scale, bias)
+    wide = torch.randn(6, 56)
+    wide[:, 8:48] = x  # rows 56 apart: the kernel reads x's row stride
+    strided = wide[:, 8:48]
+    for s in (scale, scale.reshape(-1, 1), scale.reshape(1, -1)):
+        assert_close(fp8_gemv(*on(strided, q, s, bias)), ref, torch.float32)
+    batched = fp8_gemv(*on(x.reshape(2, 3, 40), q, scale))
+    assert batched.shape == (2, 3, 24)
+    assert_close(batched.reshape(6, 24), reference(x, q, scale), torch.float32)
+    assert fp8_gemv(*on(torch.randn(0, 40), q, scale)).shape == (0, 24)
+    split = Fp8GemvConfig(16, 16, split_k=2, dot=True)
+    first = fp8_gemv(*on(x, q, scale), config=split)
+    assert all(int(c.count_nonzero()) == 0 for held in fp8_gemv_module._counters.values() for c in held)
+    assert torch.equal(fp8_gemv(*on(x, q, scale), config=split), first)  # the reset counters serve the next call
+    with pytest.raises(ValueError, match="N scales"):
+        fp8_gemv(*on(x, q, scale[:5]))
+
+
+def test_default_configs_are_valid_launches():
+    """Powers of two, tensor-core tiles of at least 16, and split-K only while slices keep several K blocks."""
+    for m in (1, 2, 3, 4, 8, 16):
+        for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096), (40, 72)):
+            cfg = default_config(m, n, k)
+            for v in (cfg.block_n, cfg.block_k, cfg.num_warps, cfg.split_k):
+                assert v & (v - 1) == 0, cfg
+            assert not cfg.dot or min(cfg.block_n, cfg.block_k) >= 16, cfg
+            assert cfg.split_k == 1 or k >= 2 * cfg.block_k * cfg.split_k, cfg
+
+
+def test_gpu_kernels_route_few_tokens_to_the_gemv():
+    """Up to FP8_GEMV_MAX_M tokens: the GEMV's very output (input_scale ignored); one more: torch._scaled_mm."""
+    limit = gpu_kernels.FP8_GEMV_MAX_M
+    kernels = GpuQuantKernels()
+    x, q, scale, bias = on(*case(limit + 1, 48, 80, torch.bfloat16, seed=5))
+    small = x[:limit].reshape(1, limit, 80)
+    gemv = fp8_gemv(small, q, scale, bias)
+    assert torch.equal(kernels.fp8_linear(small, q, scale, bias), gemv)
+    static = torch.tensor(0.05, device=DEVICE)
+    assert torch.equal(kernels.fp8_linear(small, q, scale, bias, input_scale=static), gemv)
+    assert not torch.equal(fp8_linear_scaled_mm(small, q, scale, bias), gemv)  # so the check above tells them apart
+    assert torch.equal(kernels.fp8_linear(x, q, scale, bias), fp8_linear_scaled_mm(x, q, scale, bias))
+    assert use_fp8_gemv(1, q, scale, None) and use_fp8_gemv(limit, q, scale.reshape(-1, 1), None)
+    assert not use_fp8_gemv(limit + 1, q, scale, None)
+    assert not use_fp8_gemv(1, q, scale, (16, 16))
+    assert not use_fp8_gemv(1, q.float(), scale, None)
+    assert not use_fp8_gemv(1, q, scale[:1], None)
+
+
+def test_gpu_kernels_import_no_triton_and_fall_back_without_it():
+    code = (
+        "import sys, torch\n"
+        "from dovetail.quantization.gpu_kernels import GpuQuantKernels\n"
+        "from dovetail.quantization.fp8_scaled_mm import fp8_linear_scaled_mm\n"
+        "assert 'triton' not in sys.modules and 'dovetail.triton.fp8_gemv' not in sys.modules\n"
+        "sys.modules['triton'] = None\n"
+        f"q, s = torch.randn(32, 64).to(torch.float8_e4m3fn).to('{DEVICE}'), torch.rand(32, device='{DEVICE}') + 0.1\n"
+        f"x = torch.randn(1, 64, device='{DEVICE}')\n"
+        "assert torch.equal(GpuQuantKernels().fp8_linear(x, q, s), fp8_linear_scaled_mm(x, q, s))\n"
+        "print('ok')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(4096, 4096), (4096, 14336)])
+@pytest.mark.parametrize("m", [1, 4, 16])
+def test_fp8_gemv_on_cuda_at_llama_shapes_and_in_a_graph(m, n, k):
+    x, q, scale, bias = case(m, n, k, torch.bfloat16, seed=m)
+    ref = reference(x, q, scale, bias)
+    x, q, scale, bias = (t.cuda() for t in (x, q, scale, bias))
+    assert_close(fp8_gemv(x, q, scale, bias), ref, torch.bfloat16)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fp8_gemv(x, q, scale, bias)
+    x.copy_(x.flip(0))
+    graph.replay()
+    assert_close(out, ref.flip(0), torch.bfloat16)
+    first = out.clone()
+    for _ in range(20):  # split-K tiles finish in any order, and their sums must not depend on it
+        graph.replay()
+        assert torch.equal(out, first)
