@@ -82,7 +82,7 @@ def same_on_every_shard_loader(layer: nn.Module, name: str) -> Callable:
         if tuple(tensor.shape) != tuple(param.shape):
             raise ModelLoadError(f"tensor for {_where(layer, name, shard)} has shape {tuple(tensor.shape)}, "
                                  f"expected {tuple(param.shape)}")
-        if seen and not torch.equal(param.data, tensor.to(param.dtype)):
+        if seen and not torch.equal(param.data, tensor.to(param.device, param.dtype)):
             raise ModelLoadError(f"{_where(layer, name, shard)} differs from the other shards of the merged "
                                  f"layer {layer.prefix}; they must be equal to be merged")
         param.data.copy_(tensor)
