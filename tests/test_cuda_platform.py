@@ -236,3 +236,15 @@ def test_flash_attn_request_sets_block_size_256_unless_the_user_chose_one(instal
     config = EngineArgs("m").create_engine_config()
     CudaPlatform().check_and_update_config(config)
     assert config.cache.block_size == 16
+
+
+@pytest.mark.parametrize("memory_gib, name, llm, server", [
+    (141, "NVIDIA H200", (16384, 1024), (8192, 1024)),
+    (80, "NVIDIA A100-SXM4-80GB", (8192, 256), (8192, 256)),
+    (24, "NVIDIA L4", (8192, 256), (8192, 256)),
+])
+def test_batch_defaults_follow_vllm_by_device(monkeypatch, memory_gib, name, llm, server):
+    monkeypatch.setattr(CudaPlatform, "memory_total", lambda self, index=0: memory_gib * 2**30)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=0: name)
+    platform = CudaPlatform.__new__(CudaPlatform)
+    assert platform.default_batch_limits("llm") == llm and platform.default_batch_limits("server") == server

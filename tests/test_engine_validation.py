@@ -65,6 +65,26 @@ def test_defaults_follow_vllm():
     assert config.model.max_model_len is None and not config.device.enforce_eager
 
 
+def test_batch_limits_come_from_the_platform_unless_set(tiny_llama_dir, monkeypatch):
+    from dovetail_cpu.platform import CpuPlatform
+
+    llm = LLM(str(tiny_llama_dir), attention_backend="REFERENCE", max_model_len=64)
+    sched = llm.llm_engine.config.scheduler
+    assert (sched.max_num_batched_tokens, sched.max_num_seqs) == (8192, 256)  # vLLM's, for devices under 70 GiB
+    asked = []
+
+    def large_device(self, usage):
+        asked.append(usage)
+        return (16384 if usage == "llm" else 8192), 1024
+
+    monkeypatch.setattr(CpuPlatform, "default_batch_limits", large_device)
+    sched = LLM(str(tiny_llama_dir), attention_backend="REFERENCE", max_model_len=64).llm_engine.config.scheduler
+    assert (sched.max_num_batched_tokens, sched.max_num_seqs) == (16384, 1024) and asked == ["llm"]
+    sched = LLM(str(tiny_llama_dir), attention_backend="REFERENCE", max_model_len=64, max_num_seqs=8,
+                max_num_batched_tokens=512).llm_engine.config.scheduler
+    assert (sched.max_num_batched_tokens, sched.max_num_seqs) == (512, 8)
+
+
 def test_missing_path_and_hub_ids_are_clear(tmp_path):
     with pytest.raises(ModelLoadError, match="does not exist"):
         LLM(str(tmp_path / "nope"))

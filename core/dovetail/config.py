@@ -60,7 +60,8 @@ class CacheConfig(_Section):
 class SchedulerConfig(_Section):
     """Continuous batching limits."""
 
-    max_num_seqs: int = Field(default=256, ge=1)
+    #: None: the platform's default (256; 1024 on GPUs of 70 GiB or more, as vLLM).
+    max_num_seqs: Optional[int] = Field(default=None, ge=1)
     max_num_batched_tokens: Optional[int] = Field(default=None, ge=1)
     enable_chunked_prefill: bool = True
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"

@@ -148,6 +148,14 @@ class Platform(ABC):
         """Allocator statistics in bytes; at least ``allocated`` and ``peak_allocated`` when known."""
         return {}
 
+    def default_batch_limits(self, usage: str) -> tuple[int, int]:
+        """``(max_num_batched_tokens, max_num_seqs)`` for a user who sets neither.
+
+        ``usage`` is ``"llm"`` (the offline :class:`~dovetail.LLM`) or ``"server"``. The default is
+        vLLM's for devices under 70 GiB; platforms with large devices return larger budgets.
+        """
+        return 8192, 256
+
     def reset_peak_memory_stats(self, index: int = 0) -> None:
         """Start a new peak-memory measurement (used by the profiling run)."""
 

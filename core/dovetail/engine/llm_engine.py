@@ -63,9 +63,11 @@ class _Parent:
 class LLMEngine:
     """The synchronous engine behind :class:`dovetail.LLM` and the server."""
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, usage: str = "llm"):
         t0 = time.monotonic()
         self.config = config
+        #: ``"llm"`` (offline) or ``"server"``: which of the platform's default batch limits apply.
+        self.usage = usage
         manager = get_plugin_manager()
         mc = config.model
         self.model_path = model_loader.resolve_model_path(mc.model)
@@ -156,8 +158,11 @@ class LLMEngine:
 
     def _resolve_scheduler_limits(self) -> None:
         sched = self.config.scheduler
+        default_tokens, default_seqs = self.platform.default_batch_limits(self.usage)
+        if sched.max_num_seqs is None:
+            sched.max_num_seqs = default_seqs
         if sched.max_num_batched_tokens is None:
-            default = 8192 if sched.enable_chunked_prefill else max(8192, self.max_model_len)
+            default = default_tokens if sched.enable_chunked_prefill else max(default_tokens, self.max_model_len)
             sched.max_num_batched_tokens = max(default, sched.max_num_seqs)
         if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < self.max_model_len:
             raise ConfigError(

@@ -32,7 +32,7 @@ def serve(model: str, engine_kwargs: dict, settings: ServerSettings, host: str =
     from dovetail.engine.llm_engine import LLMEngine
     from dovetail.server.app import build_app
 
-    engine = AsyncLLMEngine(LLMEngine(EngineArgs(model, **engine_kwargs).create_engine_config()))
+    engine = AsyncLLMEngine(LLMEngine(EngineArgs(model, **engine_kwargs).create_engine_config(), usage="server"))
     app = build_app(engine, settings)
     timers: list[threading.Timer] = []
 
