@@ -1,6 +1,10 @@
 """Where a batch-1 decode step spends its GPU time: kernel by kernel, and the GEMV bandwidth it reaches.
 
     python3 benchmarks/h200_profile_decode.py --model llama-3.1-8b [--quantization fp8] [--gemv]
+    python3 benchmarks/h200_profile_decode.py --model qwen3-0.6b --b1 64
+
+``--b1 N`` instead profiles the first N requests of B1's workload (BENCHMARKS.md) run eagerly in one
+``generate``: every kernel's total GPU time, and their sum against the wall time.
 
 The engine runs eagerly (CUDA graphs change launch gaps, not kernel durations) under
 ``torch.profiler``. One request of 128 prompt tokens is generated twice, with 1 and
@@ -112,15 +116,54 @@ def profile_decode(model: str, quantization: str | None, backend: str) -> dict:
             "kernels": [{"name": k[:140], **v} for k, v in ranked if abs(v["us"]) > 0.05]}
 
 
+def profile_b1(model: str, quantization: str | None, backend: str, num: int) -> dict:
+    import time
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from dovetail.bench import shapes
+    from dovetail.bench.workload import random_requests
+    from dovetail.llm import LLM
+    from dovetail.sampling_params import SamplingParams
+
+    model_dir, defaults = shapes.materialize(model)
+    llm = LLM(model_dir, attention_backend=backend, enforce_eager=True, quantization=quantization, **defaults)
+    requests = random_requests(num, (100, 1024), (100, 1024), llm.llm_engine.vocab_size, 0)
+    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
+    params = [SamplingParams(temperature=0, ignore_eos=True, max_tokens=r.output_len) for r in requests]
+    llm.generate([{"prompt_token_ids": p["prompt_token_ids"][::-1]} for p in prompts[:2]], params[:2], use_tqdm=False)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    kernels = sorted(_kernel_times(prof).items(), key=lambda kv: -kv[1][0])
+    total = sum(t for t, _ in dict(kernels).values())
+    del llm
+    return {"model": model, "quantization": quantization, "backend": backend, "requests": num, "wall_s": wall,
+            "output_tokens": sum(r.output_len for r in requests), "gpu_s": total / 1e6,
+            "kernels": [{"name": k[:140], "s": t / 1e6, "calls": c} for k, (t, c) in kernels[:40]]}
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="llama-3.1-8b")
     p.add_argument("--quantization", default=None)
     p.add_argument("--attention-backend", default="TRITON")
     p.add_argument("--gemv", action="store_true")
+    p.add_argument("--b1", type=int, default=0, help="profile the first N requests of B1 instead")
     args = p.parse_args()
     out = Path(os.environ.get("OUT", "/tmp/out"))
     out.mkdir(parents=True, exist_ok=True)
+    suffix = f"_{args.quantization}" if args.quantization else ""
+    if args.b1:
+        b1 = profile_b1(args.model, args.quantization, args.attention_backend, args.b1)
+        print(f"{args.model} B1 x{args.b1} eager: wall {b1['wall_s']:.2f} s, kernels {b1['gpu_s']:.2f} s, "
+              f"{b1['output_tokens']} output tokens")
+        for kernel in b1["kernels"][:25]:
+            print(f"{kernel['s']:8.3f} s {kernel['calls']:7d} calls  {kernel['name'][:110]}")
+        (out / f"profile_b1_{args.model}{suffix}.json").write_text(json.dumps(b1, indent=1))
+        return 0
     result = {}
     if args.gemv:
         result["gemv"] = gemv_bandwidth()
@@ -130,7 +173,6 @@ def main() -> int:
     print(f"{args.model} {args.quantization or 'bf16'}: GPU time per decode step {prof['gpu_us_per_step']:.1f} us")
     for kernel in prof["kernels"][:30]:
         print(f"{kernel['us']:9.1f} us {kernel['calls']:6.1f} calls  {kernel['name'][:110]}")
-    suffix = f"_{args.quantization}" if args.quantization else ""
     (out / f"profile_{args.model}{suffix}.json").write_text(json.dumps(result, indent=1))
     return 0
 
