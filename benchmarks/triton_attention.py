@@ -18,12 +18,14 @@ rows report TFLOP/s. Each row also prints TRITON's largest difference from REFER
 
 ``--sweep`` times tile configurations (``LaunchConfig``) and KV splits of the
 kernel alone for a few scenarios and prints the fastest, to tune
-``default_config`` / ``default_num_splits``.
+``default_config`` / ``default_num_splits``. ``--sweep-decode`` does the same for decode-only
+launches shaped like B1's (192 sequences, contexts 100-2048) for both models, with the bandwidth
+each configuration reaches, and only that.
 
 Usage::
 
     python benchmarks/triton_attention.py [--models qwen3-0.6b,llama-3.1-8b] [--dtype bfloat16]
-        [--iters 50] [--sweep] [--skip-fused] [--json results.json]
+        [--iters 50] [--sweep] [--sweep-decode] [--skip-fused] [--json results.json]
 """
 
 from __future__ import annotations
@@ -255,12 +257,48 @@ def sweep(dtype, iters):
     return results
 
 
+def sweep_decode(dtype, iters):
+    """Decode-only launches like B1's, both models: every tile configuration and 1 or 2 KV splits."""
+    from dovetail.triton.paged_attention import LaunchConfig, default_config, paged_attention
+
+    rng = random.Random(1)
+    seqs = [(rng.randint(100, 2048), 1) for _ in range(192)]
+    results = []
+    for model, (num_heads, num_kv_heads, head_size) in MODELS.items():
+        q, k, v, cache, batch = make_inputs(seqs, num_heads, num_kv_heads, head_size, dtype)
+        out = torch.empty_like(q)
+        nbytes = kv_bytes(seqs, num_kv_heads, head_size, dtype)
+        default = default_config(head_size, num_heads // num_kv_heads, True, dtype)
+        timings = []
+        for tile_n, warps, stages, num_splits in itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4), (1, 2)):
+            cfg = LaunchConfig(default.block_m, tile_n, warps, stages)
+
+            def call():
+                paged_attention(q, cache[0], cache[1], out, batch.block_table, batch.seq_lens,
+                                batch.query_start_loc, batch.num_tokens, batch.num_seqs, head_size ** -0.5,
+                                decode=True, num_splits=num_splits, config=cfg)
+            try:
+                ms = time_ms(call, iters, warmup=2)
+            except Exception as exc:  # out of shared memory or registers for this tile
+                print(f"  {model}: {cfg} splits={num_splits} failed: {type(exc).__name__}", flush=True)
+                continue
+            timings.append((ms, cfg, num_splits))
+            results.append({"model": model, "ms": ms, "TBps": nbytes / ms / 1e9, "config": cfg.__dict__,
+                            "splits": num_splits, "default": cfg == default and num_splits == 1})
+        timings.sort(key=lambda t: t[0])
+        for ms, cfg, num_splits in timings[:6] + [t for t in timings if t[1] == default and t[2] == 1]:
+            print(f"sweep-decode {model:13} {ms:8.4f} ms {nbytes / ms / 1e9:5.2f} TB/s  {cfg}  splits={num_splits}"
+                  f"{'  (default)' if cfg == default and num_splits == 1 else ''}", flush=True)
+    return results
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--sweep-decode", action="store_true", help="only sweep B1-like decode launches")
     parser.add_argument("--skip-fused", action="store_true")
     parser.add_argument("--json", default=None, help="write all results to this file")
     args = parser.parse_args()
@@ -279,6 +317,12 @@ def main():
             "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
             "commit": commit, "dtype": args.dtype, "copy_bandwidth_TBps": bandwidth / 1e12}
     print(json.dumps(meta), flush=True)
+    if args.sweep_decode:
+        results = {"meta": meta, "sweep_decode": sweep_decode(dtype, max(10, args.iters // 5))}
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1)
+        return
     results = {"meta": meta,
                "attention": bench_attention(args.models.split(","), dtype, args.iters, bandwidth)}
     if not args.skip_fused:
