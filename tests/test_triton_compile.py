@@ -30,7 +30,7 @@ def attention_variant(dtype, head_size, group, decode, split=False, softcap=Fals
     torch_dtype = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[dtype]
     import torch
 
-    cfg = default_config(head_size, group, decode, getattr(torch, torch_dtype))
+    cfg = default_config(head_size, group, decode, getattr(torch, torch_dtype), num_splits=2 if split else 1)
     ptr = "*" + dtype
     types = dict(ATTENTION_TYPES, q_ptr=ptr, key_cache_ptr=ptr, value_cache_ptr=ptr, out_ptr=ptr)
     constexprs = dict(
@@ -53,6 +53,7 @@ def variants():
         "attention prefill bf16 h128 gqa4 window softcap": attention_variant("bf16", 128, 4, False, softcap=True,
                                                                              window=True),
         "attention decode split bf16 h128 gqa2": attention_variant("bf16", 128, 2, True, split=True),
+        "attention decode bf16 h128 gqa4": attention_variant("bf16", 128, 4, True),
         "attention prefill fp16 h80 gqa7": attention_variant("fp16", 80, 7, False),
         "attention prefill bf16 h256": attention_variant("bf16", 256, 2, False, window=True, softcap=True),
         "attention decode fp32 h64": attention_variant("fp32", 64, 1, True),

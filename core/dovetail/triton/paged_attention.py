@@ -221,17 +221,21 @@ class LaunchConfig:
     num_stages: int
 
 
-def default_config(head_size: int, queries_per_kv: int, decode: bool, dtype: torch.dtype = torch.bfloat16) -> LaunchConfig:
+def default_config(head_size: int, queries_per_kv: int, decode: bool, dtype: torch.dtype = torch.bfloat16,
+                   num_splits: int = 1) -> LaunchConfig:
     """Tiles for decode-only or prefill-carrying launches.
 
-    Chosen, without a GPU at hand, so that the sm_90 (H200) build does not spill
-    registers; ``benchmarks/triton_attention.py --sweep`` times the alternatives.
+    Chosen so that the sm_90 (H200) build does not spill registers. Decode launches without KV
+    splits (batches that fill the GPU) read 128 keys a step: 4.06-4.10 TB/s against 3.83 with 64 on
+    B1-like batches of both models (``benchmarks/triton_attention.py --sweep-decode``, H200,
+    2026-11-21); split launches (small batches) keep 64, so that short contexts still split.
     """
     head_pad = next_power_of_2(head_size)
     group = next_power_of_2(queries_per_kv)
     wide = dtype == torch.float32 or head_pad > 128
     if decode:
-        return LaunchConfig(block_m=max(16, group), tile_n=32 if wide else 64, num_warps=4, num_stages=2)
+        tile_n = 32 if wide else (128 if num_splits == 1 else 64)
+        return LaunchConfig(block_m=max(16, group), tile_n=tile_n, num_warps=4, num_stages=2)
     if wide:
         return LaunchConfig(block_m=max(32, group), tile_n=32, num_warps=4, num_stages=2)
     return LaunchConfig(block_m=max(128, group), tile_n=32, num_warps=8, num_stages=2)
@@ -285,7 +289,7 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
     num_heads, head_size = q.shape[1], q.shape[2]
     num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
     queries_per_kv = num_heads // num_kv_heads
-    cfg = config or default_config(head_size, queries_per_kv, decode, q.dtype)
+    cfg = config or default_config(head_size, queries_per_kv, decode, q.dtype, num_splits)
     block_q = 1 if decode else cfg.block_m // queries_per_kv
     head_pad = next_power_of_2(head_size)
     num_q_blocks = num_seqs if decode else num_tokens // block_q + num_seqs
