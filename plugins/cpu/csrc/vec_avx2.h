@@ -100,9 +100,9 @@ struct Vec256 {
 };
 
 // The vector of dot products that stream a weight from memory (decode-sized linear layers): 256-bit loads
-// read it faster than 512-bit ones on Zen 4. A pass over the C1 model's decode weights (158 MB, one row)
-// took 4.4-5.3 ms with 512-bit loads and 3.3-4.1 ms with 256-bit ones, in interleaved rounds on 2026-11-21;
-// `benchmarks/cpu_kernels.py --decode-pass --isa avx512_bf16 avx2` times such passes per ISA.
+// read it faster than 512-bit ones on Zen 4. A batch-1 pass over the C1 model's weights (158 MB) took
+// 4.19-4.71 ms with 512-bit loads and 3.95-4.13 ms with 256-bit ones (`benchmarks/cpu_kernels.py
+// --decode-pass --isa avx512_bf16`, alternating runs of both builds, 2026-11-21; benchmarks/RESULTS.md).
 typedef Vec256 StreamVec;
 #ifndef DT_VEC_AVX512
 typedef Vec256 Vec;
