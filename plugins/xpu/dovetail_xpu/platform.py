@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import logging
 
-import torch
-
-from dovetail.platform import Platform, ProbeResult
+from dovetail.platform import ProbeResult
+from dovetail.torch_device_platform import TorchDevicePlatform
 from dovetail_xpu import probe as xpu_probe
 
 logger = logging.getLogger("dovetail")
@@ -27,14 +26,13 @@ VERIFICATION = (
 )
 
 
-class XpuPlatform(Platform):
+class XpuPlatform(TorchDevicePlatform):
     """Intel Arc, Flex and Data Center GPU Max under upstream torch.xpu; eager execution only."""
 
     name = "xpu"
     device_type = "xpu"
     verification = VERIFICATION
     dist_backend = "xccl"
-    is_accelerator = True
     supports_graph_capture = False
 
     def __init__(self):
@@ -48,52 +46,6 @@ class XpuPlatform(Platform):
 
     def device_count(self) -> int:
         return len(self.devices.visible)
-
-    def set_device(self, index: int = 0) -> None:
-        torch.xpu.set_device(index)
-
-    def memory_total(self, index: int = 0) -> int:
-        return torch.xpu.mem_get_info(index)[1]
-
-    def memory_free(self, index: int = 0) -> int:
-        return torch.xpu.mem_get_info(index)[0]
-
-    def memory_stats(self, index: int = 0) -> dict[str, int]:
-        return {"allocated": torch.xpu.memory_allocated(index),
-                "peak_allocated": torch.xpu.max_memory_allocated(index),
-                "reserved": torch.xpu.memory_reserved(index)}
-
-    def reset_peak_memory_stats(self, index: int = 0) -> None:
-        torch.xpu.reset_peak_memory_stats(index)
-
-    def synchronize(self) -> None:
-        torch.xpu.synchronize()
-
-    def empty_cache(self) -> None:
-        torch.xpu.empty_cache()
-
-    # -- numerics ------------------------------------------------------------------------
-
-    def supported_dtypes(self) -> list[torch.dtype]:
-        return [torch.bfloat16, torch.float16, torch.float32]
-
-    def resolve_dtype(self, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
-        """Half-precision checkpoints keep their dtype; float32 (or unknown) ones run in bfloat16."""
-        if checkpoint_dtype in (torch.float16, torch.bfloat16):
-            return checkpoint_dtype
-        logger.info("xpu: dtype 'auto' runs the %s checkpoint in bfloat16 (pass dtype='float32' to keep it)",
-                    str(checkpoint_dtype).removeprefix("torch.") if checkpoint_dtype else "unknown-dtype")
-        return torch.bfloat16
-
-    def fused_ops(self):
-        """The core's Triton fused ops when triton imports, else plain torch."""
-        from dovetail.triton import triton_missing_reason
-
-        if triton_missing_reason() is None:
-            from dovetail.triton.fused_ops import TritonFusedOps
-
-            return TritonFusedOps()
-        return super().fused_ops()
 
     # -- engine integration ----------------------------------------------------------------
 
