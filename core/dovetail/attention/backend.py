@@ -176,6 +176,9 @@ class AttentionBackend(ABC):
         if req.num_heads != req.num_kv_heads and not cls.supports_gqa:
             reasons.append(f"grouped-query attention ({req.num_heads} query heads, "
                            f"{req.num_kv_heads} KV heads) not supported by {cls.name}")
+        if req.num_kv_heads <= 0 or req.num_heads % req.num_kv_heads:
+            reasons.append(f"num_heads ({req.num_heads}) must be a multiple of num_kv_heads "
+                           f"({req.num_kv_heads}) for {cls.name}")
         return reasons
 
     @classmethod

@@ -10,7 +10,7 @@ layer is built, so it imports cleanly where triton is absent.
 
 from __future__ import annotations
 
-from dovetail.attention.backend import AttentionBackend, AttentionImpl, AttentionLayerSpec, AttentionRequirements
+from dovetail.attention.backend import AttentionBackend, AttentionImpl, AttentionLayerSpec
 
 
 class TritonAttentionImpl(AttentionImpl):
@@ -74,14 +74,6 @@ class TritonBackend(AttentionBackend):
         from dovetail.triton import triton_missing_reason
 
         return triton_missing_reason()
-
-    @classmethod
-    def validate(cls, req: AttentionRequirements) -> list[str]:
-        reasons = super().validate(req)
-        if req.num_kv_heads <= 0 or req.num_heads % req.num_kv_heads:
-            reasons.append(f"num_heads ({req.num_heads}) must be a multiple of num_kv_heads "
-                           f"({req.num_kv_heads}) for {cls.name}")
-        return reasons
 
     @classmethod
     def impl_cls(cls):

@@ -145,9 +145,6 @@ class FlashAttnBackend(AttentionBackend):
     @classmethod
     def validate(cls, req: AttentionRequirements) -> list[str]:
         reasons = super().validate(req)
-        if req.num_kv_heads <= 0 or req.num_heads % req.num_kv_heads:
-            reasons.append(f"num_heads ({req.num_heads}) must be a multiple of num_kv_heads "
-                           f"({req.num_kv_heads}) for {cls.name}")
         if cls.available() is None and not use_fa3():
             if not fa2_installed():
                 reasons.append(f"FlashAttention-3 is installed but needs a Hopper (sm_90) GPU for {cls.name}")

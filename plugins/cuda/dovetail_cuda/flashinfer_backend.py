@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from dovetail.attention.backend import (AttentionBackend, AttentionImpl, AttentionLayerSpec,
-                                        AttentionMetadataBuilder, AttentionRequirements)
+                                        AttentionMetadataBuilder)
 from dovetail.attention.batch import AttentionBatch
 from dovetail_cuda.kv_write import write_kv_cache
 
@@ -201,14 +201,6 @@ class FlashInferBackend(AttentionBackend):
         if importlib.util.find_spec("flashinfer") is None:
             return "the flashinfer-python package is not installed (pip install flashinfer-python)"
         return None
-
-    @classmethod
-    def validate(cls, req: AttentionRequirements) -> list[str]:
-        reasons = super().validate(req)
-        if req.num_kv_heads <= 0 or req.num_heads % req.num_kv_heads:
-            reasons.append(f"num_heads ({req.num_heads}) must be a multiple of num_kv_heads "
-                           f"({req.num_kv_heads}) for {cls.name}")
-        return reasons
 
     @classmethod
     def metadata_builder_cls(cls):
