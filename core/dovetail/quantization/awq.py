@@ -31,6 +31,7 @@ class AwqMethod(QuantMethod):
     name = "awq"
     supported_platforms = ("*",)
     supported_act_dtypes = ("float32", "float16", "bfloat16")
+    checkpoint_only = True
 
     def __init__(self, config=None):
         super().__init__(config)
@@ -49,13 +50,6 @@ class AwqMethod(QuantMethod):
                               "(supported: gemm)")
         if not cfg.get("zero_point", True):
             raise ConfigError("quantization_config.zero_point: AWQ without zero points is not supported")
-
-    def validate(self, platform, dtype):
-        reasons = super().validate(platform, dtype)
-        if not self.pre_quantized:
-            reasons.append("quantization 'awq' reads AWQ checkpoints (config.json quantization_config."
-                           "quant_method 'awq') and cannot quantize weights at load; fp8 and int8 can")
-        return reasons
 
     def quantizes(self, prefix: str) -> bool:
         return not layer_matches(prefix, self.skip, "modules_to_not_convert")

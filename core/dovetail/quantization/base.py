@@ -42,6 +42,8 @@ class QuantMethod(ABC):
     name: ClassVar[str]
     supported_platforms: ClassVar[tuple[str, ...]] = ("*",)
     supported_act_dtypes: ClassVar[tuple[str, ...]] = ("float32", "float16", "bfloat16")
+    #: True for methods that only read checkpoints their tool quantized (they cannot quantize at load).
+    checkpoint_only: ClassVar[bool] = False
 
     def __init__(self, config: dict[str, Any] | None = None):
         self.config = dict(config or {})
@@ -61,6 +63,10 @@ class QuantMethod(ABC):
         if dtype_name not in self.supported_act_dtypes:
             reasons.append(f"quantization {self.name!r} does not support activation dtype {dtype_name} "
                            f"(supported: {', '.join(self.supported_act_dtypes)})")
+        if self.checkpoint_only and not self.config:
+            reasons.append(f"quantization {self.name!r} reads {self.name.upper()} checkpoints (config.json "
+                           f"quantization_config.quant_method {self.name!r}) and cannot quantize weights at load; "
+                           "fp8 and int8 can")
         return reasons
 
     def quantizes(self, prefix: str) -> bool:

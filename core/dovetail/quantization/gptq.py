@@ -34,6 +34,7 @@ class GptqMethod(QuantMethod):
     name = "gptq"
     supported_platforms = ("*",)
     supported_act_dtypes = ("float32", "float16", "bfloat16")
+    checkpoint_only = True
 
     def __init__(self, config=None):
         super().__init__(config)
@@ -58,13 +59,6 @@ class GptqMethod(QuantMethod):
             raise ConfigError("quantization_config.dynamic: per-module GPTQ overrides are not supported")
         blocks = cfg.get("modules_in_block_to_quantize")
         self.only = [name for group in blocks for name in group] if blocks else None
-
-    def validate(self, platform, dtype):
-        reasons = super().validate(platform, dtype)
-        if not self.pre_quantized:
-            reasons.append("quantization 'gptq' reads GPTQ checkpoints (config.json quantization_config."
-                           "quant_method 'gptq') and cannot quantize weights at load; fp8 and int8 can")
-        return reasons
 
     def quantizes(self, prefix: str) -> bool:
         return self.only is None or layer_matches(prefix, self.only, "modules_in_block_to_quantize")
