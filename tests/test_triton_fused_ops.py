@@ -76,6 +76,18 @@ def test_rms_norm_of_a_strided_view():
     assert_close(TRITON.rms_norm(x, weight, 1e-6), TORCH.rms_norm(x, weight, 1e-6))
 
 
+@pytest.mark.parametrize("weight_fp32", [False, True])
+def test_rms_norm_of_heads_read_in_place_from_a_fused_qkv(weight_fp32):
+    """Per-head q/k norms on [tokens, heads, head] views of a QKV output (Qwen3, Gemma3): no copy first."""
+    qkv = rand(5, 3 * 32 + 2 * 32, seed=8)  # 3 query heads and 2 KV heads of 32, strided token rows
+    q, k = qkv[:, :96].unflatten(-1, (3, 32)), qkv[:, 96:128].unflatten(-1, (1, 32))
+    weight = rand(32, seed=9).float() if weight_fp32 else rand(32, seed=9)
+    for view in (q, k):
+        out = TRITON.rms_norm(view, weight, 1e-6)
+        assert out.shape == view.shape and out.is_contiguous()
+        assert_close(out, TORCH.rms_norm(view, weight, 1e-6))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_and_mul(dtype):
     x = rand(3, 2, 2 * 72, dtype=dtype, seed=8) * 4

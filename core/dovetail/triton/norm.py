@@ -1,4 +1,9 @@
-"""RMSNorm, optionally fused with the residual add, one row per program."""
+"""RMSNorm, optionally fused with the residual add, one row per program.
+
+Rows may be the heads of strided token rows (``[tokens, heads, head_size]`` views of a merged
+QKV output, for per-head q/k norms): row ``r`` starts at ``(r // heads) * stride_token +
+(r % heads) * stride_x``, so no copy gathers them first.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +17,7 @@ from dovetail.triton import next_power_of_2
 @triton.jit
 def _rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, summed_ptr,
-    stride_x, stride_residual, stride_out, stride_summed, hidden, eps,
+    stride_x, stride_residual, stride_out, stride_summed, hidden, eps, heads, stride_token,
     HAS_RESIDUAL: tl.constexpr, WEIGHT_FP32: tl.constexpr, BLOCK: tl.constexpr,
 ):
     # Arithmetic in float32, rounded where the torch definition rounds (as torch's opmath does).
@@ -20,7 +25,8 @@ def _rms_norm_kernel(
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    x_row = (row // heads) * stride_token + (row % heads) * stride_x
+    x = tl.load(x_ptr + x_row + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         residual = tl.load(residual_ptr + row * stride_residual + cols, mask=mask, other=0.0).to(tl.float32)
         summed = (x + residual).to(dtype)
@@ -45,10 +51,15 @@ def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
     """``rms_norm(x [+ residual]) * weight``; with a residual, returns ``(normed, x + residual)``."""
     hidden = x.shape[-1]
-    x2 = x.reshape(-1, hidden)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    if residual is None and x.dim() == 3 and x.stride(-1) == 1:
+        heads, stride_token, x2 = x.shape[1], x.stride(0), x[:, 0]  # heads of strided token rows, read in place
+        rows = x.shape[0] * heads
+    else:
+        x2 = x.reshape(-1, hidden)
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        heads, stride_token, rows = 1, x2.stride(0), x2.shape[0]
+    out = torch.empty((rows, hidden), dtype=x.dtype, device=x.device)
     if residual is not None:
         r2 = residual.reshape(-1, hidden)
         if r2.stride(-1) != 1:
@@ -57,9 +68,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     else:
         r2, summed = x2, out
     block = next_power_of_2(hidden)
-    _rms_norm_kernel[(x2.shape[0],)](
-        x2, r2, weight, out, summed, x2.stride(0), r2.stride(0), out.stride(0), summed.stride(0),
-        hidden, float(eps), HAS_RESIDUAL=residual is not None, WEIGHT_FP32=weight.dtype == torch.float32,
+    _rms_norm_kernel[(rows,)](
+        x2, r2, weight, out, summed, x.stride(1) if heads > 1 else x2.stride(0), r2.stride(0), out.stride(0),
+        summed.stride(0), hidden, float(eps), heads, stride_token,
+        HAS_RESIDUAL=residual is not None, WEIGHT_FP32=weight.dtype == torch.float32,
         BLOCK=block, num_warps=min(16, max(1, block // 512)),
     )
     if residual is None:
