@@ -18,14 +18,18 @@ from dovetail.triton import next_power_of_2
 def _rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, summed_ptr,
     stride_x, stride_residual, stride_out, stride_summed, hidden, eps, heads, stride_token,
-    HAS_RESIDUAL: tl.constexpr, WEIGHT_FP32: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, WEIGHT_FP32: tl.constexpr, BLOCK: tl.constexpr, HEADS: tl.constexpr,
 ):
     # Arithmetic in float32, rounded where the torch definition rounds (as torch's opmath does).
     dtype = out_ptr.dtype.element_ty
-    row = tl.program_id(0).to(tl.int64)
+    pid = tl.program_id(0)
+    row = pid.to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
-    x_row = (row // heads) * stride_token + (row % heads) * stride_x
+    if HEADS:  # 32-bit division: a 64-bit one sits on the load's critical path
+        x_row = (pid // heads).to(tl.int64) * stride_token + (pid % heads).to(tl.int64) * stride_x
+    else:
+        x_row = row * stride_x
     x = tl.load(x_ptr + x_row + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         residual = tl.load(residual_ptr + row * stride_residual + cols, mask=mask, other=0.0).to(tl.float32)
@@ -51,7 +55,8 @@ def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
     """``rms_norm(x [+ residual]) * weight``; with a residual, returns ``(normed, x + residual)``."""
     hidden = x.shape[-1]
-    if residual is None and x.dim() == 3 and x.stride(-1) == 1:
+    strided_heads = x.dim() == 3 and x.shape[0] > 1 and x.stride(-1) == 1 and x.stride(0) != x.shape[1] * x.stride(1)
+    if residual is None and strided_heads:
         heads, stride_token, x2 = x.shape[1], x.stride(0), x[:, 0]  # heads of strided token rows, read in place
         rows = x.shape[0] * heads
     else:
@@ -72,7 +77,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         x2, r2, weight, out, summed, x.stride(1) if heads > 1 else x2.stride(0), r2.stride(0), out.stride(0),
         summed.stride(0), hidden, float(eps), heads, stride_token,
         HAS_RESIDUAL=residual is not None, WEIGHT_FP32=weight.dtype == torch.float32,
-        BLOCK=block, num_warps=min(16, max(1, block // 512)),
+        BLOCK=block, HEADS=heads > 1, num_warps=min(16, max(1, block // 512)),
     )
     if residual is None:
         return out.view(x.shape)
