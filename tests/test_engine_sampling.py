@@ -162,20 +162,3 @@ def test_outputs_come_back_in_input_order(llm):
                         use_tqdm=False)
     assert [o.prompt_token_ids for o in outs] == [p["prompt_token_ids"] for p in prompts]
     assert [len(o.outputs[0].token_ids) for o in outs] == [1, 9, 3, 5]
-
-
-@pytest.mark.parametrize("vocab", [128256, 151936, 32000, 50257, 7])
-def test_row_argmax_is_argmax_with_first_maximum_on_ties(vocab):
-    from dovetail.engine.sampler import row_argmax
-
-    gen = torch.Generator().manual_seed(vocab)
-    x = torch.randn(5, vocab, generator=gen)
-    # Row 1: one maximum at the start of a chunk; row 2: ties in two chunks (the first must win);
-    # row 3: ties inside one chunk; row 4: a padded-vocabulary view (strided rows), bfloat16.
-    x[1, vocab // 2] = 100.0
-    x[2, vocab - 1] = x[2, vocab // 3] = 50.0
-    x[3, 1] = x[3, 2] = 60.0
-    assert torch.equal(row_argmax(x), x.argmax(dim=-1))
-    padded = torch.randn(3, vocab + 64, generator=gen).bfloat16()
-    assert torch.equal(row_argmax(padded[:, :vocab]), padded[:, :vocab].argmax(dim=-1))
-    assert row_argmax(x)[2] == min(vocab - 1, vocab // 3) and row_argmax(x)[3] == 1

@@ -175,30 +175,7 @@ def _sample_random(logits: torch.Tensor, sampled: torch.Tensor, requests: list[R
             noise = seeded_noise
         else:
             noise.index_copy_(0, _host_to(seeded, torch.long, dev), seeded_noise)
-    sampled.index_copy_(0, index, _argmax(probs / noise))
-
-
-def row_argmax(x: torch.Tensor) -> torch.Tensor:
-    """``x.argmax(dim=-1)`` of a ``[rows, vocab]`` tensor (the first maximum on ties), in two short reductions.
-
-    One reduction over a 128k-entry row keeps a GPU's multiprocessors mostly idle (36 us for
-    llama-3.1-8b's vocabulary on an H200, benchmarks/h200_profile_decode.py); the row split into
-    up to 256 chunks is reduced chunk by chunk, then over the chunks' maxima. The first chunk holding
-    the maximum and the first maximum within it give the first maximum of the row.
-    """
-    vocab = x.shape[-1]
-    chunks = 256
-    while chunks > 1 and (vocab % chunks or vocab // chunks < 128):
-        chunks //= 2
-    if chunks == 1:
-        return x.argmax(dim=-1)
-    values, within = x.unflatten(-1, (chunks, vocab // chunks)).max(dim=-1)
-    best = values.argmax(dim=-1, keepdim=True)
-    return (best * (vocab // chunks) + within.gather(-1, best)).squeeze(-1)
-
-
-def _argmax(x: torch.Tensor) -> torch.Tensor:
-    return x.argmax(dim=-1) if x.device.type == "cpu" else row_argmax(x)
+    sampled.index_copy_(0, index, (probs / noise).argmax(dim=-1))
 
 
 def _top_logprobs(logprobs: torch.Tensor, sampled: torch.Tensor, rows: list[int], k_max: int):
@@ -244,7 +221,7 @@ def launch_sample(logits: torch.Tensor, requests: list[Request], vocab_size: int
     n = len(requests)
     if all(_plain_greedy(r.params, r) for r in requests):
         top = logits[:, :vocab_size] if vocab_size is not None else logits
-        sampled = _argmax(top)
+        sampled = top.argmax(dim=-1)
         return PendingSample(sampled, sampled, lambda host: SampleResult(host, [None] * n))
     logits = logits.float()
     if vocab_size is not None and logits.shape[1] > vocab_size:
@@ -258,7 +235,7 @@ def launch_sample(logits: torch.Tensor, requests: list[Request], vocab_size: int
            for r in requests):
         logits = logits.clone()
         _penalties(logits, requests)
-    sampled = _argmax(logits)
+    sampled = logits.argmax(dim=-1)
     _sample_random(logits, sampled, requests)
     if not logprob_rows:
         return PendingSample(sampled, sampled, lambda host: SampleResult(host, [None] * n))
