@@ -11,6 +11,7 @@ from dovetail.config import DEFAULT_KV_CACHE_BYTES
 from dovetail.errors import ConfigError
 from dovetail.platform import Platform, ProbeResult
 from dovetail_cpu import cpu_info
+from dovetail_cpu.allocator import keep_large_allocations_in_heap
 
 logger = logging.getLogger("dovetail")
 
@@ -104,6 +105,7 @@ class CpuPlatform(Platform):
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
         logger.info("cpu: %d threads (from %s)", threads, source)
+        keep_large_allocations_in_heap()
 
     def kv_cache_bytes(self, config, profile) -> int:
         requested = config.cache.kv_cache_memory_bytes
