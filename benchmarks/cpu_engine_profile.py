@@ -9,7 +9,7 @@ workload (or a batch-1 decode, ``--c2``), and prints the seconds and share of ea
 
 Usage::
 
-    python benchmarks/cpu_engine_profile.py [--backend CPU_SIMD] [--threads N] [--num-requests 32] [--c2]
+    python benchmarks/cpu_engine_profile.py [--backend CPU_SIMD] [--threads N] [--num-requests 32] [--c2 | --c1-like]
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from cpu_c1c2 import build_model, c1_requests
+from cpu_c1c2 import build_model, c1_like_requests, c1_requests
 
 TIMES: dict[str, float] = collections.defaultdict(float)
 CALLS: dict[str, int] = collections.defaultdict(int)
@@ -86,6 +86,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--num-requests", type=int, default=32)
     parser.add_argument("--c2", action="store_true", help="one 128-token prompt, 256 output tokens")
+    parser.add_argument("--c1-like", action="store_true", help="32 x (160 prompt + 96 output), llama.cpp's C1-like run")
     args = parser.parse_args()
     from dovetail import LLM, SamplingParams
 
@@ -93,6 +94,8 @@ def main() -> None:
     llm = LLM(str(path), attention_backend=args.backend, cpu_threads=args.threads, max_model_len=2048)
     if args.c2:
         requests = [(random.Random(1).sample(range(2, 32000), 128), 256)]
+    elif args.c1_like:
+        requests = c1_like_requests()
     else:
         requests = c1_requests(args.num_requests)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in requests]
