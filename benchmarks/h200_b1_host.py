@@ -1,0 +1,50 @@
+"""Where B1's host time goes on the H200: cProfile of one ``LLM.generate`` of B1 (qwen3-0.6b by default).
+
+    python3 benchmarks/h200_b1_host.py [--model qwen3-0.6b] [--num 256]
+
+Prints the wall time without and with the profiler and the 30 functions with the most own time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import time
+
+from dovetail.bench import shapes
+from dovetail.bench.workload import random_requests
+from dovetail.llm import LLM
+from dovetail.sampling_params import SamplingParams
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="qwen3-0.6b")
+    p.add_argument("--num", type=int, default=256)
+    args = p.parse_args()
+    model_dir, defaults = shapes.materialize(args.model)
+    llm = LLM(model_dir, attention_backend="TRITON", **defaults)
+    requests = random_requests(args.num, (100, 1024), (100, 1024), llm.llm_engine.vocab_size, 0)
+    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
+    params = [SamplingParams(temperature=0, ignore_eos=True, max_tokens=r.output_len) for r in requests]
+    llm.generate([{"prompt_token_ids": p["prompt_token_ids"][::-1]} for p in prompts[:2]], params[:2], use_tqdm=False)
+    start = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    plain = time.perf_counter() - start
+    prompts = [{"prompt_token_ids": p["prompt_token_ids"][1:]} for p in prompts]  # no prefix-cache hits
+    profiler = cProfile.Profile()
+    start = time.perf_counter()
+    profiler.enable()
+    llm.generate(prompts, params, use_tqdm=False)
+    profiler.disable()
+    profiled = time.perf_counter() - start
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(30)
+    print(f"{args.model} B1 x{args.num}: {plain:.2f} s, {profiled:.2f} s under cProfile")
+    print(out.getvalue()[-6000:])
+
+
+if __name__ == "__main__":
+    main()
