@@ -8,7 +8,7 @@ import sys
 import pytest
 
 SCRIPT = r"""
-import ctypes, ctypes.util, os, sys, torch
+import ctypes, ctypes.util, sys, torch
 libc = ctypes.CDLL(ctypes.util.find_library("c"))
 if not hasattr(libc, "gnu_get_libc_version"):
     print("not-glibc"); sys.exit(0)

@@ -55,15 +55,16 @@ def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
     """``rms_norm(x [+ residual]) * weight``; with a residual, returns ``(normed, x + residual)``."""
     hidden = x.shape[-1]
-    strided_heads = x.dim() == 3 and x.shape[0] > 1 and x.stride(-1) == 1 and x.stride(0) != x.shape[1] * x.stride(1)
+    strided_heads = (x.dim() == 3 and x.shape[0] > 1 and x.shape[1] > 1 and x.stride(-1) == 1
+                     and x.stride(0) != x.shape[1] * x.stride(1))
     if residual is None and strided_heads:
         heads, stride_token, x2 = x.shape[1], x.stride(0), x[:, 0]  # heads of strided token rows, read in place
-        rows = x.shape[0] * heads
+        rows, stride_row = x.shape[0] * heads, x.stride(1)
     else:
         x2 = x.reshape(-1, hidden)
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
-        heads, stride_token, rows = 1, x2.stride(0), x2.shape[0]
+        heads, stride_token, rows, stride_row = 1, x2.stride(0), x2.shape[0], x2.stride(0)
     out = torch.empty((rows, hidden), dtype=x.dtype, device=x.device)
     if residual is not None:
         r2 = residual.reshape(-1, hidden)
@@ -74,7 +75,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         r2, summed = x2, out
     block = next_power_of_2(hidden)
     _rms_norm_kernel[(rows,)](
-        x2, r2, weight, out, summed, x.stride(1) if heads > 1 else x2.stride(0), r2.stride(0), out.stride(0),
+        x2, r2, weight, out, summed, stride_row, r2.stride(0), out.stride(0),
         summed.stride(0), hidden, float(eps), heads, stride_token,
         HAS_RESIDUAL=residual is not None, WEIGHT_FP32=weight.dtype == torch.float32,
         BLOCK=block, HEADS=heads > 1, num_warps=min(16, max(1, block // 512)),

@@ -60,7 +60,7 @@ class CpuFusedOps(FusedOps):
         if (0 < rows <= limit and x.dtype in _KERNEL_DTYPES and weight.dtype in (torch.float32, x.dtype)
                 and weight.is_contiguous() and x.stride(-1) == 1 and (bias is None or bias.dtype == x.dtype)):
             return kernels.linear(x, weight, bias, torch.get_num_threads())
-        return torch.nn.functional.linear(x, weight, bias)
+        return super().linear(x, weight, bias)
 
     @staticmethod
     def _isa_family() -> str:
