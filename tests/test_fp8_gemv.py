@@ -25,7 +25,7 @@ from dovetail.quantization import gpu_kernels, quant_ops  # noqa: E402
 from dovetail.quantization.fp8_scaled_mm import fp8_linear_scaled_mm  # noqa: E402
 from dovetail.quantization.gpu_kernels import GpuQuantKernels, use_fp8_gemv  # noqa: E402
 from dovetail.triton import fp8_gemv as fp8_gemv_module  # noqa: E402
-from dovetail.triton.fp8_gemv import INTERPRETED, Fp8GemvConfig, default_config, fp8_gemv  # noqa: E402
+from dovetail.triton.fp8_gemv import INTERPRETED, Fp8GemvConfig, default_config, fp8_gemv, gemv  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 #: Register sums (split over 3 slices of K), tensor-core dot (split in 2), several K steps each.
@@ -76,6 +76,20 @@ def test_fp8_gemv_matches_the_float_reference(m, dtype, config):
     x, q, scale, bias = case(m, 40, 72, dtype, seed=m)
     out = fp8_gemv(*on(x, q, scale, bias), config=CONFIGS[config])
     assert_close(out, reference(x, q, scale, bias), dtype)
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [1, 5])
+def test_16_bit_weights_match_f_linear(m, dtype, config):
+    """The same kernel on an unquantized weight of x's dtype (no scale): F.linear's result within rounding."""
+    gen = torch.Generator().manual_seed(m)
+    x, w, bias = (torch.randn(*shape, generator=gen).to(dtype) for shape in ((m, 72), (40, 72), (40,)))
+    out = gemv(*on(x, w, bias), config=CONFIGS[config])
+    assert_close(out, x.float() @ w.float().t() + bias.float(), dtype)
+    assert_close(gemv(*on(x, w)), x.float() @ w.float().t(), dtype)
+    with pytest.raises(ValueError, match="x's dtype"):
+        gemv(*on(x, w.to(torch.float64)))
 
 
 def test_every_finite_e4m3_value_converts_exactly():

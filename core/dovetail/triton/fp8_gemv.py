@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from dovetail.triton import next_power_of_2
+from dovetail.triton.pdl import launch_options, pdl_prologue, use_pdl
 
 
 @triton.jit(do_not_specialize=["M"])  # one compiled kernel for every token count
@@ -47,8 +48,10 @@ def _fp8_gemv_kernel(
     x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, part_ptr, count_ptr,
     M, N, K, stride_xm, stride_wn, stride_om, k_chunk,
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, DOT: tl.constexpr, DOT_FP32: tl.constexpr,
+    BLOCK_K: tl.constexpr, DOT: tl.constexpr, DOT_FP32: tl.constexpr, W_FP8: tl.constexpr, HAS_SCALE: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_prologue(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -71,13 +74,15 @@ def _fp8_gemv_kernel(
         a = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         # e4m3 -> float16 is one packed conversion per two values (and exact); triton's direct
         # e4m3 -> bfloat16 costs several, which made the kernel compute-bound on the H200.
+        if W_FP8:
+            w = w.to(tl.float16)
         if DOT:
             if DOT_FP32:
                 acc += tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
             else:
-                acc += tl.dot(a, tl.trans(w.to(tl.float16).to(a.dtype)))
+                acc += tl.dot(a, tl.trans(w.to(a.dtype)))
         else:
-            acc3 += a.to(tl.float32)[:, None, :] * w.to(tl.float16).to(tl.float32)[None, :, :]
+            acc3 += a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
     if not DOT:
         acc = tl.sum(acc3, axis=2)
     out_mask = row_ok[:, None] & col_ok[None, :]
@@ -94,14 +99,16 @@ def _fp8_gemv_kernel(
             for s in tl.static_range(SPLIT_K):  # in slice order, whichever program is last: deterministic
                 acc += tl.load(parts + s * M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
             tl.atomic_xchg(tile, 0)
-            _finish(acc, scale_ptr, bias_ptr, out_ptr, rows, cols, col_ok, out_mask, stride_om, HAS_BIAS)
+            _finish(acc, scale_ptr, bias_ptr, out_ptr, rows, cols, col_ok, out_mask, stride_om, HAS_BIAS, HAS_SCALE)
     else:
-        _finish(acc, scale_ptr, bias_ptr, out_ptr, rows, cols, col_ok, out_mask, stride_om, HAS_BIAS)
+        _finish(acc, scale_ptr, bias_ptr, out_ptr, rows, cols, col_ok, out_mask, stride_om, HAS_BIAS, HAS_SCALE)
 
 
 @triton.jit
-def _finish(acc, scale_ptr, bias_ptr, out_ptr, rows, cols, col_ok, out_mask, stride_om, HAS_BIAS: tl.constexpr):
-    acc = acc * tl.load(scale_ptr + cols, mask=col_ok, other=0.0)[None, :]
+def _finish(acc, scale_ptr, bias_ptr, out_ptr, rows, cols, col_ok, out_mask, stride_om, HAS_BIAS: tl.constexpr,
+            HAS_SCALE: tl.constexpr):
+    if HAS_SCALE:
+        acc = acc * tl.load(scale_ptr + cols, mask=col_ok, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
@@ -153,11 +160,25 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
       ``[N, 1]`` or ``[1, N]``); ``bias``: ``[N]`` or None.
     - ``config``: launch parameters; None takes :func:`default_config`.
     """
+    n = weight.shape[0]
+    if weight.dim() != 2 or weight.shape[1] != x.shape[-1] or weight_scale.numel() != n:
+        raise ValueError(f"fp8_gemv: x [..., {x.shape[-1]}], weight {tuple(weight.shape)} and weight_scale "
+                         f"{tuple(weight_scale.shape)} do not describe one [N, K] weight with N scales")
+    return _gemv(x, weight, weight_scale.reshape(n).float().contiguous(), bias, config)
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+         config: Fp8GemvConfig | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for a 16-bit ``weight`` ``[N, K]`` of x's dtype, by the same kernel."""
+    if weight.dim() != 2 or weight.shape[1] != x.shape[-1] or weight.dtype != x.dtype:
+        raise ValueError(f"gemv: x [..., {x.shape[-1]}] {x.dtype} and weight {tuple(weight.shape)} {weight.dtype} "
+                         "do not describe one [N, K] weight of x's dtype")
+    return _gemv(x, weight, None, bias, config)
+
+
+def _gemv(x, weight, scale, bias, config):
     k = x.shape[-1]
     n = weight.shape[0]
-    if weight.dim() != 2 or weight.shape[1] != k or weight_scale.numel() != n:
-        raise ValueError(f"fp8_gemv: x [..., {k}], weight {tuple(weight.shape)} and weight_scale "
-                         f"{tuple(weight_scale.shape)} do not describe one [N, K] weight with N scales")
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
@@ -168,8 +189,7 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
     if m == 0:
         return out.reshape(*x.shape[:-1], n)
     cfg = config or default_config(m, n, k)
-    scale = weight_scale.reshape(n).float().contiguous()
-    bias_arg = scale if bias is None else bias.contiguous()
+    bias_arg = bias.contiguous() if bias is not None else (scale if scale is not None else out)
     block_m = 16 if cfg.dot else min(16, next_power_of_2(m))
     k_chunk = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     grid = (triton.cdiv(n, cfg.block_n), cfg.split_k, triton.cdiv(m, block_m))
@@ -178,11 +198,13 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
     else:
         part = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device)
         counts = _tile_counters(x.device, grid[0] * grid[2])
-    _fp8_gemv_kernel[grid](x2, weight, scale, bias_arg, out, part, counts, m, n, k, x2.stride(0), weight.stride(0),
-                           out.stride(0), k_chunk, HAS_BIAS=bias is not None, SPLIT_K=cfg.split_k, BLOCK_M=block_m,
-                           BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT=cfg.dot,
-                           DOT_FP32=INTERPRETED or x.dtype == torch.float32,
-                           num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    pdl = use_pdl(x.device)
+    _fp8_gemv_kernel[grid](x2, weight, out if scale is None else scale, bias_arg, out, part, counts, m, n, k,
+                           x2.stride(0), weight.stride(0), out.stride(0), k_chunk, HAS_BIAS=bias is not None,
+                           SPLIT_K=cfg.split_k, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                           DOT=cfg.dot, DOT_FP32=INTERPRETED or x.dtype == torch.float32,
+                           W_FP8=weight.element_size() == 1, HAS_SCALE=scale is not None, USE_PDL=pdl,
+                           num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(pdl))
     return out.reshape(*x.shape[:-1], n)
 
 

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from dovetail.triton import next_power_of_2
+from dovetail.triton.pdl import launch_options, pdl_prologue, use_pdl
 
 
 @triton.jit
@@ -19,7 +20,9 @@ def _rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, summed_ptr,
     stride_x, stride_residual, stride_out, stride_summed, hidden, eps, heads, stride_token,
     HAS_RESIDUAL: tl.constexpr, WEIGHT_FP32: tl.constexpr, BLOCK: tl.constexpr, HEADS: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_prologue(USE_PDL)
     # Arithmetic in float32, rounded where the torch definition rounds (as torch's opmath does).
     dtype = out_ptr.dtype.element_ty
     pid = tl.program_id(0)
@@ -74,11 +77,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     else:
         r2, summed = x2, out
     block = next_power_of_2(hidden)
+    pdl = use_pdl(x.device)
     _rms_norm_kernel[(rows,)](
         x2, r2, weight, out, summed, stride_row, r2.stride(0), out.stride(0),
         summed.stride(0), hidden, float(eps), heads, stride_token,
         HAS_RESIDUAL=residual is not None, WEIGHT_FP32=weight.dtype == torch.float32,
-        BLOCK=block, HEADS=heads > 1, num_warps=min(16, max(1, block // 512)),
+        BLOCK=block, HEADS=heads > 1, USE_PDL=pdl, num_warps=min(16, max(1, block // 512)), **launch_options(pdl),
     )
     if residual is None:
         return out.view(x.shape)

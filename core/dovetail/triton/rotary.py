@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from dovetail.triton import next_power_of_2
+from dovetail.triton.pdl import launch_options, pdl_prologue, use_pdl
 
 
 @triton.jit
@@ -33,8 +34,9 @@ def _rotary_kernel(
     positions_ptr, q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_sin_ptr,
     stride_q, stride_k, stride_q_out, stride_k_out, stride_cos_sin,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, KV_HEADS_PAD: tl.constexpr,
-    HEAD_SIZE: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+    HEAD_SIZE: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_prologue(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     position = tl.load(positions_ptr + token).to(tl.int64)
     cols = tl.arange(0, HALF_PAD)[None, :]
@@ -67,11 +69,13 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
     num_heads, num_kv_heads = q.shape[1] // head_size, k.shape[1] // head_size
     half = rotary_dim // 2
     heads_pad = next_power_of_2(num_heads)
+    pdl = use_pdl(q.device)
     _rotary_kernel[(q.shape[0],)](
         positions, q, k, q_out, k_out, cos_sin_cache,
         q.stride(0), k.stride(0), q_out.stride(0), k_out.stride(0), cos_sin_cache.stride(0),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEADS_PAD=heads_pad,
         KV_HEADS_PAD=next_power_of_2(num_kv_heads), HEAD_SIZE=head_size, HALF=half,
-        HALF_PAD=next_power_of_2(half), num_warps=4 if heads_pad * next_power_of_2(half) >= 1024 else 1,
+        HALF_PAD=next_power_of_2(half), USE_PDL=pdl,
+        num_warps=4 if heads_pad * next_power_of_2(half) >= 1024 else 1, **launch_options(pdl),
     )
     return q_out, k_out

@@ -1,0 +1,71 @@
+"""Programmatic dependent launch (PDL) of the core's Triton kernels on Hopper and newer NVIDIA GPUs.
+
+A kernel launched with PDL may be placed on the multiprocessors while the kernel before it on the
+stream is still finishing; its programs then wait (``gdc_wait``) until that grid has completed and
+its writes are visible. A decode step is hundreds of short kernels back to back, and this hides
+much of the gap between them, inside CUDA graphs too.
+
+Every PDL kernel calls :func:`pdl_prologue` first, in every program and before any early return:
+a grid that finished without waiting could complete before its predecessor, and the kernel after
+it, which waits only for its own predecessor, would then read unfinished results. The prologue
+also lets the next kernel launch at once (``gdc_launch_dependents``): its programs do nothing but
+wait until this grid has completed.
+
+Off where it cannot apply (triton's interpreter, other GPUs, a triton without ``launch_pdl``) and
+with ``DOVETAIL_TRITON_PDL=0`` (read once per device, at its first launch).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def pdl_prologue(USE_PDL: tl.constexpr):
+    """Wait for the previous grid on the stream, then let the next one launch (no-op unless ``USE_PDL``)."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_supports_pdl() -> bool:
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+
+        import triton.language.extra.cuda as cuda_extra
+    except Exception:
+        return False
+    return (any(f.name == "launch_pdl" for f in dataclasses.fields(CUDAOptions))
+            and hasattr(cuda_extra, "gdc_wait"))
+
+
+def _device_supports_pdl(index: int) -> bool:
+    return torch.version.hip is None and torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def use_pdl(device: torch.device) -> bool:
+    """Whether kernels launched on ``device`` use programmatic dependent launch (decided once per device)."""
+    return device.type == "cuda" and _use_pdl_on(device.index)
+
+
+@functools.lru_cache(maxsize=None)
+def _use_pdl_on(index: int | None) -> bool:
+    if os.environ.get("DOVETAIL_TRITON_PDL", "1") == "0":
+        return False
+    from dovetail.triton import interpreter_active
+
+    if interpreter_active() or not _triton_supports_pdl():
+        return False
+    return _device_supports_pdl(index if index is not None else torch.cuda.current_device())
+
+
+def launch_options(pdl: bool) -> dict:
+    """The launch keyword arguments for a kernel whose ``USE_PDL`` is ``pdl``."""
+    return {"launch_pdl": True} if pdl else {}

@@ -1,0 +1,71 @@
+"""Programmatic dependent launch (``dovetail.triton.pdl``): where it is on, and that chains of PDL kernels
+stay correct on a GPU that has it (each kernel reads the one before's output, eagerly and in a CUDA graph)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+
+def test_pdl_is_off_on_the_cpu_and_the_options_follow_the_flag():
+    from dovetail.triton.pdl import launch_options, use_pdl
+
+    assert use_pdl(torch.device("cpu")) is False
+    assert launch_options(False) == {}
+    assert launch_options(True) == {"launch_pdl": True}
+
+
+def test_the_environment_switch_turns_pdl_off():
+    code = ("import torch; from dovetail.triton.pdl import _use_pdl_on; "
+            "print('off' if not _use_pdl_on(0) else 'on')")
+    env = dict(os.environ, DOVETAIL_TRITON_PDL="0")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 0 and result.stdout.strip() == "off", result.stderr
+
+
+def _chain(ops, x, residual, weights):
+    """Dependent kernels back to back: add-RMSNorm, GEMV, SiLU-and-mul, GEMV, RMSNorm, per round."""
+    from dovetail.triton.fp8_gemv import gemv
+
+    for w_up, w_down, norm_w in weights:
+        h, residual = ops.add_rms_norm(x, residual, norm_w, 1e-6)
+        h = ops.silu_and_mul(gemv(h, w_up) if ops.name == "triton" else ops.linear(h, w_up))
+        x = gemv(h, w_down) if ops.name == "triton" else ops.linear(h, w_down)
+        x = ops.rms_norm(x, norm_w, 1e-6)
+    return x, residual
+
+
+@pytest.mark.gpu
+def test_a_chain_of_pdl_kernels_matches_torch_eagerly_and_in_a_graph():
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("needs an NVIDIA GPU with programmatic dependent launch (sm_90 or newer)")
+    from dovetail.ops import FusedOps
+    from dovetail.triton.fused_ops import TritonFusedOps
+    from dovetail.triton.pdl import use_pdl
+
+    assert use_pdl(torch.device("cuda")), "PDL should be on for this GPU"
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    hidden, inter = 512, 1024
+    weights = [(torch.randn(2 * inter, hidden, device="cuda", generator=gen).bfloat16() * 0.05,
+                torch.randn(hidden, inter, device="cuda", generator=gen).bfloat16() * 0.05,
+                torch.rand(hidden, device="cuda", generator=gen).bfloat16() + 0.5) for _ in range(8)]
+    x = torch.randn(2, hidden, device="cuda", generator=gen).bfloat16()
+    residual = torch.randn(2, hidden, device="cuda", generator=gen).bfloat16()
+    want, _ = _chain(FusedOps(), x.float(), residual.float(), [tuple(t.float() for t in w) for w in weights])
+    eager, _ = _chain(TritonFusedOps(), x, residual, weights)
+    torch.testing.assert_close(eager.float(), want, atol=0.1, rtol=0.05)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured, _ = _chain(TritonFusedOps(), x, residual, weights)
+    for _ in range(5):
+        graph.replay()
+        assert torch.equal(captured, eager)
+    x.copy_(x.flip(0))
+    graph.replay()
+    assert torch.equal(captured, eager.flip(0))
