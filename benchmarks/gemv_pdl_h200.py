@@ -4,11 +4,11 @@ For the linear shapes of llama-3.1-8b and qwen3-0.6b at one token, times from CU
 runs decode; each graph runs ``CALLS`` products cycling over enough weight copies that none is read from
 L2; median of ``REPLAYS`` replays):
 
-1. per shape: cuBLAS bf16 ``F.linear``; :func:`dovetail.triton.fp8_gemv.gemv` on the bf16 weight over a
-   small grid of configs, with programmatic dependent launch (PDL), and its best config without; the FP8
-   GEMV's default config with and without PDL;
+1. per shape (the LM head too) and M in 1, 2, 4: cuBLAS bf16 ``F.linear`` and
+   :func:`dovetail.triton.fp8_gemv.gemv` with its default config; at M=1 a small grid of configs, and the
+   FP8 GEMV's default (tensor-core) config against register sums; programmatic dependent launch (PDL) on;
 2. one decode step's layer linears in a single graph (qkv, o, gate_up, down for every layer, back to back),
-   by each path: what PDL saves between dependent kernels.
+   cuBLAS against both GEMVs with PDL off and with each place of the PDL trigger.
 
 Results (µs per product and GB/s of weight read) go to ``$OUT/gemv_pdl.json``. Checks each Triton result
 against the float reference first. Usage: ``python3 benchmarks/gemv_pdl_h200.py [--models llama-3.1-8b]``.
@@ -35,18 +35,20 @@ from dovetail.triton.fp8_gemv import Fp8GemvConfig, default_config, fp8_gemv, ge
 
 MODELS = {
     "llama-3.1-8b": {"layers": 32, "shapes": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
-                                              "down": (4096, 14336)}},
+                                              "down": (4096, 14336)}, "lm_head": (128256, 4096)},
     "qwen3-0.6b": {"layers": 28, "shapes": {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024),
-                                            "down": (1024, 3072)}},
+                                            "down": (1024, 3072)}, "lm_head": (151936, 1024)},
 }
 CALLS = 16
 REPLAYS = 10
 COPY_BYTES = 256 << 20
-#: (block_n, block_k, num_warps, num_stages, split_k, dot); split_k None: the default heuristic's split.
-GRID = [(64, 128, 4, 5, None, True), (32, 256, 4, 4, None, True), (64, 256, 4, 3, None, True),
-        (16, 128, 4, 5, None, True), (32, 128, 4, 5, None, True),
-        (16, 512, 4, 1, 1, False), (16, 512, 4, 3, 1, False), (8, 1024, 4, 3, 1, False), (32, 256, 4, 3, 1, False),
-        (16, 512, 4, 3, 2, False), (8, 512, 4, 3, 1, False), (16, 256, 4, 3, 1, False)]
+MS = (1, 2, 4)
+#: (block_n, block_k, num_warps, num_stages, split_k, dot) tried for 16-bit weights at one token.
+GRID = [(8, 1024, 4, 3, 1, False), (8, 2048, 4, 3, 1, False), (4, 2048, 4, 3, 1, False), (16, 1024, 8, 3, 1, False),
+        (8, 1024, 8, 3, 1, False), (4, 1024, 4, 3, 1, False), (8, 1024, 4, 4, 1, False), (8, 1024, 4, 2, 1, False),
+        (8, 512, 4, 3, 1, False), (8, 1024, 4, 3, 2, False)]
+#: FP8 at one token: the register-sum shape that suits 16-bit weights.
+FP8_SUMS = (8, 1024, 4, 3, 1, False)
 
 
 def set_pdl(on: bool) -> None:
@@ -75,99 +77,91 @@ def time_graph(fn, calls: int) -> float:
     return statistics.median(times)
 
 
-def config_for(spec, n, k) -> Fp8GemvConfig:
-    bn, bk, warps, stages, split, dot = spec
-    if split is None:
-        split = default_config(1, n, k).split_k if (bn, bk) == (64, 128) else _split(n, k, bn, bk)
-    return Fp8GemvConfig(bn, bk, warps, stages, split, dot)
-
-
-def _split(n, k, bn, bk) -> int:
-    split = 1
-    while -(-n // bn) * split < gemv_module.MIN_PROGRAMS and k >= 4 * bk * split:
-        split *= 2
-    return split
-
-
 def rel_err(out, ref) -> float:
     return float((out.float() - ref).abs().max() / ref.abs().max())
 
 
 def bench_shape(name, n, k, gen) -> dict:
+    """cuBLAS and the Triton GEMV (default config per M, the grid at M=1), FP8 dot and register sums at M=1."""
+    set_pdl(True)
     w = torch.randn(n, k, device="cuda", generator=gen) * 0.02
     q, scale = quant_ops.quantize_fp8_per_channel(w)
     ws = [w.bfloat16() for _ in range(max(1, -(-COPY_BYTES // (2 * n * k))))]
     qs = [q] + [q.clone() for _ in range(max(1, -(-COPY_BYTES // (n * k))) - 1)]
     del w
-    x = torch.randn(1, k, device="cuda", generator=gen).bfloat16()
-    ref16 = x.float() @ ws[0].float().t()
-    ref8 = x.float() @ (q.float() * scale[:, None]).t()
-    row = {"n": n, "k": k, "cublas_us": time_graph(lambda i: F.linear(x, ws[i % len(ws)]), CALLS)}
+    x_all = torch.randn(max(MS), k, device="cuda", generator=gen).bfloat16()
+    row = {"n": n, "k": k, "m": {}}
+    for m in MS:
+        x = x_all[:m]
+        ref = x.float() @ ws[0].float().t()
+        cell = {"cublas_us": time_graph(lambda i: F.linear(x, ws[i % len(ws)]), CALLS),
+                "default": list(default_config(m, n, k, 2)), "default_err": rel_err(gemv(x, ws[0]), ref),
+                "default_us": time_graph(lambda i: gemv(x, ws[i % len(ws)]), CALLS)}
+        row["m"][m] = cell
+        print(f"{name:>14} M={m} cuBLAS {cell['cublas_us']:6.1f}us {2 * n * k / cell['cublas_us'] / 1e3:5.0f}GB/s | "
+              f"gemv {cell['default_us']:6.1f}us {2 * n * k / cell['default_us'] / 1e3:5.0f}GB/s "
+              f"err {cell['default_err']:.1e}", flush=True)
+    x = x_all[:1]
     configs = []
-    set_pdl(True)
     for spec in GRID:
-        cfg = config_for(spec, n, k)
+        cfg = Fp8GemvConfig(*spec)
         try:
-            err = rel_err(gemv(x, ws[0], config=cfg), ref16)
             us = time_graph(lambda i, cfg=cfg: gemv(x, ws[i % len(ws)], config=cfg), CALLS)
-            configs.append({"config": list(cfg), "us": us, "rel_err": err})
+            configs.append({"config": list(cfg), "us": us})
         except Exception as exc:
             configs.append({"config": list(cfg), "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
             torch.cuda.synchronize()
-    ok = [c for c in configs if c.get("rel_err", 1) < 1e-2]
-    row["bf16_configs"] = configs
-    row["bf16_best"] = best = min(ok, key=lambda c: c["us"]) if ok else None
-    if best:
-        set_pdl(False)
-        cfg = Fp8GemvConfig(*best["config"])
-        row["bf16_best_no_pdl_us"] = time_graph(lambda i: gemv(x, ws[i % len(ws)], config=cfg), CALLS)
-    for pdl in (True, False):
-        set_pdl(pdl)
-        row[f"fp8_rel_err"] = rel_err(fp8_gemv(x, q, scale), ref8)
-        row[f"fp8_{'pdl' if pdl else 'no_pdl'}_us"] = time_graph(lambda i: fp8_gemv(x, qs[i % len(qs)], scale), CALLS)
-    gbs = lambda us, nbytes: round(nbytes / us / 1e3)  # noqa: E731
-    print(f"{name:>8} cuBLAS {row['cublas_us']:6.1f}us {gbs(row['cublas_us'], 2 * n * k)}GB/s | triton bf16 best "
-          + (f"{best['us']:6.1f}us {gbs(best['us'], 2 * n * k)}GB/s {tuple(best['config'])} no-PDL "
-             f"{row['bf16_best_no_pdl_us']:6.1f}" if best else "none")
-          + f" | fp8 PDL {row['fp8_pdl_us']:6.1f}us {gbs(row['fp8_pdl_us'], n * k)}GB/s no-PDL {row['fp8_no_pdl_us']:6.1f}"
-          f" err {row['fp8_rel_err']:.1e}", flush=True)
+    row["grid_m1"] = sorted(configs, key=lambda c: c.get("us", 1e9))
+    ref8 = x.float() @ (q.float() * scale[:, None]).t()
+    sums = Fp8GemvConfig(*FP8_SUMS)
+    row["fp8_dot_us"] = time_graph(lambda i: fp8_gemv(x, qs[i % len(qs)], scale), CALLS)
+    row["fp8_sums_err"] = rel_err(fp8_gemv(x, q, scale, config=sums), ref8)
+    row["fp8_sums_us"] = time_graph(lambda i: fp8_gemv(x, qs[i % len(qs)], scale, config=sums), CALLS)
+    best = row["grid_m1"][0]
+    print(f"{name:>14} M=1 grid best {best.get('us', 0):6.1f}us {tuple(best['config'])} | fp8 dot "
+          f"{row['fp8_dot_us']:6.1f}us {n * k / row['fp8_dot_us'] / 1e3:5.0f}GB/s, sums {row['fp8_sums_us']:6.1f}us "
+          f"err {row['fp8_sums_err']:.1e}", flush=True)
     return row
 
 
-def bench_step(model: str, rows: dict, gen) -> dict:
-    """One decode step's layer linears back to back in one graph (distinct weights per layer), per path."""
+def bench_step(model: str, gen) -> dict:
+    """One decode step's layer linears back to back in one graph (distinct weights per layer), per path and
+    PDL trigger (0: at completion, 1: at the start, 2: after the main loop; None: PDL off)."""
     spec = MODELS[model]
     layers = spec["layers"]
     weights = {s: [torch.randn(n, k, device="cuda", generator=gen).bfloat16().mul_(0.02) for _ in range(layers)]
                for s, (n, k) in spec["shapes"].items()}
     fp8 = {s: [quant_ops.quantize_fp8_per_channel(w.float()) for w in ws] for s, ws in weights.items()}
-    hidden = spec["shapes"]["o"][0]
-    x = torch.randn(1, hidden, device="cuda", generator=gen).bfloat16()
-    inter = spec["shapes"]["down"][1]
-    best = {s: Fp8GemvConfig(*rows[s]["bf16_best"]["config"]) for s in spec["shapes"] if rows[s].get("bf16_best")}
+    x = torch.randn(1, spec["shapes"]["o"][0], device="cuda", generator=gen).bfloat16()
+    o_in, inter = spec["shapes"]["o"][1], spec["shapes"]["down"][1]
 
     def step(linear):
         def run(_):
             h = x
             for i in range(layers):
                 qkv = linear("qkv", i, h)
-                o = linear("o", i, qkv[:, :spec["shapes"]["o"][1]])  # strided views: no copy kernels
+                o = linear("o", i, qkv[:, :o_in])  # strided views: no copy kernels
                 gu = linear("gate_up", i, o)
                 h = linear("down", i, gu[:, :inter])
             return h
         return run
 
-    out = {"layers": layers}
-    out["cublas_ms"] = time_graph(step(lambda s, i, h: F.linear(h, weights[s][i])), 1) / 1000
-    for pdl in (True, False):
-        set_pdl(pdl)
-        tag = "pdl" if pdl else "no_pdl"
-        if len(best) == 4:
-            out[f"triton_bf16_{tag}_ms"] = time_graph(step(lambda s, i, h: gemv(h, weights[s][i], config=best[s])),
-                                                      1) / 1000
-        out[f"fp8_{tag}_ms"] = time_graph(step(lambda s, i, h: fp8_gemv(h, *fp8[s][i])), 1) / 1000
-    print(f"{model} decode-step layer linears: " + ", ".join(f"{k} {v:.3f}" for k, v in out.items() if k != "layers"),
-          flush=True)
+    def cfg(s, weight_bytes, trigger):
+        n, k = spec["shapes"][s]
+        return default_config(1, n, k, weight_bytes)._replace(pdl_trigger=trigger)
+
+    out = {"layers": layers, "cublas_ms": time_graph(step(lambda s, i, h: F.linear(h, weights[s][i])), 1) / 1000}
+    for trigger in (None, 0, 1, 2):
+        set_pdl(trigger is not None)
+        t = trigger or 0
+        tag = "no_pdl" if trigger is None else f"trigger{trigger}"
+        out[f"bf16_{tag}_ms"] = time_graph(
+            step(lambda s, i, h: gemv(h, weights[s][i], config=cfg(s, 2, t))), 1) / 1000
+        out[f"fp8_{tag}_ms"] = time_graph(
+            step(lambda s, i, h: fp8_gemv(h, *fp8[s][i], config=cfg(s, 1, t))), 1) / 1000
+    set_pdl(True)
+    print(f"{model} decode-step layer linears (ms): "
+          + ", ".join(f"{k[:-3]} {v:.3f}" for k, v in out.items() if k != "layers"), flush=True)
     return out
 
 
@@ -186,9 +180,10 @@ def main() -> None:
     report = {"device": props.name, "torch": torch.__version__, "triton": triton.__version__,
               "config_fields": list(Fp8GemvConfig._fields), "models": {}}
     for model in args.models.split(","):
-        rows = {s: bench_shape(f"{model[:5]}:{s}", n, k, gen) for s, (n, k) in MODELS[model]["shapes"].items()}
+        shapes = dict(MODELS[model]["shapes"], lm_head=MODELS[model]["lm_head"])
+        rows = {s: bench_shape(f"{model[:5]}:{s}", n, k, gen) for s, (n, k) in shapes.items()}
         torch.cuda.empty_cache()
-        report["models"][model] = {"shapes": rows, "step": bench_step(model, rows, gen)}
+        report["models"][model] = {"shapes": rows, "step": bench_step(model, gen)}
         torch.cuda.empty_cache()
     report["seconds"] = round(time.time() - started, 1)
     (out_dir / "gemv_pdl.json").write_text(json.dumps(report, indent=1))

@@ -8,6 +8,7 @@ ragged (N, K not multiples of the blocks), and explicit configs cover split-K an
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -25,6 +26,7 @@ from dovetail.quantization import gpu_kernels, quant_ops  # noqa: E402
 from dovetail.quantization.fp8_scaled_mm import fp8_linear_scaled_mm  # noqa: E402
 from dovetail.quantization.gpu_kernels import GpuQuantKernels, use_fp8_gemv  # noqa: E402
 from dovetail.triton import fp8_gemv as fp8_gemv_module  # noqa: E402
+from dovetail.triton import next_power_of_2  # noqa: E402
 from dovetail.triton.fp8_gemv import INTERPRETED, Fp8GemvConfig, default_config, fp8_gemv, gemv  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
@@ -126,13 +128,14 @@ def test_shapes_strides_and_scale_layouts():
 
 def test_default_configs_are_valid_launches():
     """Powers of two, tensor-core tiles of at least 16, and split-K only while slices keep several K blocks."""
-    for m in (1, 2, 3, 4, 8, 16):
-        for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096), (40, 72)):
-            cfg = default_config(m, n, k)
-            for v in (cfg.block_n, cfg.block_k, cfg.num_warps, cfg.split_k):
-                assert v & (v - 1) == 0, cfg
-            assert not cfg.dot or min(cfg.block_n, cfg.block_k) >= 16, cfg
-            assert cfg.split_k == 1 or k >= 2 * cfg.block_k * cfg.split_k, cfg
+    shapes = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096), (40, 72))
+    for m, (n, k), weight_bytes in itertools.product((1, 2, 3, 4, 8, 16), shapes, (1, 2)):
+        cfg = default_config(m, n, k, weight_bytes)
+        for v in (cfg.block_n, cfg.block_k, cfg.num_warps, cfg.split_k):
+            assert v & (v - 1) == 0, cfg
+        assert not cfg.dot or min(cfg.block_n, cfg.block_k) >= 16, cfg
+        assert cfg.split_k == 1 or k >= 2 * cfg.block_k * cfg.split_k, cfg
+        assert cfg.dot or next_power_of_2(m) * cfg.block_n * cfg.block_k <= 8192, cfg  # register-sum accumulator
 
 
 def test_gpu_kernels_route_few_tokens_to_the_gemv():

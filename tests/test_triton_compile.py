@@ -41,8 +41,26 @@ def attention_variant(dtype, head_size, group, decode, split=False, softcap=Fals
     return _paged_attention_kernel, types, constexprs, dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
-def variants():
-    """Name -> (kernel, argument types, constexpr values, options), covering every branch."""
+def gemv_variant(weight, dot, split_k, block_n, block_k, num_stages):
+    from dovetail.triton.fp8_gemv import _fp8_gemv_kernel
+
+    types = dict(x_ptr="*bf16", w_ptr="*fp8e4nv" if weight == "fp8" else "*bf16", scale_ptr="*fp32",
+                 bias_ptr="*bf16", out_ptr="*bf16", part_ptr="*fp32", count_ptr="*i32")
+    constexprs = dict(HAS_BIAS=True, SPLIT_K=split_k, BLOCK_M=16 if dot else 1, BLOCK_N=block_n, BLOCK_K=block_k,
+                      DOT=dot, DOT_FP32=False, W_FP8=weight == "fp8", HAS_SCALE=weight == "fp8", PDL_TRIGGER=2)
+    return _fp8_gemv_kernel, types, constexprs, dict(num_warps=4, num_stages=num_stages)
+
+
+def variants(pdl: bool = False):
+    """Name -> (kernel, argument types, constexpr values, options), covering every branch.
+
+    ``pdl``: compile with programmatic dependent launch (USE_PDL), as the CUDA platform launches them.
+    """
+    return {name: (kernel, types, dict(constexprs, USE_PDL=pdl), options)
+            for name, (kernel, types, constexprs, options) in _variants().items()}
+
+
+def _variants():
     from dovetail.triton.activation import _act_and_mul_kernel
     from dovetail.triton.kv_cache_write import _kv_cache_write_kernel
     from dovetail.triton.norm import _rms_norm_kernel
@@ -79,6 +97,8 @@ def variants():
                                         k_out_ptr="*bf16", cos_sin_ptr="*fp32"),
                    dict(NUM_HEADS=32, NUM_KV_HEADS=8, HEADS_PAD=32, KV_HEADS_PAD=8, HEAD_SIZE=128, HALF=64,
                         HALF_PAD=64), dict(num_warps=4)),
+        "gemv fp8 dot split-k": gemv_variant("fp8", True, 4, 64, 128, 3),
+        "gemv bf16 register sums": gemv_variant("bf16", False, 1, 8, 1024, 3),
     }
 
 
@@ -91,7 +111,7 @@ def compile_all(target_name: str) -> dict[str, str]:
     backend, arch = target_name.split(":")
     target = GPUTarget(backend, int(arch) if backend == "cuda" else arch, 32 if backend == "cuda" else 64)
     results = {}
-    for name, (kernel, types, constexprs, options) in variants().items():
+    for name, (kernel, types, constexprs, options) in variants(pdl=backend == "cuda").items():
         signature = {arg: "constexpr" if arg in constexprs else types.get(arg, "i32") for arg in kernel.arg_names}
         try:
             triton.compile(ASTSource(kernel, signature, constexprs), target=target, options=options)

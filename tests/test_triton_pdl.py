@@ -67,5 +67,38 @@ def test_a_chain_of_pdl_kernels_matches_torch_eagerly_and_in_a_graph():
         graph.replay()
         assert torch.equal(captured, eager)
     x.copy_(x.flip(0))
+    residual.copy_(residual.flip(0))
     graph.replay()
     assert torch.equal(captured, eager.flip(0))
+
+
+def test_linear_routing_to_the_triton_gemv():
+    """Few 16-bit tokens on an NVIDIA GPU go to the GEMV; anything else (CPU, float32, many tokens) to F.linear."""
+    from dovetail.triton.fused_ops import GEMV_MAX_ROWS, gemv_applies
+
+    w = torch.randn(8, 16, dtype=torch.bfloat16)
+    assert not gemv_applies(torch.randn(1, 16, dtype=torch.bfloat16), w, None)  # a CPU tensor
+    if torch.cuda.is_available() and torch.version.hip is None:
+        w = w.cuda()
+        assert gemv_applies(torch.randn(GEMV_MAX_ROWS, 16, device="cuda", dtype=torch.bfloat16), w, None)
+        assert not gemv_applies(torch.randn(GEMV_MAX_ROWS + 1, 16, device="cuda", dtype=torch.bfloat16), w, None)
+        assert not gemv_applies(torch.randn(1, 16, device="cuda"), w.float(), None)
+        assert not gemv_applies(torch.randn(0, 16, device="cuda", dtype=torch.bfloat16), w, None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5])
+def test_triton_fused_ops_linear_matches_f_linear_on_the_gpu(m):
+    import torch.nn.functional as F
+
+    from dovetail.triton.fused_ops import TritonFusedOps
+
+    gen = torch.Generator(device="cuda").manual_seed(m)
+    x = torch.randn(m, 4096, device="cuda", generator=gen).bfloat16()
+    w = torch.randn(6144, 4096, device="cuda", generator=gen).bfloat16() * 0.02
+    b = torch.randn(6144, device="cuda", generator=gen).bfloat16()
+    want = x.float() @ w.float().t() + b.float()
+    got = TritonFusedOps().linear(x, w, b)
+    assert got.dtype == torch.bfloat16 and got.shape == (m, 6144)
+    torch.testing.assert_close(got.float(), want, atol=0.03, rtol=0.01)
+    torch.testing.assert_close(got, F.linear(x, w, b), atol=0.03, rtol=0.01)

@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from dovetail.triton import next_power_of_2
-from dovetail.triton.pdl import launch_options, pdl_prologue, use_pdl
+from dovetail.triton.pdl import launch_options, pdl_launch_dependents, pdl_wait, use_pdl
 
 
 @triton.jit(do_not_specialize=["M"])  # one compiled kernel for every token count
@@ -49,9 +49,11 @@ def _fp8_gemv_kernel(
     M, N, K, stride_xm, stride_wn, stride_om, k_chunk,
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, DOT: tl.constexpr, DOT_FP32: tl.constexpr, W_FP8: tl.constexpr, HAS_SCALE: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr, PDL_TRIGGER: tl.constexpr,
 ):
-    pdl_prologue(USE_PDL)
+    pdl_wait(USE_PDL)
+    if PDL_TRIGGER == 1:
+        pdl_launch_dependents(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -83,6 +85,8 @@ def _fp8_gemv_kernel(
                 acc += tl.dot(a, tl.trans(w.to(a.dtype)))
         else:
             acc3 += a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+    if PDL_TRIGGER == 2:
+        pdl_launch_dependents(USE_PDL)
     if not DOT:
         acc = tl.sum(acc3, axis=2)
     out_mask = row_ok[:, None] & col_ok[None, :]
@@ -128,6 +132,8 @@ class Fp8GemvConfig(NamedTuple):
     num_stages: int = 2
     split_k: int = 1
     dot: bool = False
+    #: When the next kernel may launch under PDL: 0 when this one completes, 1 at its start, 2 after the main loop.
+    pdl_trigger: int = 2
 
 
 #: Split K until a launch has at least this many programs (an H200 has 132 multiprocessors).
@@ -135,14 +141,20 @@ MIN_PROGRAMS = 384
 
 
 @functools.lru_cache(maxsize=None)
-def default_config(m: int, n: int, k: int) -> Fp8GemvConfig:
+def default_config(m: int, n: int, k: int, weight_bytes: int = 1) -> Fp8GemvConfig:
     """The launch parameters for ``x [m, k] @ weight[n, k].T``: the heuristic to retune.
+
+    16-bit weights (``weight_bytes=2``) at up to 4 rows: register sums over 8 weight rows and 1,024
+    of K per step, unsplit (``benchmarks/gemv_pdl_h200.py``, H200: the fastest of 12 configs on 7 of
+    llama-3.1-8b's and qwen3-0.6b's 8 linear shapes at one token, within 1% on the eighth).
 
     From benchmarks/fp8_gemv_h200.py on an H200 (llama-3.1-8b's shapes, 1 to 16 tokens, 72
     configs): the tensor-core dot with 64 weight rows and 128 of K per step, K split until there
     are ``MIN_PROGRAMS`` programs (qkv 4, o 8, down 8, gate_up 1), was the fastest or within 3% of
     it everywhere; without a split, 5 pipeline stages rather than 3 (lm_head: -11%).
     """
+    if weight_bytes == 2 and m <= 4:
+        return Fp8GemvConfig(8, 1024 // next_power_of_2(m), num_warps=4, num_stages=3)
     block_n, block_k, split_k = 64, 128, 1
     while triton.cdiv(n, block_n) * split_k < MIN_PROGRAMS and k >= 4 * block_k * split_k:
         split_k *= 2
@@ -188,7 +200,7 @@ def _gemv(x, weight, scale, bias, config):
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out.reshape(*x.shape[:-1], n)
-    cfg = config or default_config(m, n, k)
+    cfg = config or default_config(m, n, k, weight.element_size())
     bias_arg = bias.contiguous() if bias is not None else (scale if scale is not None else out)
     block_m = 16 if cfg.dot else min(16, next_power_of_2(m))
     k_chunk = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
@@ -204,6 +216,7 @@ def _gemv(x, weight, scale, bias, config):
                            SPLIT_K=cfg.split_k, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                            DOT=cfg.dot, DOT_FP32=INTERPRETED or x.dtype == torch.float32,
                            W_FP8=weight.element_size() == 1, HAS_SCALE=scale is not None, USE_PDL=pdl,
+                           PDL_TRIGGER=cfg.pdl_trigger,
                            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(pdl))
     return out.reshape(*x.shape[:-1], n)
 

@@ -3,7 +3,8 @@
 A GPU platform returns ``TritonFusedOps()`` from ``Platform.fused_ops()``. Each
 operation equals the torch definition it overrides (within the dtype's
 rounding); inputs a kernel does not cover (empty tensors, unusual dtype mixes)
-go to that definition.
+go to that definition. Unquantized linears of up to :data:`GEMV_MAX_ROWS` tokens on
+an NVIDIA GPU run :func:`dovetail.triton.fp8_gemv.gemv` instead of cuBLAS.
 """
 
 from __future__ import annotations
@@ -11,13 +12,30 @@ from __future__ import annotations
 import torch
 
 from dovetail.ops import FusedOps
-from dovetail.triton import activation, norm, rotary
+from dovetail.triton import activation, fp8_gemv, norm, rotary
+
+#: Most tokens for which a 16-bit unquantized linear on an NVIDIA GPU runs the Triton GEMV: at one token
+#: it beat cuBLAS by 0-73% on llama-3.1-8b's and qwen3-0.6b's linears (benchmarks/gemv_pdl_h200.py, H200).
+GEMV_MAX_ROWS = 4
+
+
+def gemv_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether :meth:`TritonFusedOps.linear` runs ``F.linear(x, weight, bias)`` on the Triton GEMV."""
+    return (x.device.type == "cuda" and torch.version.hip is None and weight.dim() == 2
+            and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
+            and x.shape[-1] == weight.shape[1] and 0 < x.numel() <= GEMV_MAX_ROWS * x.shape[-1]
+            and (bias is None or bias.dtype == x.dtype))
 
 
 class TritonFusedOps(FusedOps):
     """RMSNorm (with the residual add), NeoX rotary, SiLU-and-mul and GELU-tanh-and-mul in Triton."""
 
     name = "triton"
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if gemv_applies(x, weight, bias):
+            return fp8_gemv.gemv(x, weight, bias)
+        return super().linear(x, weight, bias)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if not norm.supports(x, weight):

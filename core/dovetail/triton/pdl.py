@@ -9,7 +9,10 @@ Every PDL kernel calls :func:`pdl_prologue` first, in every program and before a
 a grid that finished without waiting could complete before its predecessor, and the kernel after
 it, which waits only for its own predecessor, would then read unfinished results. The prologue
 also lets the next kernel launch at once (``gdc_launch_dependents``): its programs do nothing but
-wait until this grid has completed.
+wait until this grid has completed. A kernel that would rather keep the multiprocessors to itself
+until its main loop is done (the GEMV: waiting programs of the next kernel placed early crowd some
+multiprocessors and leave others idle) calls :func:`pdl_wait` first and
+:func:`pdl_launch_dependents` later.
 
 Off where it cannot apply (triton's interpreter, other GPUs, a triton without ``launch_pdl``) and
 with ``DOVETAIL_TRITON_PDL=0`` (read once per device, at its first launch).
@@ -29,8 +32,21 @@ import triton.language as tl
 @triton.jit
 def pdl_prologue(USE_PDL: tl.constexpr):
     """Wait for the previous grid on the stream, then let the next one launch (no-op unless ``USE_PDL``)."""
+    pdl_wait(USE_PDL)
+    pdl_launch_dependents(USE_PDL)
+
+
+@triton.jit
+def pdl_wait(USE_PDL: tl.constexpr):
+    """Wait until the previous grid on the stream has completed and its writes are visible."""
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def pdl_launch_dependents(USE_PDL: tl.constexpr):
+    """Let the next grid on the stream launch once every program of this one has called this or exited."""
+    if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
 
 

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# One H200 call on the Triton GEMV for unquantized linears and PDL: the GPU tests of the kernels and the
+# engine, benchmarks/gemv_pdl_h200.py, then B2 and B1 (`dovetail bench`) for llama-3.1-8b (bf16, fp8) and
+# qwen3-0.6b. Usage (on the H200, .whl carried): bash benchmarks/h200_gemv.sh ; results in $OUT.
+# SKIP_MICRO=1 skips the microbenchmark, SKIP_B1=1 the B1 runs.
+set -u
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+source benchmarks/h200_setup.sh || exit 1
+log() { echo "== $* (t=${SECONDS}s)"; }
+left() { echo $((580 - SECONDS)); }
+log "GPU tests"
+timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_triton_pdl.py tests/test_fp8_gemv.py \
+  tests/test_triton_gpu.py tests/test_triton_fused_ops.py tests/test_cuda_engine.py tests/test_cuda_graph_runner.py \
+  2>&1 | tee "$OUT/tests.log" | tail -6
+if [ "${SKIP_MICRO:-0}" != 1 ]; then
+  log "GEMV microbenchmark"
+  timeout 150 python3 benchmarks/gemv_pdl_h200.py 2>&1 | tee "$OUT/gemv_pdl.log" | grep -v Warning
+fi
+bench() {  # bench LABEL KIND MODEL ARGS...
+  [ "$(left)" -gt 45 ] || { echo "skip $1: out of time"; return; }
+  timeout "$(left)" dovetail --log-level WARNING bench "$2" --model "$3" --dtype bfloat16 --attention-backend TRITON \
+    "${@:4}" --output-json /tmp/r.json >/dev/null 2>>"$OUT/err.log" || { echo "$1 failed"; return; }
+  python3 - "$1" <<'PY' | tee -a "$OUT/bench.jsonl"
+import json, sys
+d = json.load(open("/tmp/r.json")); r = d["dovetail"]
+print(json.dumps({"label": sys.argv[1], **{k: r[k] for k in ("ms_per_token", "ms_per_token_runs",
+                  "output_tokens_per_s", "elapsed_s") if k in r}}))
+PY
+}
+log "B2"
+bench B2-llama latency llama-3.1-8b
+bench B2-llama-fp8 latency llama-3.1-8b --quantization fp8
+bench B2-qwen latency qwen3-0.6b
+if [ "${SKIP_B1:-0}" != 1 ]; then
+  log "B1"
+  bench B1-qwen throughput qwen3-0.6b
+  bench B1-llama throughput llama-3.1-8b
+fi
+grep -h "Error" "$OUT/err.log" | tail -5
+log done
