@@ -4,11 +4,13 @@ For the linear shapes of llama-3.1-8b and qwen3-0.6b at one token, times from CU
 runs decode; each graph runs ``CALLS`` products cycling over enough weight copies that none is read from
 L2; median of ``REPLAYS`` replays):
 
-1. per shape (the LM head too) and M in 1, 2, 4: cuBLAS bf16 ``F.linear`` and
-   :func:`dovetail.triton.fp8_gemv.gemv` with its default config; at M=1 a small grid of configs, and the
-   FP8 GEMV's default (tensor-core) config against register sums; programmatic dependent launch (PDL) on;
+1. per shape (the LM head too) and M in 1-16: cuBLAS bf16 ``F.linear`` and
+   :func:`dovetail.triton.fp8_gemv.gemv` with its default config and with the tensor-core tiles; at M=1 a
+   small grid of configs, and a grid of FP8 tensor-core configs (bfloat16 or float16 dot); programmatic
+   dependent launch (PDL) on;
 2. one decode step's layer linears in a single graph (qkv, o, gate_up, down for every layer, back to back),
-   cuBLAS against both GEMVs with PDL off and with each place of the PDL trigger.
+   cuBLAS against both GEMVs, the PDL trigger at completion (0) or after the main loop (2), FP8 with a
+   bfloat16 or a float16 tensor-core dot.
 
 Results (µs per product and GB/s of weight read) go to ``$OUT/gemv_pdl.json``. Checks each Triton result
 against the float reference first. Usage: ``python3 benchmarks/gemv_pdl_h200.py [--models llama-3.1-8b]``.
@@ -42,13 +44,15 @@ MODELS = {
 CALLS = 16
 REPLAYS = 10
 COPY_BYTES = 256 << 20
-MS = (1, 2, 4)
+MS = (1, 2, 4, 8, 16)
 #: (block_n, block_k, num_warps, num_stages, split_k, dot) tried for 16-bit weights at one token.
 GRID = [(8, 1024, 4, 3, 1, False), (8, 2048, 4, 3, 1, False), (4, 2048, 4, 3, 1, False), (16, 1024, 8, 3, 1, False),
         (8, 1024, 8, 3, 1, False), (4, 1024, 4, 3, 1, False), (8, 1024, 4, 4, 1, False), (8, 1024, 4, 2, 1, False),
         (8, 512, 4, 3, 1, False), (8, 1024, 4, 3, 2, False)]
-#: FP8 at one token: the register-sum shape that suits 16-bit weights.
-FP8_SUMS = (8, 1024, 4, 3, 1, False)
+#: FP8 at one token: tensor-core tiles (split until MIN_PROGRAMS), bfloat16 or float16 dot, PDL trigger 0.
+FP8_GRID = [(bn, bk, warps, stages, f16) for f16 in (False, True)
+            for bn, bk, warps, stages in ((64, 128, 4, 5), (32, 128, 4, 5), (64, 256, 4, 3), (128, 128, 4, 4),
+                                          (64, 128, 8, 5), (32, 256, 4, 4))]
 
 
 def set_pdl(on: bool) -> None:
@@ -91,16 +95,18 @@ def bench_shape(name, n, k, gen) -> dict:
     del w
     x_all = torch.randn(max(MS), k, device="cuda", generator=gen).bfloat16()
     row = {"n": n, "k": k, "m": {}}
+    dot16 = default_config(16, n, k, 1)._replace(pdl_trigger=2)  # the tensor-core tiles, for 16-bit weights
     for m in MS:
         x = x_all[:m]
         ref = x.float() @ ws[0].float().t()
         cell = {"cublas_us": time_graph(lambda i: F.linear(x, ws[i % len(ws)]), CALLS),
                 "default": list(default_config(m, n, k, 2)), "default_err": rel_err(gemv(x, ws[0]), ref),
-                "default_us": time_graph(lambda i: gemv(x, ws[i % len(ws)]), CALLS)}
+                "default_us": time_graph(lambda i: gemv(x, ws[i % len(ws)]), CALLS),
+                "dot_us": time_graph(lambda i: gemv(x, ws[i % len(ws)], config=dot16), CALLS)}
         row["m"][m] = cell
-        print(f"{name:>14} M={m} cuBLAS {cell['cublas_us']:6.1f}us {2 * n * k / cell['cublas_us'] / 1e3:5.0f}GB/s | "
+        print(f"{name:>14} M={m:<2} cuBLAS {cell['cublas_us']:6.1f}us {2 * n * k / cell['cublas_us'] / 1e3:5.0f}GB/s | "
               f"gemv {cell['default_us']:6.1f}us {2 * n * k / cell['default_us'] / 1e3:5.0f}GB/s "
-              f"err {cell['default_err']:.1e}", flush=True)
+              f"err {cell['default_err']:.1e} | dot tiles {cell['dot_us']:6.1f}us", flush=True)
     x = x_all[:1]
     configs = []
     for spec in GRID:
@@ -113,15 +119,30 @@ def bench_shape(name, n, k, gen) -> dict:
             torch.cuda.synchronize()
     row["grid_m1"] = sorted(configs, key=lambda c: c.get("us", 1e9))
     ref8 = x.float() @ (q.float() * scale[:, None]).t()
-    sums = Fp8GemvConfig(*FP8_SUMS)
-    row["fp8_dot_us"] = time_graph(lambda i: fp8_gemv(x, qs[i % len(qs)], scale), CALLS)
-    row["fp8_sums_err"] = rel_err(fp8_gemv(x, q, scale, config=sums), ref8)
-    row["fp8_sums_us"] = time_graph(lambda i: fp8_gemv(x, qs[i % len(qs)], scale, config=sums), CALLS)
-    best = row["grid_m1"][0]
-    print(f"{name:>14} M=1 grid best {best.get('us', 0):6.1f}us {tuple(best['config'])} | fp8 dot "
-          f"{row['fp8_dot_us']:6.1f}us {n * k / row['fp8_dot_us'] / 1e3:5.0f}GB/s, sums {row['fp8_sums_us']:6.1f}us "
-          f"err {row['fp8_sums_err']:.1e}", flush=True)
+    row["fp8_default_us"] = time_graph(lambda i: fp8_gemv(x, qs[i % len(qs)], scale), CALLS)
+    fp8_configs = []
+    for bn, bk, warps, stages, f16 in FP8_GRID:
+        cfg = Fp8GemvConfig(bn, bk, warps, stages, _split(n, k, bn, bk), True, f16, 0)
+        try:
+            err = rel_err(fp8_gemv(x, q, scale, config=cfg), ref8)
+            us = time_graph(lambda i, cfg=cfg: fp8_gemv(x, qs[i % len(qs)], scale, config=cfg), CALLS)
+            fp8_configs.append({"config": list(cfg), "us": us, "rel_err": err})
+        except Exception as exc:
+            fp8_configs.append({"config": list(cfg), "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
+            torch.cuda.synchronize()
+    row["fp8_grid_m1"] = sorted(fp8_configs, key=lambda c: c.get("us", 1e9))
+    best, best8 = row["grid_m1"][0], row["fp8_grid_m1"][0]
+    print(f"{name:>14} M=1 grid best {best.get('us', 0):6.1f}us {tuple(best['config'])} | fp8 default "
+          f"{row['fp8_default_us']:6.1f}us {n * k / row['fp8_default_us'] / 1e3:5.0f}GB/s, best "
+          f"{best8.get('us', 0):6.1f}us {tuple(best8['config'])} err {best8.get('rel_err', 1):.1e}", flush=True)
     return row
+
+
+def _split(n, k, bn, bk) -> int:
+    split = 1
+    while -(-n // bn) * split < gemv_module.MIN_PROGRAMS and k >= 4 * bk * split:
+        split *= 2
+    return split
 
 
 def bench_step(model: str, gen) -> dict:
@@ -146,20 +167,18 @@ def bench_step(model: str, gen) -> dict:
             return h
         return run
 
-    def cfg(s, weight_bytes, trigger):
+    def cfg(s, weight_bytes, trigger, f16=False):
         n, k = spec["shapes"][s]
-        return default_config(1, n, k, weight_bytes)._replace(pdl_trigger=trigger)
+        return default_config(1, n, k, weight_bytes)._replace(pdl_trigger=trigger, f16_dot=f16)
 
     out = {"layers": layers, "cublas_ms": time_graph(step(lambda s, i, h: F.linear(h, weights[s][i])), 1) / 1000}
-    for trigger in (None, 0, 1, 2):
-        set_pdl(trigger is not None)
-        t = trigger or 0
-        tag = "no_pdl" if trigger is None else f"trigger{trigger}"
-        out[f"bf16_{tag}_ms"] = time_graph(
-            step(lambda s, i, h: gemv(h, weights[s][i], config=cfg(s, 2, t))), 1) / 1000
-        out[f"fp8_{tag}_ms"] = time_graph(
-            step(lambda s, i, h: fp8_gemv(h, *fp8[s][i], config=cfg(s, 1, t))), 1) / 1000
     set_pdl(True)
+    for trigger in (0, 2):
+        out[f"bf16_trigger{trigger}_ms"] = time_graph(
+            step(lambda s, i, h: gemv(h, weights[s][i], config=cfg(s, 2, trigger))), 1) / 1000
+        for f16 in (False, True):
+            out[f"fp8_{'f16_' if f16 else ''}trigger{trigger}_ms"] = time_graph(
+                step(lambda s, i, h: fp8_gemv(h, *fp8[s][i], config=cfg(s, 1, trigger, f16))), 1) / 1000
     print(f"{model} decode-step layer linears (ms): "
           + ", ".join(f"{k[:-3]} {v:.3f}" for k, v in out.items() if k != "layers"), flush=True)
     return out

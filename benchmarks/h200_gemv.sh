@@ -2,7 +2,7 @@
 # One H200 call on the Triton GEMV for unquantized linears and PDL: the GPU tests of the kernels and the
 # engine, benchmarks/gemv_pdl_h200.py, then B2 and B1 (`dovetail bench`) for llama-3.1-8b (bf16, fp8) and
 # qwen3-0.6b. Usage (on the H200, .whl carried): bash benchmarks/h200_gemv.sh ; results in $OUT.
-# SKIP_MICRO=1 skips the microbenchmark, SKIP_B1=1 the B1 runs.
+# SKIP_MICRO=1 skips the microbenchmark, SKIP_B1=1 the B1 runs; TESTS= runs only the GEMV and PDL tests.
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -10,8 +10,8 @@ source benchmarks/h200_setup.sh || exit 1
 log() { echo "== $* (t=${SECONDS}s)"; }
 left() { echo $((580 - SECONDS)); }
 log "GPU tests"
-timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_triton_pdl.py tests/test_fp8_gemv.py \
-  tests/test_triton_gpu.py tests/test_triton_fused_ops.py tests/test_cuda_engine.py tests/test_cuda_graph_runner.py \
+TESTS=${TESTS-tests/test_triton_gpu.py tests/test_triton_fused_ops.py tests/test_cuda_engine.py tests/test_cuda_graph_runner.py}
+timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_triton_pdl.py tests/test_fp8_gemv.py $TESTS \
   2>&1 | tee "$OUT/tests.log" | tail -6
 if [ "${SKIP_MICRO:-0}" != 1 ]; then
   log "GEMV microbenchmark"
