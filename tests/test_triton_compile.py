@@ -41,6 +41,10 @@ def attention_variant(dtype, head_size, group, decode, split=False, softcap=Fals
     return _paged_attention_kernel, types, constexprs, dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
+ROTARY_TYPES = dict(positions_ptr="*i64", q_ptr="*bf16", k_ptr="*bf16", q_out_ptr="*bf16", k_out_ptr="*bf16",
+                    cos_sin_ptr="*fp32", q_norm_ptr="*bf16", k_norm_ptr="*bf16", eps="fp32")
+
+
 def gemv_variant(weight, dot, split_k, block_n, block_k, num_stages):
     from dovetail.triton.fp8_gemv import _fp8_gemv_kernel
 
@@ -93,10 +97,12 @@ def _variants():
                          dict(GELU_TANH=False, BLOCK=1024), dict(num_warps=4)),
         "gelu tanh and mul": (_act_and_mul_kernel, dict(x_ptr="*fp16", out_ptr="*fp16"),
                               dict(GELU_TANH=True, BLOCK=1024), dict(num_warps=4)),
-        "rotary": (_rotary_kernel, dict(positions_ptr="*i64", q_ptr="*bf16", k_ptr="*bf16", q_out_ptr="*bf16",
-                                        k_out_ptr="*bf16", cos_sin_ptr="*fp32"),
+        "rotary": (_rotary_kernel, ROTARY_TYPES,
                    dict(NUM_HEADS=32, NUM_KV_HEADS=8, HEADS_PAD=32, KV_HEADS_PAD=8, HEAD_SIZE=128, HALF=64,
-                        HALF_PAD=64), dict(num_warps=4)),
+                        HALF_PAD=64, NORM=False, WEIGHT_FP32=False), dict(num_warps=4)),
+        "q/k norm and rotary": (_rotary_kernel, ROTARY_TYPES,
+                                dict(NUM_HEADS=16, NUM_KV_HEADS=8, HEADS_PAD=16, KV_HEADS_PAD=8, HEAD_SIZE=128,
+                                     HALF=64, HALF_PAD=64, NORM=True, WEIGHT_FP32=False), dict(num_warps=4)),
         "gemv fp8 dot split-k": gemv_variant("fp8", True, 4, 64, 128, 3),
         "gemv bf16 register sums": gemv_variant("bf16", False, 1, 8, 1024, 3),
     }

@@ -124,6 +124,39 @@ def test_rotary_on_views_of_a_fused_qkv(dtype, head_size, rotary_dim):
     assert not torch.allclose(q_out.float(), q.float(), atol=1e-2)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("weight_fp32", [False, True])
+def test_qk_norm_and_rotary_in_one_launch_on_views_of_a_fused_qkv(dtype, weight_fp32):
+    """Qwen 3's per-head q/k RMSNorm (weights of the activations' dtype) and Gemma 3's (float32, 1 + w) before
+    the rotary, in the rotary kernel: the torch definition (norms, then rotary) within rounding."""
+    head_size, num_heads, num_kv_heads, tokens = 32, 4, 2, 6
+    cos_sin = compute_cos_sin_cache(head_size, 128, {"rope_theta": 10000.0, "rope_type": "default"}, 128).to(DEVICE)
+    qkv = rand(tokens, (num_heads + 2 * num_kv_heads) * head_size, dtype=dtype, seed=13) * 3
+    q = qkv[:, : num_heads * head_size]
+    k = qkv[:, num_heads * head_size: (num_heads + num_kv_heads) * head_size]
+    weight_dtype = torch.float32 if weight_fp32 else dtype
+    q_w, k_w = rand(head_size, dtype=weight_dtype, seed=14) + 1, rand(head_size, dtype=weight_dtype, seed=15) + 1
+    positions = torch.tensor([0, 1, 2, 17, 64, 127], device=DEVICE)
+    got = TRITON.qk_norm_rotary_embedding(positions, q, k, q_w, k_w, 1e-6, cos_sin, head_size, head_size)
+    want = TORCH.qk_norm_rotary_embedding(positions, q, k, q_w, k_w, 1e-6, cos_sin, head_size, head_size)
+    for g, w in zip(got, want):
+        assert_close(g, w)
+    rotary_only = TORCH.rotary_embedding(positions, q, k, cos_sin, head_size, head_size)
+    assert not torch.allclose(got[0].float(), rotary_only[0].float(), atol=1e-2)  # the norm was applied
+
+
+def test_qk_norm_with_partial_rotary_uses_the_torch_definition():
+    head_size, rotary_dim = 32, 16
+    cos_sin = compute_cos_sin_cache(rotary_dim, 64, {"rope_theta": 10000.0, "rope_type": "default"}, 64).to(DEVICE)
+    q, k = rand(3, 2 * head_size, seed=16), rand(3, head_size, seed=17)
+    q_w, k_w = rand(head_size, seed=18), rand(head_size, seed=19)
+    positions = torch.tensor([3, 9, 40], device=DEVICE)
+    got = TRITON.qk_norm_rotary_embedding(positions, q, k, q_w, k_w, 1e-6, cos_sin, head_size, rotary_dim)
+    want = TORCH.qk_norm_rotary_embedding(positions, q, k, q_w, k_w, 1e-6, cos_sin, head_size, rotary_dim)
+    for g, w in zip(got, want):
+        assert_close(g, w)
+
+
 def test_empty_inputs_use_the_torch_definition():
     x = rand(0, 16)
     weight = rand(16, seed=12)

@@ -54,6 +54,18 @@ class FusedOps:
         cos, sin = cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)
         return (_rotate(q, cos, sin, head_size, rotary_dim), _rotate(k, cos, sin, head_size, rotary_dim))
 
+    def qk_norm_rotary_embedding(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                                 q_norm_weight: torch.Tensor, k_norm_weight: torch.Tensor, eps: float,
+                                 cos_sin_cache: torch.Tensor, head_size: int, rotary_dim: int):
+        """Per-head RMSNorm of ``q`` and ``k`` (each with its own weight, Qwen 3 / Gemma 3), then the rotary.
+
+        ``q``, ``k`` and the result are as in :meth:`rotary_embedding`; each head's ``head_size``
+        features are normalised by :meth:`rms_norm` first.
+        """
+        q = self.rms_norm(q.unflatten(-1, (-1, head_size)), q_norm_weight, eps).flatten(-2)
+        k = self.rms_norm(k.unflatten(-1, (-1, head_size)), k_norm_weight, eps).flatten(-2)
+        return self.rotary_embedding(positions, q, k, cos_sin_cache, head_size, rotary_dim)
+
     def fused_moe(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, activation: str = "silu") -> torch.Tensor:
         """Mixture-of-experts MLPs of ``x`` ``[tokens, hidden]``: each token through its ``top_k`` experts.

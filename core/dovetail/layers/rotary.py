@@ -145,3 +145,9 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         return self.ops.rotary_embedding(positions, q, k, self.cos_sin_cache, self.head_size, self.rotary_dim)
+
+    def forward_with_qk_norm(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_norm, k_norm):
+        """Per-head RMSNorm of ``q`` and ``k`` (the :class:`~dovetail.layers.norm.RMSNorm` layers given), then
+        the rotation: one fused op, which a platform may run as one kernel."""
+        return self.ops.qk_norm_rotary_embedding(positions, q, k, q_norm.weight, k_norm.weight, q_norm.eps,
+                                                 self.cos_sin_cache, self.head_size, self.rotary_dim)

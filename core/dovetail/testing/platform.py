@@ -81,3 +81,9 @@ def check_fused_ops(ops: FusedOps, device: torch.device | str = "cpu", dtype: to
         want_q, want_k = ref.rotary_embedding(positions, q, k, cache, head_size, rotary_dim)
         close(got_q, want_q, "rotary_embedding (q)")
         close(got_k, want_k, "rotary_embedding (k)")
+        q_w, k_w = rand(head_size) + 1.0, rand(head_size) + 1.0
+        got_q, got_k = ops.qk_norm_rotary_embedding(positions, q.clone(), k.clone(), q_w, k_w, 1e-6, cache,
+                                                    head_size, rotary_dim)
+        want_q, want_k = ref.qk_norm_rotary_embedding(positions, q, k, q_w, k_w, 1e-6, cache, head_size, rotary_dim)
+        close(got_q, want_q, "qk_norm_rotary_embedding (q)")
+        close(got_k, want_k, "qk_norm_rotary_embedding (k)")

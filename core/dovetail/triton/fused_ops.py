@@ -32,7 +32,8 @@ def gemv_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 
 class TritonFusedOps(FusedOps):
-    """RMSNorm (with the residual add), NeoX rotary, SiLU-and-mul and GELU-tanh-and-mul in Triton."""
+    """RMSNorm (with the residual add), NeoX rotary (with per-head q/k norms), SiLU-and-mul and
+    GELU-tanh-and-mul in Triton; batch-1 linears on the Triton GEMV."""
 
     name = "triton"
 
@@ -66,3 +67,12 @@ class TritonFusedOps(FusedOps):
         if not rotary.supports(positions, q, k, cos_sin_cache, head_size, rotary_dim):
             return super().rotary_embedding(positions, q, k, cos_sin_cache, head_size, rotary_dim)
         return rotary.rotary_embedding(positions, q, k, cos_sin_cache, head_size, rotary_dim)
+
+    def qk_norm_rotary_embedding(self, positions, q, k, q_norm_weight, k_norm_weight, eps, cos_sin_cache,
+                                 head_size, rotary_dim):
+        if not (rotary.supports(positions, q, k, cos_sin_cache, head_size, rotary_dim)
+                and rotary.supports_qk_norm(q_norm_weight, k_norm_weight, q, head_size, rotary_dim)):
+            return super().qk_norm_rotary_embedding(positions, q, k, q_norm_weight, k_norm_weight, eps,
+                                                    cos_sin_cache, head_size, rotary_dim)
+        return rotary.rotary_embedding(positions, q, k, cos_sin_cache, head_size, rotary_dim,
+                                       q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, eps=eps)

@@ -3,6 +3,9 @@
 ``cos_sin_cache`` is ``[max_position, rotary_dim]``: cosines in the first half,
 sines in the second (as :mod:`dovetail.layers.rotary` builds it). Features past
 ``rotary_dim`` are copied unchanged.
+
+With ``NORM`` each head is first RMS-normalised with its own weight (q's or k's: Qwen 3's and
+Gemma 3's per-head q/k norms), in the same launch, rounded where the torch definition rounds.
 """
 
 from __future__ import annotations
@@ -16,8 +19,9 @@ from dovetail.triton.pdl import launch_options, pdl_prologue, use_pdl
 
 
 @triton.jit
-def _rotate_heads(src_ptr, dst_ptr, cos, sin, NUM_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr,
-                  HEAD_SIZE: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr):
+def _rotate_heads(src_ptr, dst_ptr, cos, sin, norm_weight_ptr, eps, NUM_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr,
+                  HEAD_SIZE: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr, NORM: tl.constexpr,
+                  WEIGHT_FP32: tl.constexpr):
     heads = tl.arange(0, HEADS_PAD)[:, None]
     cols = tl.arange(0, HALF_PAD)[None, :]
     mask = (heads < NUM_HEADS) & (cols < HALF)
@@ -25,16 +29,27 @@ def _rotate_heads(src_ptr, dst_ptr, cos, sin, NUM_HEADS: tl.constexpr, HEADS_PAD
     x1 = tl.load(src_ptr + offset, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src_ptr + offset + HALF, mask=mask, other=0.0).to(tl.float32)
     dtype = dst_ptr.dtype.element_ty
+    if NORM:  # the whole head is rotated here (rotary_dim == head_size), so both halves hold all of it
+        rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / HEAD_SIZE + eps)[:, None]
+        w1 = tl.load(norm_weight_ptr + cols, mask=cols < HALF, other=0.0).to(tl.float32)
+        w2 = tl.load(norm_weight_ptr + HALF + cols, mask=cols < HALF, other=0.0).to(tl.float32)
+        if WEIGHT_FP32:
+            x1 = (x1 * rstd * w1).to(dtype).to(tl.float32)
+            x2 = (x2 * rstd * w2).to(dtype).to(tl.float32)
+        else:
+            x1 = ((x1 * rstd).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
+            x2 = ((x2 * rstd).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
     tl.store(dst_ptr + offset, (x1 * cos - x2 * sin).to(dtype), mask=mask)
     tl.store(dst_ptr + offset + HALF, (x2 * cos + x1 * sin).to(dtype), mask=mask)
 
 
 @triton.jit
 def _rotary_kernel(
-    positions_ptr, q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_sin_ptr,
-    stride_q, stride_k, stride_q_out, stride_k_out, stride_cos_sin,
+    positions_ptr, q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_sin_ptr, q_norm_ptr, k_norm_ptr,
+    stride_q, stride_k, stride_q_out, stride_k_out, stride_cos_sin, eps,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, KV_HEADS_PAD: tl.constexpr,
-    HEAD_SIZE: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr, USE_PDL: tl.constexpr,
+    HEAD_SIZE: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr, NORM: tl.constexpr,
+    WEIGHT_FP32: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pdl_prologue(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
@@ -45,10 +60,10 @@ def _rotary_kernel(
     dtype = q_out_ptr.dtype.element_ty
     cos = tl.load(row + cols, mask=cols < HALF, other=0.0).to(dtype).to(tl.float32)
     sin = tl.load(row + HALF + cols, mask=cols < HALF, other=0.0).to(dtype).to(tl.float32)
-    _rotate_heads(q_ptr + token * stride_q, q_out_ptr + token * stride_q_out, cos, sin,
-                  NUM_HEADS, HEADS_PAD, HEAD_SIZE, HALF, HALF_PAD)
-    _rotate_heads(k_ptr + token * stride_k, k_out_ptr + token * stride_k_out, cos, sin,
-                  NUM_KV_HEADS, KV_HEADS_PAD, HEAD_SIZE, HALF, HALF_PAD)
+    _rotate_heads(q_ptr + token * stride_q, q_out_ptr + token * stride_q_out, cos, sin, q_norm_ptr, eps,
+                  NUM_HEADS, HEADS_PAD, HEAD_SIZE, HALF, HALF_PAD, NORM, WEIGHT_FP32)
+    _rotate_heads(k_ptr + token * stride_k, k_out_ptr + token * stride_k_out, cos, sin, k_norm_ptr, eps,
+                  NUM_KV_HEADS, KV_HEADS_PAD, HEAD_SIZE, HALF, HALF_PAD, NORM, WEIGHT_FP32)
 
 
 def supports(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor,
@@ -60,9 +75,23 @@ def supports(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_
             and cos_sin_cache.stride(-1) == 1 and q.stride(-1) == 1 and k.stride(-1) == 1)
 
 
+def supports_qk_norm(q_weight: torch.Tensor, k_weight: torch.Tensor, q: torch.Tensor, head_size: int,
+                     rotary_dim: int) -> bool:
+    """Whether the kernel can also apply per-head q/k RMSNorm with these weights (else: norms, then rotary)."""
+    return (rotary_dim == head_size and q_weight.shape == k_weight.shape == (head_size,)
+            and q_weight.dtype == k_weight.dtype and q_weight.dtype in (torch.float32, q.dtype)
+            and q_weight.is_contiguous() and k_weight.is_contiguous())
+
+
 def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor,
-                     head_size: int, rotary_dim: int):
-    """Return ``(q, k)`` rotated at ``positions``; ``q``, ``k`` are ``[tokens, heads * head_size]``."""
+                     head_size: int, rotary_dim: int, q_norm_weight: torch.Tensor | None = None,
+                     k_norm_weight: torch.Tensor | None = None, eps: float = 1e-6):
+    """Return ``(q, k)`` rotated at ``positions``; ``q``, ``k`` are ``[tokens, heads * head_size]``.
+
+    With ``q_norm_weight`` and ``k_norm_weight`` (see :func:`supports_qk_norm`), each head is
+    RMS-normalised first, as ``FusedOps.qk_norm_rotary_embedding`` defines.
+    """
+    norm = q_norm_weight is not None
     partial = rotary_dim < head_size
     q_out = q.clone(memory_format=torch.contiguous_format) if partial else torch.empty(q.shape, dtype=q.dtype, device=q.device)
     k_out = k.clone(memory_format=torch.contiguous_format) if partial else torch.empty(k.shape, dtype=k.dtype, device=k.device)
@@ -71,11 +100,12 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
     heads_pad = next_power_of_2(num_heads)
     pdl = use_pdl(q.device)
     _rotary_kernel[(q.shape[0],)](
-        positions, q, k, q_out, k_out, cos_sin_cache,
-        q.stride(0), k.stride(0), q_out.stride(0), k_out.stride(0), cos_sin_cache.stride(0),
+        positions, q, k, q_out, k_out, cos_sin_cache, q_norm_weight if norm else q, k_norm_weight if norm else k,
+        q.stride(0), k.stride(0), q_out.stride(0), k_out.stride(0), cos_sin_cache.stride(0), float(eps),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEADS_PAD=heads_pad,
         KV_HEADS_PAD=next_power_of_2(num_kv_heads), HEAD_SIZE=head_size, HALF=half,
-        HALF_PAD=next_power_of_2(half), USE_PDL=pdl,
+        HALF_PAD=next_power_of_2(half), NORM=norm, WEIGHT_FP32=norm and q_norm_weight.dtype == torch.float32,
+        USE_PDL=pdl,
         num_warps=4 if heads_pad * next_power_of_2(half) >= 1024 else 1, **launch_options(pdl),
     )
     return q_out, k_out

@@ -77,10 +77,10 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if self.q_norm is not None:  # per head, on [tokens, heads, head_dim] views of the QKV output
-            q = self.q_norm(q.unflatten(-1, (-1, self.head_dim))).flatten(-2)
-            k = self.k_norm(k.unflatten(-1, (-1, self.head_dim))).flatten(-2)
-        q, k = self.rotary_emb(positions, q, k)
+        if self.q_norm is not None:  # per-head norms of the QKV output's q and k views, then the rotary
+            q, k = self.rotary_emb.forward_with_qk_norm(positions, q, k, self.q_norm, self.k_norm)
+        else:
+            q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v))
 
 
