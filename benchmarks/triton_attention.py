@@ -20,12 +20,13 @@ rows report TFLOP/s. Each row also prints TRITON's largest difference from REFER
 kernel alone for a few scenarios and prints the fastest, to tune
 ``default_config`` / ``default_num_splits``. ``--sweep-decode`` does the same for decode-only
 launches shaped like B1's (192 sequences, contexts 100-2048) for both models, with the bandwidth
-each configuration reaches, and only that.
+each configuration reaches, and only that; ``--sweep-prefill`` for prefill-only launches like B1's
+first steps (28 prompts of 100-1024 tokens), with TFLOP/s.
 
 Usage::
 
     python benchmarks/triton_attention.py [--models qwen3-0.6b,llama-3.1-8b] [--dtype bfloat16]
-        [--iters 50] [--sweep] [--sweep-decode] [--skip-fused] [--json results.json]
+        [--iters 50] [--sweep] [--sweep-decode] [--sweep-prefill] [--skip-fused] [--json results.json]
 """
 
 from __future__ import annotations
@@ -292,6 +293,42 @@ def sweep_decode(dtype, iters):
     return results
 
 
+def sweep_prefill(dtype, iters):
+    """Prefill-only launches like B1's first steps (prompts of 100-1024 tokens, ~16k tokens), both models:
+    every tile configuration, with the TFLOP/s each reaches."""
+    from dovetail.triton.paged_attention import LaunchConfig, default_config, paged_attention
+
+    rng = random.Random(2)
+    seqs = [(0, rng.randint(100, 1024)) for _ in range(28)]
+    results = []
+    for model, (num_heads, num_kv_heads, head_size) in MODELS.items():
+        q, k, v, cache, batch = make_inputs(seqs, num_heads, num_kv_heads, head_size, dtype)
+        out = torch.empty_like(q)
+        flops = attention_flops(seqs, num_heads, head_size)
+        default = default_config(head_size, num_heads // num_kv_heads, False, dtype)
+        timings = []
+        for block_m, tile_n, warps, stages in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3)):
+            cfg = LaunchConfig(block_m, tile_n, warps, stages)
+
+            def call():
+                paged_attention(q, cache[0], cache[1], out, batch.block_table, batch.seq_lens,
+                                batch.query_start_loc, batch.num_tokens, batch.num_seqs, head_size ** -0.5,
+                                decode=False, config=cfg)
+            try:
+                ms = time_ms(call, iters, warmup=2)
+            except Exception as exc:  # out of shared memory or registers for this tile
+                print(f"  {model}: {cfg} failed: {type(exc).__name__}", flush=True)
+                continue
+            timings.append((ms, cfg))
+            results.append({"model": model, "ms": ms, "TFLOPs": flops / ms / 1e9, "config": cfg.__dict__,
+                            "default": cfg == default})
+        timings.sort(key=lambda t: t[0])
+        for ms, cfg in timings[:6] + [t for t in timings if t[1] == default]:
+            print(f"sweep-prefill {model:13} {ms:8.4f} ms {flops / ms / 1e9:6.1f} TFLOP/s  {cfg}"
+                  f"{'  (default)' if cfg == default else ''}", flush=True)
+    return results
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default=",".join(MODELS))
@@ -299,6 +336,7 @@ def main():
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--sweep-decode", action="store_true", help="only sweep B1-like decode launches")
+    parser.add_argument("--sweep-prefill", action="store_true", help="only sweep B1-like prefill launches")
     parser.add_argument("--skip-fused", action="store_true")
     parser.add_argument("--json", default=None, help="write all results to this file")
     args = parser.parse_args()
@@ -317,8 +355,12 @@ def main():
             "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
             "commit": commit, "dtype": args.dtype, "copy_bandwidth_TBps": bandwidth / 1e12}
     print(json.dumps(meta), flush=True)
-    if args.sweep_decode:
-        results = {"meta": meta, "sweep_decode": sweep_decode(dtype, max(10, args.iters // 5))}
+    if args.sweep_decode or args.sweep_prefill:
+        results = {"meta": meta}
+        if args.sweep_decode:
+            results["sweep_decode"] = sweep_decode(dtype, max(10, args.iters // 5))
+        if args.sweep_prefill:
+            results["sweep_prefill"] = sweep_prefill(dtype, max(10, args.iters // 5))
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(results, f, indent=1)

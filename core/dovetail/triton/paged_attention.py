@@ -232,7 +232,9 @@ def default_config(head_size: int, queries_per_kv: int, decode: bool, dtype: tor
     Chosen so that the sm_90 (H200) build does not spill registers. Decode launches without KV
     splits (batches that fill the GPU) read 128 keys a step: 4.06-4.10 TB/s against 3.83 with 64 on
     B1-like batches of both models (``benchmarks/triton_attention.py --sweep-decode``, H200,
-    2026-11-21); split launches (small batches) keep 64, so that short contexts still split.
+    2026-11-21); split launches (small batches) keep 64, so that short contexts still split. Prefill
+    launches take 64 query rows and 32 keys a step with 4 warps: 211-233 TFLOP/s against 124-148 for
+    128 rows with 8 warps on B1-like prompts (``--sweep-prefill``, H200, 2026-11-21).
     """
     head_pad = next_power_of_2(head_size)
     group = next_power_of_2(queries_per_kv)
@@ -242,7 +244,7 @@ def default_config(head_size: int, queries_per_kv: int, decode: bool, dtype: tor
         return LaunchConfig(block_m=max(16, group), tile_n=tile_n, num_warps=4, num_stages=2)
     if wide:
         return LaunchConfig(block_m=max(32, group), tile_n=32, num_warps=4, num_stages=2)
-    return LaunchConfig(block_m=max(128, group), tile_n=32, num_warps=8, num_stages=2)
+    return LaunchConfig(block_m=max(64, group), tile_n=32, num_warps=4, num_stages=2)
 
 
 _SM_COUNT: dict[torch.device, int] = {}
