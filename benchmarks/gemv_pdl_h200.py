@@ -2,7 +2,7 @@
 
 For the linear shapes of llama-3.1-8b and qwen3-0.6b at one token, times from CUDA graphs (how the engine
 runs decode; each graph runs ``CALLS`` products cycling over enough weight copies that none is read from
-L2; median of ``REPLAYS`` replays):
+L2; median of 10 replays, by ``fp8_gemv_h200.time_graph``):
 
 1. per shape (the LM head too) and M in 1-16: cuBLAS bf16 ``F.linear`` and
    :func:`dovetail.triton.fp8_gemv.gemv` with its default config and with the tensor-core tiles; at M=1 a
@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -33,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core"))
 from dovetail.quantization import quant_ops  # noqa: E402
 from dovetail.triton import fp8_gemv as gemv_module  # noqa: E402
 from dovetail.triton.fp8_gemv import Fp8GemvConfig, default_config, fp8_gemv, gemv  # noqa: E402
+from fp8_gemv_h200 import time_graph  # noqa: E402  (benchmarks/, this script's directory)
 
 MODELS = {
     "llama-3.1-8b": {"layers": 32, "shapes": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
@@ -41,7 +41,6 @@ MODELS = {
                                             "down": (1024, 3072)}, "lm_head": (151936, 1024)},
 }
 CALLS = 16
-REPLAYS = 10
 COPY_BYTES = 256 << 20
 MS = (1, 2, 4, 8, 16)
 #: (block_n, block_k, num_warps, num_stages, split_k, dot) tried for 16-bit weights at one token.
@@ -54,28 +53,6 @@ FP8_GRID = [(64, 128, 4, 5), (32, 128, 4, 5), (64, 256, 4, 3), (128, 128, 4, 4),
 
 def set_pdl(on: bool) -> None:
     gemv_module.use_pdl = lambda device: on
-
-
-def time_graph(fn, calls: int) -> float:
-    """Median µs per call of ``fn(i)`` for i in range(calls), captured in one CUDA graph and replayed."""
-    for i in range(calls):
-        fn(i)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fn(i)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    graph.replay()
-    times = []
-    for _ in range(REPLAYS):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / calls)
-    del graph
-    return statistics.median(times)
 
 
 def rel_err(out, ref) -> float:

@@ -2,7 +2,8 @@
 # One H200 call on the Triton GEMV for unquantized linears and PDL: the GPU tests of the kernels and the
 # engine, benchmarks/gemv_pdl_h200.py, then B2 and B1 (`dovetail bench`) for llama-3.1-8b (bf16, fp8) and
 # qwen3-0.6b. Usage (on the H200, .whl carried): bash benchmarks/h200_gemv.sh ; results in $OUT.
-# SKIP_MICRO=1 skips the microbenchmark, SKIP_B1=1 the B1 runs; TESTS= runs only the GEMV and PDL tests.
+# SKIP_MICRO=1 skips the microbenchmark, SKIP_B1=1 the B1 runs; TESTS= runs only the GEMV and PDL tests;
+# PDL_AB=1 runs each B2 with DOVETAIL_TRITON_PDL=1 and then 0 (what benchmarks/h200_pdl.sh did at 77a43ea).
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -29,9 +30,16 @@ print(json.dumps({"label": sys.argv[1], **{k: r[k] for k in ("ms_per_token", "ms
 PY
 }
 log "B2"
-bench B2-llama latency llama-3.1-8b
-bench B2-llama-fp8 latency llama-3.1-8b --quantization fp8
-bench B2-qwen latency qwen3-0.6b
+if [ "${PDL_AB:-0}" = 1 ]; then  # B2 with programmatic dependent launch on, then off, alternating
+  for args in "llama latency llama-3.1-8b" "llama-fp8 latency llama-3.1-8b --quantization fp8" "qwen latency qwen3-0.6b"; do
+    set -- $args
+    for pdl in 1 0; do DOVETAIL_TRITON_PDL=$pdl bench "B2-$1-pdl$pdl" "${@:2}"; done
+  done
+else
+  bench B2-llama latency llama-3.1-8b
+  bench B2-llama-fp8 latency llama-3.1-8b --quantization fp8
+  bench B2-qwen latency qwen3-0.6b
+fi
 if [ "${SKIP_B1:-0}" != 1 ]; then
   log "B1"
   bench B1-qwen throughput qwen3-0.6b
