@@ -1,4 +1,4 @@
-"""The weight-only FP8 GEMV (``dovetail.triton.fp8_gemv``) against cuBLAS bf16 and ``torch._scaled_mm``, issue 9.
+"""The weight-only FP8 GEMV (``dovetail.triton.gemv``) against cuBLAS bf16 and ``torch._scaled_mm``, issue 9.
 
 For llama-3.1-8b's linear shapes (N, K) and M in {1, 2, 4, 8, 16} tokens, on one GPU (the H200):
 
@@ -158,7 +158,7 @@ def main() -> None:
     parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated names of " + ", ".join(SHAPES))
     parser.add_argument("--ms", default=",".join(map(str, MS)), help="comma-separated token counts")
     args = parser.parse_args()
-    from dovetail.triton.fp8_gemv import Fp8GemvConfig, default_config, fp8_gemv
+    from dovetail.triton.gemv import GemvConfig, default_config, fp8_gemv
 
     out_dir = Path(os.environ.get("OUT", "/tmp/out"))
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -172,11 +172,11 @@ def main() -> None:
     results = {}
     for name in args.shapes.split(","):
         n, k = SHAPES[name]
-        results[name] = bench_shape(name, n, k, ms, fp8_gemv, default_config, Fp8GemvConfig)
+        results[name] = bench_shape(name, n, k, ms, fp8_gemv, default_config, GemvConfig)
         torch.cuda.empty_cache()
     report = {"device": props.name, "torch": torch.__version__, "triton": triton.__version__,
               "timing": f"CUDA graph of {CALLS} products, median of {REPLAYS} replays",
-              "config_fields": list(Fp8GemvConfig._fields), "shapes": results, "decode_step": summary(results),
+              "config_fields": list(GemvConfig._fields), "shapes": results, "decode_step": summary(results),
               "seconds": round(time.time() - started, 1)}
     print("\nbest config per shape and M (block_n, block_k, num_warps, num_stages, split_k, dot):")
     for name, res in results.items():

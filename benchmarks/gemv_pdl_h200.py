@@ -5,7 +5,7 @@ runs decode; each graph runs ``CALLS`` products cycling over enough weight copie
 L2; median of 10 replays, by ``fp8_gemv_h200.time_graph``):
 
 1. per shape (the LM head too) and M in 1-16: cuBLAS bf16 ``F.linear`` and
-   :func:`dovetail.triton.fp8_gemv.gemv` with its default config and with the tensor-core tiles; at M=1 a
+   :func:`dovetail.triton.gemv.gemv` with its default config and with the tensor-core tiles; at M=1 a
    small grid of configs, and a grid of FP8 tensor-core configs; programmatic dependent launch (PDL) on;
 2. one decode step's layer linears in a single graph (qkv, o, gate_up, down for every layer, back to back),
    cuBLAS against both GEMVs, the PDL trigger at completion (0) or after the main loop (2). GEMVs back to
@@ -30,8 +30,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core"))
 
 from dovetail.quantization import quant_ops  # noqa: E402
-from dovetail.triton import fp8_gemv as gemv_module  # noqa: E402
-from dovetail.triton.fp8_gemv import Fp8GemvConfig, default_config, fp8_gemv, gemv  # noqa: E402
+from dovetail.triton import gemv as gemv_module  # noqa: E402
+from dovetail.triton.gemv import GemvConfig, default_config, fp8_gemv, gemv  # noqa: E402
 from fp8_gemv_h200 import time_graph  # noqa: E402  (benchmarks/, this script's directory)
 
 MODELS = {
@@ -84,7 +84,7 @@ def bench_shape(name, n, k, gen) -> dict:
     x = x_all[:1]
     configs = []
     for spec in GRID:
-        cfg = Fp8GemvConfig(*spec)
+        cfg = GemvConfig(*spec)
         try:
             us = time_graph(lambda i, cfg=cfg: gemv(x, ws[i % len(ws)], config=cfg), CALLS)
             configs.append({"config": list(cfg), "us": us})
@@ -96,7 +96,7 @@ def bench_shape(name, n, k, gen) -> dict:
     row["fp8_default_us"] = time_graph(lambda i: fp8_gemv(x, qs[i % len(qs)], scale), CALLS)
     fp8_configs = []
     for bn, bk, warps, stages in FP8_GRID:
-        cfg = Fp8GemvConfig(bn, bk, warps, stages, _split(n, k, bn, bk), True)
+        cfg = GemvConfig(bn, bk, warps, stages, _split(n, k, bn, bk), True)
         try:
             err = rel_err(fp8_gemv(x, q, scale, config=cfg), ref8)
             us = time_graph(lambda i, cfg=cfg: fp8_gemv(x, qs[i % len(qs)], scale, config=cfg), CALLS)
@@ -170,7 +170,7 @@ def main() -> None:
     started = time.time()
     gen = torch.Generator(device="cuda").manual_seed(0)
     report = {"device": props.name, "torch": torch.__version__, "triton": triton.__version__,
-              "config_fields": list(Fp8GemvConfig._fields), "models": {}}
+              "config_fields": list(GemvConfig._fields), "models": {}}
     for model in args.models.split(","):
         shapes = dict(MODELS[model]["shapes"], lm_head=MODELS[model]["lm_head"])
         rows = {s: bench_shape(f"{model[:5]}:{s}", n, k, gen) for s, (n, k) in shapes.items()}

@@ -29,7 +29,7 @@ PART=${PART:-all}
 if [ "$PART" != peers ]; then
 log "GPU checks: overlapped scheduling, engine, sampler, FP8 GEMV"
 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_engine_async_scheduling.py tests/test_cuda_engine.py \
-  tests/test_cuda_sampler.py tests/test_fp8_gemv.py -k "not FLASHINFER" 2>&1 | tee "$OUT/tests.log" | tail -4
+  tests/test_cuda_sampler.py tests/test_gemv.py -k "not FLASHINFER" 2>&1 | tee "$OUT/tests.log" | tail -4
 
 bench B2-qwen3 90 qwen3-0.6b latency
 bench B2-llama 120 llama-3.1-8b latency

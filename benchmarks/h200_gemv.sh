@@ -12,7 +12,7 @@ log() { echo "== $* (t=${SECONDS}s)"; }
 left() { echo $((580 - SECONDS)); }
 log "GPU tests"
 TESTS=${TESTS-tests/test_triton_gpu.py tests/test_triton_fused_ops.py tests/test_cuda_engine.py tests/test_cuda_graph_runner.py}
-timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_triton_pdl.py tests/test_fp8_gemv.py $TESTS \
+timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_triton_pdl.py tests/test_gemv.py $TESTS \
   2>&1 | tee "$OUT/tests.log" | tail -6
 if [ "${SKIP_MICRO:-0}" != 1 ]; then
   log "GEMV microbenchmark"

@@ -7,7 +7,7 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 source benchmarks/h200_setup.sh || exit 1
 echo "== quantization tests (t=${SECONDS}s)"
-timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_gemv.py tests/test_quant_kernels.py \
+timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_gemv.py tests/test_quant_kernels.py \
   tests/test_quant_triton.py 2>&1 | tail -4
 echo "== decode profile bf16 (t=${SECONDS}s)"
 timeout 170 python3 benchmarks/h200_profile_decode.py --model llama-3.1-8b --gemv > "$OUT/profile_bf16.log" 2>&1

@@ -46,13 +46,13 @@ ROTARY_TYPES = dict(positions_ptr="*i64", q_ptr="*bf16", k_ptr="*bf16", q_out_pt
 
 
 def gemv_variant(weight, dot, split_k, block_n, block_k, num_stages):
-    from dovetail.triton.fp8_gemv import _fp8_gemv_kernel
+    from dovetail.triton.gemv import _gemv_kernel
 
     types = dict(x_ptr="*bf16", w_ptr="*fp8e4nv" if weight == "fp8" else "*bf16", scale_ptr="*fp32",
                  bias_ptr="*bf16", out_ptr="*bf16", part_ptr="*fp32", count_ptr="*i32")
     constexprs = dict(HAS_BIAS=True, SPLIT_K=split_k, BLOCK_M=16 if dot else 1, BLOCK_N=block_n, BLOCK_K=block_k,
                       DOT=dot, DOT_FP32=False, W_FP8=weight == "fp8", HAS_SCALE=weight == "fp8", PDL_TRIGGER=2)
-    return _fp8_gemv_kernel, types, constexprs, dict(num_warps=4, num_stages=num_stages)
+    return _gemv_kernel, types, constexprs, dict(num_warps=4, num_stages=num_stages)
 
 
 def variants(pdl: bool = False):

@@ -31,7 +31,7 @@ def test_the_environment_switch_turns_pdl_off():
 
 def _chain(ops, x, residual, weights):
     """Dependent kernels back to back: add-RMSNorm, GEMV, SiLU-and-mul, GEMV, RMSNorm, per round."""
-    from dovetail.triton.fp8_gemv import gemv
+    from dovetail.triton.gemv import gemv
 
     for w_up, w_down, norm_w in weights:
         h, residual = ops.add_rms_norm(x, residual, norm_w, 1e-6)

@@ -1,7 +1,7 @@
 """Quantization kernels for GPUs, ready for a platform's ``quant_kernels()`` to return.
 
 - FP8, per-channel scales: up to :data:`FP8_GEMV_MAX_M` tokens, the weight-only Triton GEMV
-  :mod:`dovetail.triton.fp8_gemv` (activations are not quantized); more tokens, ``torch._scaled_mm``
+  :mod:`dovetail.triton.gemv` (activations are not quantized); more tokens, ``torch._scaled_mm``
   with row-wise scales (:mod:`dovetail.quantization.fp8_scaled_mm`).
 - INT8: ``torch._int_mm`` (the reference definition already uses it on CUDA devices).
 - GPTQ / AWQ: the Triton dequantise-and-multiply kernel :mod:`dovetail.triton.quant_wna16`.
@@ -19,7 +19,7 @@ from dovetail.quantization.fp8_scaled_mm import ScaledMMQuantKernels
 from dovetail.triton import triton_missing_reason
 
 #: Most tokens (rows of the flattened activations) for which an FP8 linear runs :func:`fp8_gemv
-#: <dovetail.triton.fp8_gemv.fp8_gemv>` rather than ``torch._scaled_mm`` (benchmarks/fp8_gemv_h200.py).
+#: <dovetail.triton.gemv.fp8_gemv>` rather than ``torch._scaled_mm`` (benchmarks/fp8_gemv_h200.py).
 FP8_GEMV_MAX_M = 16
 
 
@@ -48,7 +48,7 @@ class GpuQuantKernels(ScaledMMQuantKernels):
         """
         if use_fp8_gemv(x.numel() // max(1, x.shape[-1]), weight, weight_scale, block_size):
             if self._fp8_gemv is None:
-                from dovetail.triton.fp8_gemv import fp8_gemv
+                from dovetail.triton.gemv import fp8_gemv
 
                 self._fp8_gemv = fp8_gemv
             return self._fp8_gemv(x, weight, weight_scale, bias)

@@ -4,7 +4,7 @@ A GPU platform returns ``TritonFusedOps()`` from ``Platform.fused_ops()``. Each
 operation equals the torch definition it overrides (within the dtype's
 rounding); inputs a kernel does not cover (empty tensors, unusual dtype mixes)
 go to that definition. Unquantized linears of up to :data:`GEMV_MAX_ROWS` tokens on
-an NVIDIA GPU run :func:`dovetail.triton.fp8_gemv.gemv` instead of cuBLAS.
+an NVIDIA GPU run :func:`dovetail.triton.gemv.gemv` instead of cuBLAS.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from dovetail.ops import FusedOps
-from dovetail.triton import activation, fp8_gemv, norm, rotary
+from dovetail.triton import activation, gemv, norm, rotary
 
 #: Most tokens for which a 16-bit unquantized linear on an NVIDIA GPU runs the Triton GEMV, and most
 #: output features (vocabulary-sized LM heads stay on cuBLAS). At one token the GEMV took 4-74% less
@@ -39,7 +39,7 @@ class TritonFusedOps(FusedOps):
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if gemv_applies(x, weight, bias):
-            return fp8_gemv.gemv(x, weight, bias)
+            return gemv.gemv(x, weight, bias)
         return super().linear(x, weight, bias)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

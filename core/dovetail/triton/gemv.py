@@ -1,20 +1,23 @@
-"""Weight-only FP8 GEMV (W8A16) for a few tokens, in Triton.
+"""GEMV for a few tokens, in Triton: weight-only FP8 (W8A16) and plain 16-bit weights.
 
 :func:`fp8_gemv` computes ``x @ (weight * scale[:, None]).T + bias`` for an FP8 e4m3 weight
 ``[N, K]`` with one float32 scale per output channel. The activations stay in their own dtype
 (no per-token quantization kernels before the product), so at batch 1 to 16 the cost is one
-pass over the FP8 weight: half the bytes of a bfloat16 GEMV.
+pass over the FP8 weight: half the bytes of a bfloat16 GEMV. :func:`gemv` is the same kernel on
+a float16/bfloat16 weight without scales (``F.linear``); at one token it beats cuBLAS on the
+H200 (``TritonFusedOps.linear`` uses it there).
 
 Each program owns ``BLOCK_N`` outputs for ``BLOCK_M`` rows of ``x`` (all of them for M <= 16),
 streams its weight rows over K (or over one of ``SPLIT_K`` slices of K) in ``BLOCK_K`` chunks,
 converts them and accumulates in float32; the per-channel scale and the bias are applied once at
-the end. Two ways to multiply (:class:`Fp8GemvConfig` ``dot``):
+the end. Two ways to multiply (:class:`GemvConfig` ``dot``):
 
 - ``dot=True`` (what :func:`default_config` picks): ``tl.dot`` on the tensor cores with the rows
   padded to 16 and the weight converted to x's 16-bit dtype through float16 (exact for every e4m3
   value); float32 x takes an IEEE float32 dot. Its weight loads are software-pipelined.
 - ``dot=False``: products summed in float32 registers, one ``[BLOCK_M, BLOCK_N, BLOCK_K]``
-  accumulator reduced over K after the loop; no faster on the H200, kept as a tuning option.
+  accumulator reduced over K after the loop: the default for 16-bit weights at up to 4 rows;
+  slower than the dot for FP8 on the H200 (converting each weight costs more than the load).
 
 With ``SPLIT_K > 1`` each program writes its float32 partial sums to a scratch tensor
 ``[SPLIT_K, M, N]`` and counts itself done on an int32 counter of its output tile (one atomic add);
@@ -24,7 +27,7 @@ zero. One launch, no host synchronisation: it is captured by CUDA graphs. The co
 per device, so two split-K launches must not run at once on different streams of one device.
 
 On the CPU (``TRITON_INTERPRET=1``) triton's interpreter loads ``float8_e4m3fn`` tensors and
-converts them exactly (tests/test_fp8_gemv.py checks all 254 finite byte values through this
+converts them exactly (tests/test_gemv.py checks all 254 finite byte values through this
 kernel), so CI runs the kernel itself and no bit-decoding stand-in is needed. Only the
 tensor-core dot runs in float32 there (numpy has no bfloat16), which gives the same products:
 e4m3 and bfloat16/float16 values and their products are exact in float32.
@@ -44,7 +47,7 @@ from dovetail.triton.pdl import launch_options, pdl_launch_dependents, pdl_wait,
 
 
 @triton.jit(do_not_specialize=["M"])  # one compiled kernel for every token count
-def _fp8_gemv_kernel(
+def _gemv_kernel(
     x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, part_ptr, count_ptr,
     M, N, K, stride_xm, stride_wn, stride_om, k_chunk,
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -120,11 +123,11 @@ def _finish(acc, scale_ptr, bias_ptr, out_ptr, rows, cols, col_ok, out_mask, str
 
 
 #: Whether triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``), whose numpy has no bfloat16.
-INTERPRETED = type(_fp8_gemv_kernel).__name__ == "InterpretedFunction"
+INTERPRETED = type(_gemv_kernel).__name__ == "InterpretedFunction"
 
 
-class Fp8GemvConfig(NamedTuple):
-    """Launch parameters of :func:`fp8_gemv`; ``dot`` picks tensor cores over register sums."""
+class GemvConfig(NamedTuple):
+    """Launch parameters of :func:`fp8_gemv` and :func:`gemv`; ``dot`` picks tensor cores over register sums."""
 
     block_n: int
     block_k: int
@@ -142,7 +145,7 @@ MIN_PROGRAMS = 384
 
 
 @functools.lru_cache(maxsize=None)
-def default_config(m: int, n: int, k: int, weight_bytes: int = 1) -> Fp8GemvConfig:
+def default_config(m: int, n: int, k: int, weight_bytes: int = 1) -> GemvConfig:
     """The launch parameters for ``x [m, k] @ weight[n, k].T``: the heuristic to retune.
 
     16-bit weights (``weight_bytes=2``) at up to 4 rows: register sums over 8 weight rows and 1,024
@@ -155,16 +158,16 @@ def default_config(m: int, n: int, k: int, weight_bytes: int = 1) -> Fp8GemvConf
     it everywhere; without a split, 5 pipeline stages rather than 3 (lm_head: -11%).
     """
     if weight_bytes == 2 and m <= 4:
-        return Fp8GemvConfig(8, 1024 // next_power_of_2(m), num_warps=4, num_stages=3)
+        return GemvConfig(8, 1024 // next_power_of_2(m), num_warps=4, num_stages=3)
     block_n, block_k, split_k = 64, 128, 1
     while triton.cdiv(n, block_n) * split_k < MIN_PROGRAMS and k >= 4 * block_k * split_k:
         split_k *= 2
-    return Fp8GemvConfig(block_n, block_k, num_warps=4, num_stages=5 if split_k == 1 else 3, split_k=split_k,
+    return GemvConfig(block_n, block_k, num_warps=4, num_stages=5 if split_k == 1 else 3, split_k=split_k,
                          dot=True)
 
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None,
-             config: Fp8GemvConfig | None = None) -> torch.Tensor:
+             config: GemvConfig | None = None) -> torch.Tensor:
     """``(x.float() @ (weight.float() * weight_scale[:, None]).T + bias)`` in x's dtype.
 
     - ``x``: ``[..., K]`` float32, float16 or bfloat16, a few rows (any number works; the
@@ -181,7 +184,7 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         config: Fp8GemvConfig | None = None) -> torch.Tensor:
+         config: GemvConfig | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for a 16-bit ``weight`` ``[N, K]`` of x's dtype, by the same kernel."""
     if weight.dim() != 2 or weight.shape[1] != x.shape[-1] or weight.dtype != x.dtype:
         raise ValueError(f"gemv: x [..., {x.shape[-1]}] {x.dtype} and weight {tuple(weight.shape)} {weight.dtype} "
@@ -212,7 +215,7 @@ def _gemv(x, weight, scale, bias, config):
         part = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device)
         counts = _tile_counters(x.device, grid[0] * grid[2])
     pdl = use_pdl(x.device)
-    _fp8_gemv_kernel[grid](x2, weight, out if scale is None else scale, bias_arg, out, part, counts, m, n, k,
+    _gemv_kernel[grid](x2, weight, out if scale is None else scale, bias_arg, out, part, counts, m, n, k,
                            x2.stride(0), weight.stride(0), out.stride(0), k_chunk, HAS_BIAS=bias is not None,
                            SPLIT_K=cfg.split_k, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                            DOT=cfg.dot, DOT_FP32=INTERPRETED or x.dtype == torch.float32,

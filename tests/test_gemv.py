@@ -1,4 +1,4 @@
-"""The weight-only FP8 GEMV (``dovetail.triton.fp8_gemv``) and its routing in ``GpuQuantKernels``.
+"""The weight-only FP8 GEMV (``dovetail.triton.gemv``) and its routing in ``GpuQuantKernels``.
 
 Without a GPU the kernel runs in triton's CPU interpreter, switched on here before triton is first
 imported (``TRITON_INTERPRET=1``); with a GPU the same tests run the compiled kernel. The reference is
@@ -25,14 +25,14 @@ pytest.importorskip("triton")
 from dovetail.quantization import gpu_kernels, quant_ops  # noqa: E402
 from dovetail.quantization.fp8_scaled_mm import fp8_linear_scaled_mm  # noqa: E402
 from dovetail.quantization.gpu_kernels import GpuQuantKernels, use_fp8_gemv  # noqa: E402
-from dovetail.triton import fp8_gemv as fp8_gemv_module  # noqa: E402
+from dovetail.triton import gemv as gemv_module  # noqa: E402
 from dovetail.triton import next_power_of_2  # noqa: E402
-from dovetail.triton.fp8_gemv import INTERPRETED, Fp8GemvConfig, default_config, fp8_gemv, gemv  # noqa: E402
+from dovetail.triton.gemv import INTERPRETED, GemvConfig, default_config, fp8_gemv, gemv  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 #: Register sums (split over 3 slices of K), tensor-core dot (split in 2), several K steps each.
-CONFIGS = {"default": None, "sum-split3": Fp8GemvConfig(16, 32, split_k=3),
-           "dot-split2": Fp8GemvConfig(16, 16, split_k=2, dot=True)}
+CONFIGS = {"default": None, "sum-split3": GemvConfig(16, 32, split_k=3),
+           "dot-split2": GemvConfig(16, 16, split_k=2, dot=True)}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -102,7 +102,7 @@ def test_every_finite_e4m3_value_converts_exactly():
     x = torch.randn(3, 1) + 3.0
     scale = torch.ones(254)
     want = x @ w.float().t()
-    for config in (None, Fp8GemvConfig(16, 16, dot=True)):
+    for config in (None, GemvConfig(16, 16, dot=True)):
         assert torch.equal(fp8_gemv(*on(x, w, scale), config=config).cpu(), want)
 
 
@@ -118,9 +118,9 @@ def test_shapes_strides_and_scale_layouts():
     assert batched.shape == (2, 3, 24)
     assert_close(batched.reshape(6, 24), reference(x, q, scale), torch.float32)
     assert fp8_gemv(*on(torch.randn(0, 40), q, scale)).shape == (0, 24)
-    split = Fp8GemvConfig(16, 16, split_k=2, dot=True)
+    split = GemvConfig(16, 16, split_k=2, dot=True)
     first = fp8_gemv(*on(x, q, scale), config=split)
-    assert all(int(c.count_nonzero()) == 0 for held in fp8_gemv_module._counters.values() for c in held)
+    assert all(int(c.count_nonzero()) == 0 for held in gemv_module._counters.values() for c in held)
     assert torch.equal(fp8_gemv(*on(x, q, scale), config=split), first)  # the reset counters serve the next call
     with pytest.raises(ValueError, match="N scales"):
         fp8_gemv(*on(x, q, scale[:5]))
@@ -162,7 +162,7 @@ def test_gpu_kernels_import_no_triton_and_fall_back_without_it():
         "import sys, torch\n"
         "from dovetail.quantization.gpu_kernels import GpuQuantKernels\n"
         "from dovetail.quantization.fp8_scaled_mm import fp8_linear_scaled_mm\n"
-        "assert 'triton' not in sys.modules and 'dovetail.triton.fp8_gemv' not in sys.modules\n"
+        "assert 'triton' not in sys.modules and 'dovetail.triton.gemv' not in sys.modules\n"
         "sys.modules['triton'] = None\n"
         f"q, s = torch.randn(32, 64).to(torch.float8_e4m3fn).to('{DEVICE}'), torch.rand(32, device='{DEVICE}') + 0.1\n"
         f"x = torch.randn(1, 64, device='{DEVICE}')\n"
