@@ -53,8 +53,9 @@ class TritonBackend(AttentionBackend):
     sliding window and logit soft-capping; float16, bfloat16 and float32."""
 
     name = "TRITON"
-    verification = ("ran on one NVIDIA H200 (triton 3.6) on 2026-11-20: the current kernels in whole models "
-                    "(greedy output against HF, CUDA-graph decode on and off) and the B1/B2 benchmarks; the full "
+    verification = ("ran on one NVIDIA H200 (triton 3.6) on 2026-11-20 and 2026-11-21 (launched with programmatic "
+                    "dependent launch): the current kernels in whole models (greedy output against HF, CUDA-graph "
+                    "decode on and off, batch-1 decode) and the B1/B2 benchmarks; the full "
                     "per-case matrix against REFERENCE (head sizes 64/128/256, block sizes 16/32, window, "
                     "soft-capping, GQA) ran there on an earlier version of the kernels (ee31229). In CI: against "
                     "REFERENCE in triton's CPU interpreter. Never run on an AMD or Intel GPU")
