@@ -30,7 +30,6 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core"))
 
 from dovetail.quantization import quant_ops  # noqa: E402
-from dovetail.quantization.kernels import QuantKernels  # noqa: E402
 from dovetail.triton import gemv as gemv_module  # noqa: E402
 from dovetail.triton.gemv import GemvConfig, default_config, fp8_gemv, gemv  # noqa: E402
 from fp8_gemv_h200 import time_graph  # noqa: E402  (benchmarks/, this script's directory)
@@ -48,12 +47,8 @@ MS = (1, 2, 4, 8, 16)
 GRID = [(8, 1024, 4, 3, 1, False), (8, 2048, 4, 3, 1, False), (4, 2048, 4, 3, 1, False), (16, 1024, 8, 3, 1, False),
         (8, 1024, 8, 3, 1, False), (4, 1024, 4, 3, 1, False), (8, 1024, 4, 4, 1, False), (8, 1024, 4, 2, 1, False),
         (8, 512, 4, 3, 1, False), (8, 1024, 4, 3, 2, False)]
-#: FP8 at one token: tensor-core tiles (split until MIN_PROGRAMS): (block_n, block_k, warps, stages, swap_ab,
-#: quantize_x), W8A16 (x stays 16-bit) and W8A8 (x quantized per token in the kernel).
-FP8_GRID = [(64, 128, 4, 5, False, False), (32, 128, 4, 5, False, False), (128, 128, 4, 4, False, False),
-            (64, 128, 4, 5, False, True), (64, 128, 4, 5, True, True), (128, 128, 4, 4, True, True),
-            (128, 256, 4, 3, True, True), (64, 256, 4, 3, False, True), (64, 256, 4, 4, True, True),
-            (32, 256, 4, 4, False, True), (128, 128, 8, 4, True, True), (64, 512, 4, 3, True, True)]
+#: FP8 at one token: tensor-core tiles (split until MIN_PROGRAMS).
+FP8_GRID = [(64, 128, 4, 5), (32, 128, 4, 5), (64, 256, 4, 3), (128, 128, 4, 4), (64, 128, 8, 5), (32, 256, 4, 4)]
 
 
 def set_pdl(on: bool) -> None:
@@ -98,30 +93,22 @@ def bench_shape(name, n, k, gen) -> dict:
             torch.cuda.synchronize()
     row["grid_m1"] = sorted(configs, key=lambda c: c.get("us", 1e9))
     ref8 = x.float() @ (q.float() * scale[:, None]).t()
-    ref_w8a8 = QuantKernels().fp8_linear(x.float(), q, scale)
     row["fp8_default_us"] = time_graph(lambda i: fp8_gemv(x, qs[i % len(qs)], scale), CALLS)
     fp8_configs = []
-    for bn, bk, warps, stages, swap, qx in FP8_GRID:
-        cfg = GemvConfig(bn, bk, warps, stages, _split(n, k, bn, bk), True, swap_ab=swap)
+    for bn, bk, warps, stages in FP8_GRID:
+        cfg = GemvConfig(bn, bk, warps, stages, _split(n, k, bn, bk), True)
         try:
-            err = rel_err(fp8_gemv(x, q, scale, config=cfg, quantize_x=qx), ref_w8a8 if qx else ref8)
-            us = time_graph(lambda i, cfg=cfg, qx=qx: fp8_gemv(x, qs[i % len(qs)], scale, config=cfg, quantize_x=qx),
-                            CALLS)
-            fp8_configs.append({"config": list(cfg), "quantize_x": qx, "us": us, "rel_err": err})
+            err = rel_err(fp8_gemv(x, q, scale, config=cfg), ref8)
+            us = time_graph(lambda i, cfg=cfg: fp8_gemv(x, qs[i % len(qs)], scale, config=cfg), CALLS)
+            fp8_configs.append({"config": list(cfg), "us": us, "rel_err": err})
         except Exception as exc:
             fp8_configs.append({"config": list(cfg), "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
             torch.cuda.synchronize()
     row["fp8_grid_m1"] = sorted(fp8_configs, key=lambda c: c.get("us", 1e9))
-    best = row["grid_m1"][0]
-    w8a8 = [c for c in row["fp8_grid_m1"] if c.get("quantize_x") and c.get("rel_err", 1) < 1e-2]
-    row["w8a8_best"] = w8a8[0] if w8a8 else None
-    print(f"{name:>14} M=1 grid best {best.get('us', 0):6.1f}us {tuple(best['config'])} | fp8 W8A16 default "
-          f"{row['fp8_default_us']:6.1f}us {n * k / row['fp8_default_us'] / 1e3:5.0f}GB/s | W8A8 best "
-          + (f"{w8a8[0]['us']:6.1f}us {n * k / w8a8[0]['us'] / 1e3:5.0f}GB/s {tuple(w8a8[0]['config'])} "
-             f"err {w8a8[0]['rel_err']:.1e}" if w8a8 else "none"), flush=True)
-    for c in row["fp8_grid_m1"]:
-        print(f"{'':>14}   fp8 {'W8A8 ' if c.get('quantize_x') else 'W8A16'} {tuple(c['config'])} "
-              + (f"{c['us']:6.1f}us err {c['rel_err']:.1e}" if "us" in c else c.get("error", "")[:120]), flush=True)
+    best, best8 = row["grid_m1"][0], row["fp8_grid_m1"][0]
+    print(f"{name:>14} M=1 grid best {best.get('us', 0):6.1f}us {tuple(best['config'])} | fp8 default "
+          f"{row['fp8_default_us']:6.1f}us {n * k / row['fp8_default_us'] / 1e3:5.0f}GB/s, best "
+          f"{best8.get('us', 0):6.1f}us {tuple(best8['config'])} err {best8.get('rel_err', 1):.1e}", flush=True)
     return row
 
 
@@ -132,7 +119,7 @@ def _split(n, k, bn, bk) -> int:
     return split
 
 
-def bench_step(model: str, gen, rows: dict) -> dict:
+def bench_step(model: str, gen) -> dict:
     """One decode step's layer linears back to back in one graph (distinct weights per layer), per path and
     PDL trigger (0: at completion, 1: at the start, 2: after the main loop; None: PDL off)."""
     spec = MODELS[model]
@@ -165,10 +152,6 @@ def bench_step(model: str, gen, rows: dict) -> dict:
             step(lambda s, i, h: gemv(h, weights[s][i], config=cfg(s, 2, trigger))), 1) / 1000
         out[f"fp8_trigger{trigger}_ms"] = time_graph(
             step(lambda s, i, h: fp8_gemv(h, *fp8[s][i], config=cfg(s, 1, trigger))), 1) / 1000
-    w8a8 = {s: GemvConfig(*rows[s]["w8a8_best"]["config"]) for s in spec["shapes"] if rows[s].get("w8a8_best")}
-    if len(w8a8) == len(spec["shapes"]):
-        out["fp8_w8a8_ms"] = time_graph(
-            step(lambda s, i, h: fp8_gemv(h, *fp8[s][i], config=w8a8[s], quantize_x=True)), 1) / 1000
     print(f"{model} decode-step layer linears (ms): "
           + ", ".join(f"{k[:-3]} {v:.3f}" for k, v in out.items() if k != "layers"), flush=True)
     return out
@@ -192,7 +175,7 @@ def main() -> None:
         shapes = dict(MODELS[model]["shapes"], lm_head=MODELS[model]["lm_head"])
         rows = {s: bench_shape(f"{model[:5]}:{s}", n, k, gen) for s, (n, k) in shapes.items()}
         torch.cuda.empty_cache()
-        report["models"][model] = {"shapes": rows, "step": bench_step(model, gen, rows)}
+        report["models"][model] = {"shapes": rows, "step": bench_step(model, gen)}
         torch.cuda.empty_cache()
     report["seconds"] = round(time.time() - started, 1)
     (out_dir / "gemv_pdl.json").write_text(json.dumps(report, indent=1))

@@ -52,7 +52,7 @@ def _gemv_kernel(
     M, N, K, stride_xm, stride_wn, stride_om, k_chunk,
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, DOT: tl.constexpr, DOT_FP32: tl.constexpr, W_FP8: tl.constexpr, HAS_SCALE: tl.constexpr,
-    USE_PDL: tl.constexpr, PDL_TRIGGER: tl.constexpr, X_FP8: tl.constexpr, SWAP_AB: tl.constexpr,
+    USE_PDL: tl.constexpr, PDL_TRIGGER: tl.constexpr,
 ):
     pdl_wait(USE_PDL)
     if PDL_TRIGGER == 1:
@@ -69,48 +69,29 @@ def _gemv_kernel(
     k_start = pid_k * k_chunk
     k_end = tl.minimum(K, k_start + k_chunk)
     if DOT:
-        if SWAP_AB:
-            acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        else:
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     else:
         acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    if X_FP8:  # each row's dynamic scale, over all of K (every split-K slice reads the whole row)
-        amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            a = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & (ks < K)[None, :], other=0.0)
-            amax = tl.maximum(amax, tl.max(tl.abs(a.to(tl.float32)), axis=1))
-        x_scale = tl.maximum(amax / 448.0, 1e-12)
     for k0 in range(k_start, k_end, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
         w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
         a = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        if X_FP8:  # FP8 x FP8 on the tensor cores: no conversion of the weight
-            a = (a.to(tl.float32) / x_scale[:, None]).to(tl.float8e4nv)
-        elif W_FP8:
-            # e4m3 -> float16 is one packed conversion per two values (and exact); triton's direct
-            # e4m3 -> bfloat16 costs several, which made the kernel compute-bound on the H200.
-            w = w.to(tl.float16).to(a.dtype)
+        # e4m3 -> float16 is one packed conversion per two values (and exact); triton's direct
+        # e4m3 -> bfloat16 costs several, which made the kernel compute-bound on the H200.
+        if W_FP8:
+            w = w.to(tl.float16)
         if DOT:
             if DOT_FP32:
-                a = a.to(tl.float32)
-                w = w.to(tl.float32)
-            if SWAP_AB:  # [BLOCK_N, BLOCK_K] x [BLOCK_K, BLOCK_M]: the weight rows fill the MMA's M
-                acc_t += tl.dot(w, tl.trans(a), input_precision="ieee" if DOT_FP32 else None)
+                acc += tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
             else:
-                acc += tl.dot(a, tl.trans(w), input_precision="ieee" if DOT_FP32 else None)
+                acc += tl.dot(a, tl.trans(w.to(a.dtype)))
         else:
             acc3 += a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
     if PDL_TRIGGER == 2:
         pdl_launch_dependents(USE_PDL)
     if not DOT:
         acc = tl.sum(acc3, axis=2)
-    elif SWAP_AB:
-        acc = tl.trans(acc_t)
-    if X_FP8:
-        acc = acc * x_scale[:, None]
     out_mask = row_ok[:, None] & col_ok[None, :]
     if SPLIT_K > 1:
         # Each slice stores its partial sums; the last of this tile's programs to finish (counted in
@@ -157,8 +138,6 @@ class GemvConfig(NamedTuple):
     #: When the next kernel may launch under PDL: 0 when this one completes, 1 at its start, 2 after the main
     #: loop (B2 on the H200: llama-3.1-8b fp8 2.968 ms with 2, 3.029 with 0).
     pdl_trigger: int = 2
-    #: Tensor cores with the weight rows as the MMA's M and the (padded) tokens as its N.
-    swap_ab: bool = False
 
 
 #: Split K until a launch has at least this many programs (an H200 has 132 multiprocessors).
@@ -184,11 +163,11 @@ def default_config(m: int, n: int, k: int, weight_bytes: int = 1) -> GemvConfig:
     while triton.cdiv(n, block_n) * split_k < MIN_PROGRAMS and k >= 4 * block_k * split_k:
         split_k *= 2
     return GemvConfig(block_n, block_k, num_warps=4, num_stages=5 if split_k == 1 else 3, split_k=split_k,
-                      dot=True)
+                         dot=True)
 
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None,
-             config: GemvConfig | None = None, quantize_x: bool = False) -> torch.Tensor:
+             config: GemvConfig | None = None) -> torch.Tensor:
     """``(x.float() @ (weight.float() * weight_scale[:, None]).T + bias)`` in x's dtype.
 
     - ``x``: ``[..., K]`` float32, float16 or bfloat16, a few rows (any number works; the
@@ -196,15 +175,12 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
     - ``weight``: ``[N, K]`` float8_e4m3fn; ``weight_scale``: N float32 scales (``[N]``,
       ``[N, 1]`` or ``[1, N]``); ``bias``: ``[N]`` or None.
     - ``config``: launch parameters; None takes :func:`default_config`.
-    - ``quantize_x``: W8A8 instead: each row of ``x`` quantized to FP8 with its own dynamic scale
-      (``quant_ops.quantize_fp8_per_token``) inside the kernel, and FP8 x FP8 products on the
-      tensor cores (needs ``config.dot``).
     """
     n = weight.shape[0]
     if weight.dim() != 2 or weight.shape[1] != x.shape[-1] or weight_scale.numel() != n:
         raise ValueError(f"fp8_gemv: x [..., {x.shape[-1]}], weight {tuple(weight.shape)} and weight_scale "
                          f"{tuple(weight_scale.shape)} do not describe one [N, K] weight with N scales")
-    return _gemv(x, weight, weight_scale.reshape(n).float().contiguous(), bias, config, quantize_x)
+    return _gemv(x, weight, weight_scale.reshape(n).float().contiguous(), bias, config)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -216,7 +192,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     return _gemv(x, weight, None, bias, config)
 
 
-def _gemv(x, weight, scale, bias, config, quantize_x=False):
+def _gemv(x, weight, scale, bias, config):
     k = x.shape[-1]
     n = weight.shape[0]
     x2 = x.reshape(-1, k)
@@ -229,8 +205,6 @@ def _gemv(x, weight, scale, bias, config, quantize_x=False):
     if m == 0:
         return out.reshape(*x.shape[:-1], n)
     cfg = config or default_config(m, n, k, weight.element_size())
-    if quantize_x and not cfg.dot:
-        raise ValueError(f"fp8_gemv: quantize_x needs a tensor-core config (dot=True), not {cfg}")
     bias_arg = bias.contiguous() if bias is not None else (scale if scale is not None else out)
     block_m = 16 if cfg.dot else min(16, next_power_of_2(m))
     k_chunk = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
@@ -242,12 +216,12 @@ def _gemv(x, weight, scale, bias, config, quantize_x=False):
         counts = _tile_counters(x.device, grid[0] * grid[2])
     pdl = use_pdl(x.device)
     _gemv_kernel[grid](x2, weight, out if scale is None else scale, bias_arg, out, part, counts, m, n, k,
-                       x2.stride(0), weight.stride(0), out.stride(0), k_chunk, HAS_BIAS=bias is not None,
-                       SPLIT_K=cfg.split_k, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                       DOT=cfg.dot, DOT_FP32=INTERPRETED or x.dtype == torch.float32,
-                       W_FP8=weight.element_size() == 1, HAS_SCALE=scale is not None, USE_PDL=pdl,
-                       PDL_TRIGGER=cfg.pdl_trigger, X_FP8=quantize_x, SWAP_AB=cfg.swap_ab,
-                       num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(pdl))
+                           x2.stride(0), weight.stride(0), out.stride(0), k_chunk, HAS_BIAS=bias is not None,
+                           SPLIT_K=cfg.split_k, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                           DOT=cfg.dot, DOT_FP32=INTERPRETED or x.dtype == torch.float32,
+                           W_FP8=weight.element_size() == 1, HAS_SCALE=scale is not None, USE_PDL=pdl,
+                           PDL_TRIGGER=cfg.pdl_trigger,
+                           num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(pdl))
     return out.reshape(*x.shape[:-1], n)
 
 
