@@ -149,8 +149,8 @@ def default_config(m: int, n: int, k: int, weight_bytes: int = 1) -> GemvConfig:
     """The launch parameters for ``x [m, k] @ weight[n, k].T``: the heuristic to retune.
 
     16-bit weights (``weight_bytes=2``) at up to 4 rows: register sums over 8 weight rows and 1,024
-    of K per step, unsplit (``benchmarks/gemv_pdl_h200.py``, H200: the fastest of 12 configs on 7 of
-    llama-3.1-8b's and qwen3-0.6b's 8 linear shapes at one token, within 1% on the eighth).
+    of K per step, unsplit (``benchmarks/gemv_pdl_h200.py``, H200, one token, 12 configs: the fastest
+    on 4 of llama-3.1-8b's and qwen3-0.6b's 8 layer linears, within 2% on 3, 5% behind on llama's qkv).
 
     From benchmarks/fp8_gemv_h200.py on an H200 (llama-3.1-8b's shapes, 1 to 16 tokens, 72
     configs): the tensor-core dot with 64 weight rows and 128 of K per step, K split until there

@@ -9,10 +9,9 @@ Every PDL kernel calls :func:`pdl_prologue` first, in every program and before a
 a grid that finished without waiting could complete before its predecessor, and the kernel after
 it, which waits only for its own predecessor, would then read unfinished results. The prologue
 also lets the next kernel launch at once (``gdc_launch_dependents``): its programs do nothing but
-wait until this grid has completed. A kernel that would rather keep the multiprocessors to itself
-until its main loop is done (the GEMV: waiting programs of the next kernel placed early crowd some
-multiprocessors and leave others idle) calls :func:`pdl_wait` first and
-:func:`pdl_launch_dependents` later.
+wait until this grid has completed. A kernel for which that measured slower calls :func:`pdl_wait`
+first and :func:`pdl_launch_dependents` later: the GEMV, after its main loop (one decode step's
+layer linears back to back on the H200: 3.503 ms against 3.522 with the launch at its start).
 
 Off where it cannot apply (triton's interpreter, other GPUs, a triton without ``launch_pdl``) and
 with ``DOVETAIL_TRITON_PDL=0`` (read once per device, at its first launch).
