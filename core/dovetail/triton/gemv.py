@@ -46,18 +46,13 @@ from dovetail.triton import next_power_of_2
 from dovetail.triton.pdl import launch_options, pdl_launch_dependents, pdl_wait, use_pdl
 
 
-#: What x is multiplied by before float16 products with e4m3 weights (at most 448): products stay finite for
-#: |x| below 150,000 and sums of 8 below 18,000.
-F16_X_SCALE = tl.constexpr(1.0 / 1024)
-
-
 @triton.jit(do_not_specialize=["M"])  # one compiled kernel for every token count
 def _gemv_kernel(
     x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, part_ptr, count_ptr,
     M, N, K, stride_xm, stride_wn, stride_om, k_chunk,
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, DOT: tl.constexpr, DOT_FP32: tl.constexpr, W_FP8: tl.constexpr, HAS_SCALE: tl.constexpr,
-    USE_PDL: tl.constexpr, PDL_TRIGGER: tl.constexpr, F16_GROUP: tl.constexpr,
+    USE_PDL: tl.constexpr, PDL_TRIGGER: tl.constexpr,
 ):
     pdl_wait(USE_PDL)
     if PDL_TRIGGER == 1:
@@ -77,35 +72,26 @@ def _gemv_kernel(
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     else:
         acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(k_start, k_end, BLOCK_K * F16_GROUP):
-        if F16_GROUP > 1:
-            acc16 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float16)
-        for g in tl.static_range(F16_GROUP):
-            ks = k0 + g * BLOCK_K + tl.arange(0, BLOCK_K)
-            k_ok = ks < k_end
-            w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-            a = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            # e4m3 -> float16 is one packed conversion per two values (and exact); triton's direct
-            # e4m3 -> bfloat16 costs several, which made the kernel compute-bound on the H200.
-            if W_FP8:
-                w = w.to(tl.float16)
-            if F16_GROUP > 1:  # float16 products of x / 1024, summed in float16 over F16_GROUP steps
-                acc16 += (a.to(tl.float32) * F16_X_SCALE).to(tl.float16)[:, None, :] * w[None, :, :]
-            elif DOT:
-                if DOT_FP32:
-                    acc += tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
-                else:
-                    acc += tl.dot(a, tl.trans(w.to(a.dtype)))
+    for k0 in range(k_start, k_end, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < K
+        w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        a = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        # e4m3 -> float16 is one packed conversion per two values (and exact); triton's direct
+        # e4m3 -> bfloat16 costs several, which made the kernel compute-bound on the H200.
+        if W_FP8:
+            w = w.to(tl.float16)
+        if DOT:
+            if DOT_FP32:
+                acc += tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
             else:
-                acc3 += a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
-        if F16_GROUP > 1:
-            acc3 += acc16.to(tl.float32)
+                acc += tl.dot(a, tl.trans(w.to(a.dtype)))
+        else:
+            acc3 += a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
     if PDL_TRIGGER == 2:
         pdl_launch_dependents(USE_PDL)
     if not DOT:
         acc = tl.sum(acc3, axis=2)
-        if F16_GROUP > 1:
-            acc = acc * (1.0 / F16_X_SCALE)
     out_mask = row_ok[:, None] & col_ok[None, :]
     if SPLIT_K > 1:
         # Each slice stores its partial sums; the last of this tile's programs to finish (counted in
@@ -152,8 +138,6 @@ class GemvConfig(NamedTuple):
     #: When the next kernel may launch under PDL: 0 when this one completes, 1 at its start, 2 after the main
     #: loop (B2 on the H200: llama-3.1-8b fp8 2.968 ms with 2, 3.029 with 0).
     pdl_trigger: int = 2
-    #: FP8 register sums only: products in float16, summed in float16 over this many K steps.
-    f16_group: int = 1
 
 
 #: Split K until a launch has at least this many programs (an H200 has 132 multiprocessors).
@@ -223,9 +207,7 @@ def _gemv(x, weight, scale, bias, config):
     cfg = config or default_config(m, n, k, weight.element_size())
     bias_arg = bias.contiguous() if bias is not None else (scale if scale is not None else out)
     block_m = 16 if cfg.dot else min(16, next_power_of_2(m))
-    f16_group = cfg.f16_group if (not cfg.dot and weight.element_size() == 1 and x.dtype != torch.float32) else 1
-    step = cfg.block_k * f16_group
-    k_chunk = triton.cdiv(triton.cdiv(k, cfg.split_k), step) * step
+    k_chunk = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     grid = (triton.cdiv(n, cfg.block_n), cfg.split_k, triton.cdiv(m, block_m))
     if cfg.split_k == 1:
         part = counts = out
@@ -238,7 +220,7 @@ def _gemv(x, weight, scale, bias, config):
                            SPLIT_K=cfg.split_k, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                            DOT=cfg.dot, DOT_FP32=INTERPRETED or x.dtype == torch.float32,
                            W_FP8=weight.element_size() == 1, HAS_SCALE=scale is not None, USE_PDL=pdl,
-                           PDL_TRIGGER=cfg.pdl_trigger, F16_GROUP=f16_group,
+                           PDL_TRIGGER=cfg.pdl_trigger,
                            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(pdl))
     return out.reshape(*x.shape[:-1], n)
 
