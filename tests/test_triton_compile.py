@@ -51,8 +51,7 @@ def gemv_variant(weight, dot, split_k, block_n, block_k, num_stages):
     types = dict(x_ptr="*bf16", w_ptr="*fp8e4nv" if weight == "fp8" else "*bf16", scale_ptr="*fp32",
                  bias_ptr="*bf16", out_ptr="*bf16", part_ptr="*fp32", count_ptr="*i32")
     constexprs = dict(HAS_BIAS=True, SPLIT_K=split_k, BLOCK_M=16 if dot else 1, BLOCK_N=block_n, BLOCK_K=block_k,
-                      DOT=dot, DOT_FP32=False, W_FP8=weight == "fp8", HAS_SCALE=weight == "fp8", PDL_TRIGGER=2,
-                      SWAP_AB=False)
+                      DOT=dot, DOT_FP32=False, W_FP8=weight == "fp8", HAS_SCALE=weight == "fp8", PDL_TRIGGER=2)
     return _gemv_kernel, types, constexprs, dict(num_warps=4, num_stages=num_stages)
 
 

@@ -52,7 +52,7 @@ def _gemv_kernel(
     M, N, K, stride_xm, stride_wn, stride_om, k_chunk,
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, DOT: tl.constexpr, DOT_FP32: tl.constexpr, W_FP8: tl.constexpr, HAS_SCALE: tl.constexpr,
-    USE_PDL: tl.constexpr, PDL_TRIGGER: tl.constexpr, SWAP_AB: tl.constexpr,
+    USE_PDL: tl.constexpr, PDL_TRIGGER: tl.constexpr,
 ):
     pdl_wait(USE_PDL)
     if PDL_TRIGGER == 1:
@@ -69,10 +69,7 @@ def _gemv_kernel(
     k_start = pid_k * k_chunk
     k_end = tl.minimum(K, k_start + k_chunk)
     if DOT:
-        if SWAP_AB:
-            acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        else:
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     else:
         acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
@@ -86,22 +83,15 @@ def _gemv_kernel(
             w = w.to(tl.float16)
         if DOT:
             if DOT_FP32:
-                a = a.to(tl.float32)
-                w = w.to(tl.float32)
+                acc += tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
             else:
-                w = w.to(a.dtype)
-            if SWAP_AB:  # the weight rows as the MMA's M, the (padded) tokens as its N
-                acc_t += tl.dot(w, tl.trans(a), input_precision="ieee" if DOT_FP32 else None)
-            else:
-                acc += tl.dot(a, tl.trans(w), input_precision="ieee" if DOT_FP32 else None)
+                acc += tl.dot(a, tl.trans(w.to(a.dtype)))
         else:
             acc3 += a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
     if PDL_TRIGGER == 2:
         pdl_launch_dependents(USE_PDL)
     if not DOT:
         acc = tl.sum(acc3, axis=2)
-    elif SWAP_AB:
-        acc = tl.trans(acc_t)
     out_mask = row_ok[:, None] & col_ok[None, :]
     if SPLIT_K > 1:
         # Each slice stores its partial sums; the last of this tile's programs to finish (counted in
@@ -148,8 +138,6 @@ class GemvConfig(NamedTuple):
     #: When the next kernel may launch under PDL: 0 when this one completes, 1 at its start, 2 after the main
     #: loop (B2 on the H200: llama-3.1-8b fp8 2.968 ms with 2, 3.029 with 0).
     pdl_trigger: int = 2
-    #: Tensor cores with the weight rows as the MMA's M and the (padded) tokens as its N.
-    swap_ab: bool = False
 
 
 #: Split K until a launch has at least this many programs (an H200 has 132 multiprocessors).
@@ -232,7 +220,7 @@ def _gemv(x, weight, scale, bias, config):
                            SPLIT_K=cfg.split_k, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                            DOT=cfg.dot, DOT_FP32=INTERPRETED or x.dtype == torch.float32,
                            W_FP8=weight.element_size() == 1, HAS_SCALE=scale is not None, USE_PDL=pdl,
-                           PDL_TRIGGER=cfg.pdl_trigger, SWAP_AB=cfg.swap_ab,
+                           PDL_TRIGGER=cfg.pdl_trigger,
                            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(pdl))
     return out.reshape(*x.shape[:-1], n)
 
