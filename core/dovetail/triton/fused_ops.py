@@ -4,10 +4,12 @@ A GPU platform returns ``TritonFusedOps()`` from ``Platform.fused_ops()``. Each
 operation equals the torch definition it overrides (within the dtype's
 rounding); inputs a kernel does not cover (empty tensors, unusual dtype mixes)
 go to that definition. Unquantized linears of up to :data:`GEMV_MAX_ROWS` tokens on
-an NVIDIA GPU run :func:`dovetail.triton.gemv.gemv` instead of cuBLAS.
+a Hopper GPU run :func:`dovetail.triton.gemv.gemv` instead of cuBLAS.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -24,12 +26,18 @@ GEMV_MAX_N = 65536
 
 
 def gemv_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether :meth:`TritonFusedOps.linear` runs ``F.linear(x, weight, bias)`` on the Triton GEMV."""
-    return (x.device.type == "cuda" and torch.version.hip is None and weight.dim() == 2
+    """Whether :meth:`TritonFusedOps.linear` runs ``F.linear(x, weight, bias)`` on the Triton GEMV: few
+    16-bit tokens on a Hopper GPU (sm_90, where it was measured; cuBLAS elsewhere)."""
+    return (x.device.type == "cuda" and weight.dim() == 2
             and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
             and x.shape[-1] == weight.shape[1] and 0 < x.numel() <= GEMV_MAX_ROWS * x.shape[-1]
             and weight.shape[0] <= GEMV_MAX_N
-            and (bias is None or bias.dtype == x.dtype))
+            and (bias is None or bias.dtype == x.dtype) and _is_hopper(x.device.index))
+
+
+@functools.lru_cache(maxsize=None)
+def _is_hopper(index: int | None) -> bool:
+    return torch.version.hip is None and torch.cuda.get_device_capability(index)[0] == 9
 
 
 class TritonFusedOps(FusedOps):
