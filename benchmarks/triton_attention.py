@@ -21,7 +21,8 @@ kernel alone for a few scenarios and prints the fastest, to tune
 ``default_config`` / ``default_num_splits``. ``--sweep-decode`` does the same for decode-only
 launches shaped like B1's (192 sequences, contexts 100-2048) for both models, with the bandwidth
 each configuration reaches, and only that; ``--sweep-prefill`` for prefill-only launches like B1's
-first steps (28 prompts of 100-1024 tokens), with TFLOP/s.
+first steps (28 prompts of 100-1024 tokens), with TFLOP/s; ``--sweep-splits`` KV splits of decode batches of
+8-192 long sequences (B1's last steps).
 
 Usage::
 
@@ -293,6 +294,37 @@ def sweep_decode(dtype, iters):
     return results
 
 
+def sweep_splits(dtype, iters):
+    """Decode-only launches of 8-192 sequences with long contexts (500-2048, as B1's last steps), both models:
+    KV splits 1-16 with the default tiles, the bandwidth each reaches, against ``default_num_splits``."""
+    from dovetail.triton.paged_attention import default_num_splits, paged_attention
+
+    results = []
+    for model, (num_heads, num_kv_heads, head_size) in MODELS.items():
+        for batch_size in (8, 16, 32, 64, 128, 192):
+            rng = random.Random(batch_size)
+            seqs = [(rng.randint(500, 2048), 1) for _ in range(batch_size)]
+            q, k, v, cache, batch = make_inputs(seqs, num_heads, num_kv_heads, head_size, dtype)
+            out = torch.empty_like(q)
+            nbytes = kv_bytes(seqs, num_kv_heads, head_size, dtype)
+            chosen = default_num_splits(batch_size, num_kv_heads, q.device)
+            timings = {}
+            for num_splits in (1, 2, 4, 8, 16):
+                def call():
+                    paged_attention(q, cache[0], cache[1], out, batch.block_table, batch.seq_lens,
+                                    batch.query_start_loc, batch.num_tokens, batch.num_seqs, head_size ** -0.5,
+                                    decode=True, num_splits=num_splits)
+                timings[num_splits] = time_ms(graphed(call), iters, warmup=2)
+            best = min(timings, key=timings.get)
+            row = {"model": model, "batch": batch_size, "default_splits": chosen, "best_splits": best,
+                   "ms": timings, "TBps": {n: nbytes / ms / 1e9 for n, ms in timings.items()}}
+            results.append(row)
+            print(f"sweep-splits {model:13} batch {batch_size:4} default {chosen:2} ({row['TBps'][chosen]:4.2f} TB/s) "
+                  f"best {best:2} ({row['TBps'][best]:4.2f} TB/s) | "
+                  + " ".join(f"{n}:{t:.2f}" for n, t in row["TBps"].items()), flush=True)
+    return results
+
+
 def sweep_prefill(dtype, iters):
     """Prefill-only launches like B1's first steps (prompts of 100-1024 tokens, ~16k tokens), both models:
     every tile configuration, with the TFLOP/s each reaches."""
@@ -337,6 +369,7 @@ def main():
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--sweep-decode", action="store_true", help="only sweep B1-like decode launches")
     parser.add_argument("--sweep-prefill", action="store_true", help="only sweep B1-like prefill launches")
+    parser.add_argument("--sweep-splits", action="store_true", help="only sweep KV splits of mid-size decode batches")
     parser.add_argument("--skip-fused", action="store_true")
     parser.add_argument("--json", default=None, help="write all results to this file")
     args = parser.parse_args()
@@ -355,8 +388,10 @@ def main():
             "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
             "commit": commit, "dtype": args.dtype, "copy_bandwidth_TBps": bandwidth / 1e12}
     print(json.dumps(meta), flush=True)
-    if args.sweep_decode or args.sweep_prefill:
+    if args.sweep_decode or args.sweep_prefill or args.sweep_splits:
         results = {"meta": meta}
+        if args.sweep_splits:
+            results["sweep_splits"] = sweep_splits(dtype, max(10, args.iters // 5))
         if args.sweep_decode:
             results["sweep_decode"] = sweep_decode(dtype, max(10, args.iters // 5))
         if args.sweep_prefill:
