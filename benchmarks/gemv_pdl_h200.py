@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core"))
 
 from dovetail.quantization import quant_ops  # noqa: E402
 from dovetail.triton import gemv as gemv_module  # noqa: E402
-from dovetail.triton.gemv import GemvConfig, default_config, fp8_gemv, gemv  # noqa: E402
+from dovetail.triton.gemv import GemvConfig, default_config, fp8_gemv, gemv, split_k_for  # noqa: E402
 from fp8_gemv_h200 import time_graph  # noqa: E402  (benchmarks/, this script's directory)
 
 MODELS = {
@@ -96,7 +96,7 @@ def bench_shape(name, n, k, gen) -> dict:
     row["fp8_default_us"] = time_graph(lambda i: fp8_gemv(x, qs[i % len(qs)], scale), CALLS)
     fp8_configs = []
     for bn, bk, warps, stages in FP8_GRID:
-        cfg = GemvConfig(bn, bk, warps, stages, _split(n, k, bn, bk), True)
+        cfg = GemvConfig(bn, bk, warps, stages, split_k_for(n, k, bn, bk), True)
         try:
             err = rel_err(fp8_gemv(x, q, scale, config=cfg), ref8)
             us = time_graph(lambda i, cfg=cfg: fp8_gemv(x, qs[i % len(qs)], scale, config=cfg), CALLS)
@@ -111,12 +111,6 @@ def bench_shape(name, n, k, gen) -> dict:
           f"{best8.get('us', 0):6.1f}us {tuple(best8['config'])} err {best8.get('rel_err', 1):.1e}", flush=True)
     return row
 
-
-def _split(n, k, bn, bk) -> int:
-    split = 1
-    while -(-n // bn) * split < gemv_module.MIN_PROGRAMS and k >= 4 * bk * split:
-        split *= 2
-    return split
 
 
 def bench_step(model: str, gen) -> dict:

@@ -144,6 +144,15 @@ class GemvConfig(NamedTuple):
 MIN_PROGRAMS = 384
 
 
+def split_k_for(n: int, k: int, block_n: int, block_k: int) -> int:
+    """Slices of K for tiles of ``block_n`` x ``block_k``: doubled until there are ``MIN_PROGRAMS`` programs,
+    while each slice keeps at least two steps of K."""
+    split_k = 1
+    while triton.cdiv(n, block_n) * split_k < MIN_PROGRAMS and k >= 4 * block_k * split_k:
+        split_k *= 2
+    return split_k
+
+
 @functools.lru_cache(maxsize=None)
 def default_config(m: int, n: int, k: int, weight_bytes: int = 1) -> GemvConfig:
     """The launch parameters for ``x [m, k] @ weight[n, k].T``: the heuristic to retune.
@@ -159,11 +168,8 @@ def default_config(m: int, n: int, k: int, weight_bytes: int = 1) -> GemvConfig:
     """
     if weight_bytes == 2 and m <= 4:
         return GemvConfig(8, 1024 // next_power_of_2(m), num_warps=4, num_stages=3)
-    block_n, block_k, split_k = 64, 128, 1
-    while triton.cdiv(n, block_n) * split_k < MIN_PROGRAMS and k >= 4 * block_k * split_k:
-        split_k *= 2
-    return GemvConfig(block_n, block_k, num_warps=4, num_stages=5 if split_k == 1 else 3, split_k=split_k,
-                         dot=True)
+    split_k = split_k_for(n, k, 64, 128)
+    return GemvConfig(64, 128, num_warps=4, num_stages=5 if split_k == 1 else 3, split_k=split_k, dot=True)
 
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None,
