@@ -17,11 +17,11 @@ pytest.importorskip("triton")
 
 
 def test_pdl_is_off_on_the_cpu_and_the_options_follow_the_flag():
-    from dovetail.triton.pdl import launch_options, use_pdl
+    from dovetail.triton.pdl import launch_kwargs, use_pdl
 
     assert use_pdl(torch.device("cpu")) is False
-    assert launch_options(False) == {}
-    assert launch_options(True) == {"launch_pdl": True}
+    assert launch_kwargs(False) == {"USE_PDL": False}
+    assert launch_kwargs(True) == {"USE_PDL": True, "launch_pdl": True}
 
 
 def test_the_environment_switch_turns_pdl_off():

@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from dovetail.triton import next_power_of_2
-from dovetail.triton.pdl import launch_options, pdl_prologue, use_pdl
+from dovetail.triton.pdl import launch_kwargs, pdl_prologue, use_pdl
 
 
 @triton.jit
@@ -37,9 +37,8 @@ def act_and_mul(x: torch.Tensor, gelu_tanh: bool = False) -> torch.Tensor:
         x2 = x2.contiguous()
     out = torch.empty((x2.shape[0], d), dtype=x.dtype, device=x.device)
     block = min(1024, next_power_of_2(d))
-    pdl = use_pdl(x.device)
     _act_and_mul_kernel[(x2.shape[0], triton.cdiv(d, block))](
-        x2, out, x2.stride(0), out.stride(0), d, GELU_TANH=gelu_tanh, BLOCK=block, USE_PDL=pdl,
-        num_warps=4 if block >= 512 else 1, **launch_options(pdl),
+        x2, out, x2.stride(0), out.stride(0), d, GELU_TANH=gelu_tanh, BLOCK=block,
+        num_warps=4 if block >= 512 else 1, **launch_kwargs(use_pdl(x.device)),
     )
     return out.view(*x.shape[:-1], d)

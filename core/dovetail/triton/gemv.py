@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 
 from dovetail.triton import next_power_of_2
-from dovetail.triton.pdl import launch_options, pdl_launch_dependents, pdl_wait, use_pdl
+from dovetail.triton.pdl import launch_kwargs, pdl_launch_dependents, pdl_wait, use_pdl
 
 
 @triton.jit(do_not_specialize=["M"])  # one compiled kernel for every token count
@@ -220,14 +220,12 @@ def _gemv(x, weight, scale, bias, config):
     else:
         part = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device)
         counts = _tile_counters(x.device, grid[0] * grid[2])
-    pdl = use_pdl(x.device)
     _gemv_kernel[grid](x2, weight, out if scale is None else scale, bias_arg, out, part, counts, m, n, k,
-                           x2.stride(0), weight.stride(0), out.stride(0), k_chunk, HAS_BIAS=bias is not None,
-                           SPLIT_K=cfg.split_k, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                           DOT=cfg.dot, DOT_FP32=INTERPRETED or x.dtype == torch.float32,
-                           W_FP8=weight.element_size() == 1, HAS_SCALE=scale is not None, USE_PDL=pdl,
-                           PDL_TRIGGER=cfg.pdl_trigger,
-                           num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(pdl))
+                       x2.stride(0), weight.stride(0), out.stride(0), k_chunk, HAS_BIAS=bias is not None,
+                       SPLIT_K=cfg.split_k, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                       DOT=cfg.dot, DOT_FP32=INTERPRETED or x.dtype == torch.float32,
+                       W_FP8=weight.element_size() == 1, HAS_SCALE=scale is not None, PDL_TRIGGER=cfg.pdl_trigger,
+                       num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kwargs(use_pdl(x.device)))
     return out.reshape(*x.shape[:-1], n)
 
 

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from dovetail.triton import next_power_of_2
-from dovetail.triton.pdl import launch_options, pdl_prologue, use_pdl
+from dovetail.triton.pdl import launch_kwargs, pdl_prologue, use_pdl
 
 
 @triton.jit
@@ -61,12 +61,11 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slo
     key_cache, value_cache = kv_cache[0], kv_cache[1]
     if key_cache.stride(-1) != 1 or key_cache.stride() != value_cache.stride():
         raise ValueError("kv_cache must be contiguous in its last dimension, keys and values alike")
-    pdl = use_pdl(k.device)
     _kv_cache_write_kernel[(num_tokens,)](
         k, v, key_cache, value_cache, slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         NUM_KV_HEADS=num_kv_heads, HEAD_SIZE=head_size, BLOCK_SIZE=block_size,
-        HEADS_PAD=next_power_of_2(num_kv_heads), HEAD_PAD=next_power_of_2(head_size), USE_PDL=pdl,
-        num_warps=4 if num_kv_heads * head_size >= 1024 else 1, **launch_options(pdl),
+        HEADS_PAD=next_power_of_2(num_kv_heads), HEAD_PAD=next_power_of_2(head_size),
+        num_warps=4 if num_kv_heads * head_size >= 1024 else 1, **launch_kwargs(use_pdl(k.device)),
     )

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from dovetail.triton import next_power_of_2
-from dovetail.triton.pdl import launch_options, pdl_prologue, use_pdl
+from dovetail.triton.pdl import launch_kwargs, pdl_prologue, use_pdl
 
 
 @triton.jit
@@ -77,12 +77,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     else:
         r2, summed = x2, out
     block = next_power_of_2(hidden)
-    pdl = use_pdl(x.device)
     _rms_norm_kernel[(rows,)](
         x2, r2, weight, out, summed, stride_row, r2.stride(0), out.stride(0),
         summed.stride(0), hidden, float(eps), heads, stride_token,
         HAS_RESIDUAL=residual is not None, WEIGHT_FP32=weight.dtype == torch.float32,
-        BLOCK=block, HEADS=heads > 1, USE_PDL=pdl, num_warps=min(16, max(1, block // 512)), **launch_options(pdl),
+        BLOCK=block, HEADS=heads > 1, num_warps=min(16, max(1, block // 512)), **launch_kwargs(use_pdl(x.device)),
     )
     if residual is None:
         return out.view(x.shape)

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from dovetail.triton import next_power_of_2
-from dovetail.triton.pdl import launch_options, pdl_prologue, use_pdl
+from dovetail.triton.pdl import launch_kwargs, pdl_prologue, use_pdl
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -317,7 +317,7 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
     else:
         split_out = split_max = split_sum = out
     grid = (num_q_blocks, num_kv_heads, num_splits)
-    pdl = use_pdl(q.device)
+    launch = launch_kwargs(use_pdl(q.device))
     _paged_attention_kernel[grid](
         q, key_cache, value_cache, out, split_out, split_max, split_sum,
         block_table, seq_lens, query_start_loc,
@@ -328,12 +328,12 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
         BLOCK_SIZE=block_size, BLOCK_M=cfg.block_m, BLOCK_Q=block_q, TILE_N=cfg.tile_n,
         USE_SOFTCAP=bool(logit_softcap), USE_WINDOW=bool(sliding_window), SPLIT_KV=split_kv,
         IEEE_DOT=q.dtype == torch.float32, DOT_IN_FP32=INTERPRETED and q.dtype == torch.bfloat16,
-        DECODE_ONLY=decode, WIDE_OFFSETS=_needs_wide_offsets(key_cache, value_cache), USE_PDL=pdl,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(pdl),
+        DECODE_ONLY=decode, WIDE_OFFSETS=_needs_wide_offsets(key_cache, value_cache),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
     )
     if split_kv:
         _reduce_splits_kernel[(num_tokens, num_heads)](
             out, split_out, split_max, split_sum, out.stride(0), out.stride(1),
-            NUM_HEADS=num_heads, NUM_SPLITS=num_splits, HEAD_SIZE=head_size, HEAD_PAD=head_pad, USE_PDL=pdl,
-            num_warps=4 if head_pad >= 128 else 2, **launch_options(pdl),
+            NUM_HEADS=num_heads, NUM_SPLITS=num_splits, HEAD_SIZE=head_size, HEAD_PAD=head_pad,
+            num_warps=4 if head_pad >= 128 else 2, **launch,
         )

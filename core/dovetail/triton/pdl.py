@@ -81,6 +81,7 @@ def _use_pdl_on(index: int | None) -> bool:
     return _device_supports_pdl(index if index is not None else torch.cuda.current_device())
 
 
-def launch_options(pdl: bool) -> dict:
-    """The launch keyword arguments for a kernel whose ``USE_PDL`` is ``pdl``."""
-    return {"launch_pdl": True} if pdl else {}
+def launch_kwargs(pdl: bool) -> dict:
+    """A kernel's ``USE_PDL`` and the matching launch option, as keyword arguments of its launch: the two must agree
+    (a PDL launch whose programs do not wait would race its predecessor)."""
+    return {"USE_PDL": True, "launch_pdl": True} if pdl else {"USE_PDL": False}

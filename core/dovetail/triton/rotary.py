@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from dovetail.triton import next_power_of_2
-from dovetail.triton.pdl import launch_options, pdl_prologue, use_pdl
+from dovetail.triton.pdl import launch_kwargs, pdl_prologue, use_pdl
 
 
 @triton.jit
@@ -98,14 +98,12 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
     num_heads, num_kv_heads = q.shape[1] // head_size, k.shape[1] // head_size
     half = rotary_dim // 2
     heads_pad = next_power_of_2(num_heads)
-    pdl = use_pdl(q.device)
     _rotary_kernel[(q.shape[0],)](
         positions, q, k, q_out, k_out, cos_sin_cache, q_norm_weight if norm else q, k_norm_weight if norm else k,
         q.stride(0), k.stride(0), q_out.stride(0), k_out.stride(0), cos_sin_cache.stride(0), float(eps),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEADS_PAD=heads_pad,
         KV_HEADS_PAD=next_power_of_2(num_kv_heads), HEAD_SIZE=head_size, HALF=half,
         HALF_PAD=next_power_of_2(half), NORM=norm, WEIGHT_FP32=norm and q_norm_weight.dtype == torch.float32,
-        USE_PDL=pdl,
-        num_warps=4 if heads_pad * next_power_of_2(half) >= 1024 else 1, **launch_options(pdl),
+        num_warps=4 if heads_pad * next_power_of_2(half) >= 1024 else 1, **launch_kwargs(use_pdl(q.device)),
     )
     return q_out, k_out
