@@ -1,4 +1,4 @@
-"""Batch-1 linears on the GPU: cuBLAS against the Triton GEMV (16-bit and FP8 weights), with and without PDL.
+"""Batch-1 linears on the GPU: cuBLAS against the Triton GEMV (16-bit and FP8 weights), and where PDL triggers.
 
 For the linear shapes of llama-3.1-8b and qwen3-0.6b at one token, times from CUDA graphs (how the engine
 runs decode; each graph runs ``CALLS`` products cycling over enough weight copies that none is read from

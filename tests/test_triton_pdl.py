@@ -36,10 +36,11 @@ def _chain(ops, x, residual, weights):
     """Dependent kernels back to back: add-RMSNorm, GEMV, SiLU-and-mul, GEMV, RMSNorm, per round."""
     from dovetail.triton.gemv import gemv
 
+    linear = gemv if ops.name == "triton" else ops.linear  # two rows: TritonFusedOps.linear would take cuBLAS
     for w_up, w_down, norm_w in weights:
         h, residual = ops.add_rms_norm(x, residual, norm_w, 1e-6)
-        h = ops.silu_and_mul(gemv(h, w_up) if ops.name == "triton" else ops.linear(h, w_up))
-        x = gemv(h, w_down) if ops.name == "triton" else ops.linear(h, w_down)
+        h = ops.silu_and_mul(linear(h, w_up))
+        x = linear(h, w_down)
         x = ops.rms_norm(x, norm_w, 1e-6)
     return x, residual
 
