@@ -47,15 +47,8 @@ MS = (1, 2, 4, 8, 16)
 GRID = [(8, 1024, 4, 3, 1, False), (8, 2048, 4, 3, 1, False), (4, 2048, 4, 3, 1, False), (16, 1024, 8, 3, 1, False),
         (8, 1024, 8, 3, 1, False), (4, 1024, 4, 3, 1, False), (8, 1024, 4, 4, 1, False), (8, 1024, 4, 2, 1, False),
         (8, 512, 4, 3, 1, False), (8, 1024, 4, 3, 2, False)]
-#: FP8 at one token (block_n, block_k, num_warps, num_stages, dot, decode_bits), split until MIN_PROGRAMS:
-#: tensor-core tiles with triton's conversion or the bit decoding, and register sums with the bit decoding.
-FP8_GRID = [(64, 128, 4, 5, True, False), (32, 128, 4, 5, True, False), (64, 256, 4, 3, True, False),
-            (64, 128, 4, 5, True, True), (64, 128, 4, 3, True, True), (32, 128, 4, 5, True, True),
-            (64, 256, 4, 3, True, True), (32, 256, 4, 4, True, True), (128, 128, 4, 4, True, True),
-            (64, 512, 4, 3, True, True), (128, 256, 8, 3, True, True),
-            (8, 2048, 4, 3, False, True), (16, 2048, 4, 3, False, True), (8, 4096, 4, 3, False, True),
-            (4, 4096, 4, 3, False, True), (16, 1024, 4, 3, False, True), (8, 2048, 8, 3, False, True),
-            (32, 1024, 4, 3, False, True), (8, 1024, 4, 4, False, True), (16, 2048, 8, 2, False, True)]
+#: FP8 at one token: tensor-core tiles (split until MIN_PROGRAMS).
+FP8_GRID = [(64, 128, 4, 5), (32, 128, 4, 5), (64, 256, 4, 3), (128, 128, 4, 4), (64, 128, 8, 5), (32, 256, 4, 4)]
 
 
 def set_pdl(on: bool) -> None:
@@ -80,19 +73,14 @@ def bench_shape(name, n, k, gen) -> dict:
     for m in MS:
         x = x_all[:m]
         ref = x.float() @ ws[0].float().t()
-        bits = default_config(m, n, k, 1)._replace(decode_bits=True)
-        cell = {"fp8_default_us": time_graph(lambda i: fp8_gemv(x, qs[i % len(qs)], scale), CALLS),
-                "fp8_bits_us": time_graph(lambda i: fp8_gemv(x, qs[i % len(qs)], scale, config=bits), CALLS),
-                "fp8_bits_err": rel_err(fp8_gemv(x, q, scale, config=bits), x.float() @ (q.float() * scale[:, None]).t()),
-                "cublas_us": time_graph(lambda i: F.linear(x, ws[i % len(ws)]), CALLS),
+        cell = {"cublas_us": time_graph(lambda i: F.linear(x, ws[i % len(ws)]), CALLS),
                 "default": list(default_config(m, n, k, 2)), "default_err": rel_err(gemv(x, ws[0]), ref),
                 "default_us": time_graph(lambda i: gemv(x, ws[i % len(ws)]), CALLS),
                 "dot_us": time_graph(lambda i: gemv(x, ws[i % len(ws)], config=dot16), CALLS)}
         row["m"][m] = cell
         print(f"{name:>14} M={m:<2} cuBLAS {cell['cublas_us']:6.1f}us {2 * n * k / cell['cublas_us'] / 1e3:5.0f}GB/s | "
               f"gemv {cell['default_us']:6.1f}us {2 * n * k / cell['default_us'] / 1e3:5.0f}GB/s "
-              f"err {cell['default_err']:.1e} | dot tiles {cell['dot_us']:6.1f}us | fp8 {cell['fp8_default_us']:6.1f}us, "
-              f"bits {cell['fp8_bits_us']:6.1f}us err {cell['fp8_bits_err']:.1e}", flush=True)
+              f"err {cell['default_err']:.1e} | dot tiles {cell['dot_us']:6.1f}us", flush=True)
     x = x_all[:1]
     configs = []
     for spec in GRID:
@@ -107,8 +95,8 @@ def bench_shape(name, n, k, gen) -> dict:
     ref8 = x.float() @ (q.float() * scale[:, None]).t()
     row["fp8_default_us"] = time_graph(lambda i: fp8_gemv(x, qs[i % len(qs)], scale), CALLS)
     fp8_configs = []
-    for bn, bk, warps, stages, dot, bits in FP8_GRID:
-        cfg = GemvConfig(bn, bk, warps, stages, split_k_for(n, k, bn, bk), dot, decode_bits=bits)
+    for bn, bk, warps, stages in FP8_GRID:
+        cfg = GemvConfig(bn, bk, warps, stages, split_k_for(n, k, bn, bk), True)
         try:
             err = rel_err(fp8_gemv(x, q, scale, config=cfg), ref8)
             us = time_graph(lambda i, cfg=cfg: fp8_gemv(x, qs[i % len(qs)], scale, config=cfg), CALLS)
@@ -125,10 +113,9 @@ def bench_shape(name, n, k, gen) -> dict:
 
 
 
-def bench_step(model: str, gen, fp8_best: dict) -> dict:
+def bench_step(model: str, gen) -> dict:
     """One decode step's layer linears back to back in one graph (distinct weights per layer), per path and
-    PDL trigger (0: at completion, 2: after the main loop); FP8 also with the bit decoding on the default
-    tiles and with ``fp8_best`` (shape -> the fastest FP8 config at one token from :func:`bench_shape`)."""
+    PDL trigger (0: at completion, 1: at the start, 2: after the main loop; None: PDL off)."""
     spec = MODELS[model]
     layers = spec["layers"]
     weights = {s: [torch.randn(n, k, device="cuda", generator=gen).bfloat16().mul_(0.02) for _ in range(layers)]
@@ -159,10 +146,6 @@ def bench_step(model: str, gen, fp8_best: dict) -> dict:
             step(lambda s, i, h: gemv(h, weights[s][i], config=cfg(s, 2, trigger))), 1) / 1000
         out[f"fp8_trigger{trigger}_ms"] = time_graph(
             step(lambda s, i, h: fp8_gemv(h, *fp8[s][i], config=cfg(s, 1, trigger))), 1) / 1000
-        out[f"fp8_bits_trigger{trigger}_ms"] = time_graph(step(lambda s, i, h: fp8_gemv(
-            h, *fp8[s][i], config=cfg(s, 1, trigger)._replace(decode_bits=True))), 1) / 1000
-        out[f"fp8_best_trigger{trigger}_ms"] = time_graph(step(lambda s, i, h: fp8_gemv(
-            h, *fp8[s][i], config=fp8_best[s]._replace(pdl_trigger=trigger))), 1) / 1000
     print(f"{model} decode-step layer linears (ms): "
           + ", ".join(f"{k[:-3]} {v:.3f}" for k, v in out.items() if k != "layers"), flush=True)
     return out
@@ -186,8 +169,7 @@ def main() -> None:
         shapes = dict(MODELS[model]["shapes"], lm_head=MODELS[model]["lm_head"])
         rows = {s: bench_shape(f"{model[:5]}:{s}", n, k, gen) for s, (n, k) in shapes.items()}
         torch.cuda.empty_cache()
-        best = {s: GemvConfig(*rows[s]["fp8_grid_m1"][0]["config"]) for s in MODELS[model]["shapes"]}
-        report["models"][model] = {"shapes": rows, "step": bench_step(model, gen, best)}
+        report["models"][model] = {"shapes": rows, "step": bench_step(model, gen)}
         torch.cuda.empty_cache()
     report["seconds"] = round(time.time() - started, 1)
     (out_dir / "gemv_pdl.json").write_text(json.dumps(report, indent=1))

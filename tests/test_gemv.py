@@ -30,12 +30,9 @@ from dovetail.triton import next_power_of_2  # noqa: E402
 from dovetail.triton.gemv import INTERPRETED, GemvConfig, default_config, fp8_gemv, gemv  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
-#: Register sums (split over 3 slices of K), tensor-core dot (split in 2), several K steps each; FP8 weights
-#: also decoded from int32 words by bit operations (16-bit weights ignore ``decode_bits``).
+#: Register sums (split over 3 slices of K), tensor-core dot (split in 2), several K steps each.
 CONFIGS = {"default": None, "sum-split3": GemvConfig(16, 32, split_k=3),
-           "dot-split2": GemvConfig(16, 16, split_k=2, dot=True),
-           "bits-sum-split3": GemvConfig(16, 32, split_k=3, decode_bits=True),
-           "bits-dot-split2": GemvConfig(16, 64, split_k=2, dot=True, decode_bits=True)}
+           "dot-split2": GemvConfig(16, 16, split_k=2, dot=True)}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -98,26 +95,15 @@ def test_16_bit_weights_match_f_linear(m, dtype, config):
 
 
 def test_every_finite_e4m3_value_converts_exactly():
-    """All 254 finite bytes as weights (subnormals too), unit scales and one nonzero x per row: each output is one
-    product, so it must be exact, whether triton converts the bytes (K = 1) or the kernel decodes 4-byte words."""
+    """All 254 finite bytes as weights (subnormals too), K = 1 and unit scales: each output is one product."""
     codes = torch.arange(256, dtype=torch.uint8).view(FP8)
-    finite = codes[torch.isfinite(codes.float())]
-    assert finite.numel() == 254
-    for k, configs in ((1, (None, GemvConfig(16, 16, dot=True))),
-                       (4, (GemvConfig(16, 32, decode_bits=True), GemvConfig(16, 64, dot=True, decode_bits=True),
-                            GemvConfig(16, 64, dot=True)))):
-        w = finite.reshape(-1, 1) if k == 1 else torch.cat([finite, finite[:2]]).reshape(-1, 4)
-        x = torch.diag(torch.randn(k) + 3.0)  # row i multiplies column i of the weight only
-        scale = torch.ones(w.shape[0])
-        want = x @ w.float().t()
-        for config in configs:
-            assert torch.equal(fp8_gemv(*on(x, w, scale), config=config).cpu(), want), (k, config)
-            for dtype in (torch.bfloat16, torch.float16):  # within one rounding of the output, subnormals kept
-                x16 = x.to(dtype)
-                exact = x16.float() @ w.float().t()
-                got = fp8_gemv(*on(x16, w, scale), config=config).cpu().float()
-                err = (got - exact).abs()
-                assert bool((err <= torch.finfo(dtype).eps * exact.abs()).all()), (k, config, dtype, float(err.max()))
+    w = codes[torch.isfinite(codes.float())].reshape(-1, 1)
+    assert w.shape[0] == 254
+    x = torch.randn(3, 1) + 3.0
+    scale = torch.ones(254)
+    want = x @ w.float().t()
+    for config in (None, GemvConfig(16, 16, dot=True)):
+        assert torch.equal(fp8_gemv(*on(x, w, scale), config=config).cpu(), want)
 
 
 def test_shapes_strides_and_scale_layouts():

@@ -45,16 +45,13 @@ ROTARY_TYPES = dict(positions_ptr="*i64", q_ptr="*bf16", k_ptr="*bf16", q_out_pt
                     cos_sin_ptr="*fp32", q_norm_ptr="*bf16", k_norm_ptr="*bf16", eps="fp32")
 
 
-def gemv_variant(weight, dot, split_k, block_n, block_k, num_stages, decode=0, x="bf16"):
-    """``decode``: 0 converts FP8 with triton's instructions; 1-3 decode int32 words (float32, bfloat16, float16)."""
+def gemv_variant(weight, dot, split_k, block_n, block_k, num_stages):
     from dovetail.triton.gemv import _gemv_kernel
 
-    w_type = {"fp8": "*i32" if decode else "*fp8e4nv", "bf16": "*bf16"}[weight]
-    types = dict(x_ptr="*" + x, w_ptr=w_type, scale_ptr="*fp32", bias_ptr="*" + x, out_ptr="*" + x,
-                 part_ptr="*fp32", count_ptr="*i32")
+    types = dict(x_ptr="*bf16", w_ptr="*fp8e4nv" if weight == "fp8" else "*bf16", scale_ptr="*fp32",
+                 bias_ptr="*bf16", out_ptr="*bf16", part_ptr="*fp32", count_ptr="*i32")
     constexprs = dict(HAS_BIAS=True, SPLIT_K=split_k, BLOCK_M=16 if dot else 1, BLOCK_N=block_n, BLOCK_K=block_k,
-                      DOT=dot, DOT_FP32=False, W_FP8=weight == "fp8", W_DECODE=decode, HAS_SCALE=weight == "fp8",
-                      PDL_TRIGGER=2)
+                      DOT=dot, DOT_FP32=False, W_FP8=weight == "fp8", HAS_SCALE=weight == "fp8", PDL_TRIGGER=2)
     return _gemv_kernel, types, constexprs, dict(num_warps=4, num_stages=num_stages)
 
 
@@ -108,9 +105,6 @@ def _variants():
                                      HALF=64, HALF_PAD=64, NORM=True, WEIGHT_FP32=False), dict(num_warps=4)),
         "gemv fp8 dot split-k": gemv_variant("fp8", True, 4, 64, 128, 3),
         "gemv bf16 register sums": gemv_variant("bf16", False, 1, 8, 1024, 3),
-        "gemv fp8 bits register sums": gemv_variant("fp8", False, 2, 8, 2048, 3, decode=1),
-        "gemv fp8 bits dot bf16": gemv_variant("fp8", True, 4, 64, 128, 3, decode=2),
-        "gemv fp8 bits dot fp16": gemv_variant("fp8", True, 1, 64, 256, 3, decode=3, x="fp16"),
     }
 
 

@@ -51,8 +51,8 @@ def _gemv_kernel(
     x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, part_ptr, count_ptr,
     M, N, K, stride_xm, stride_wn, stride_om, k_chunk,
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, DOT: tl.constexpr, DOT_FP32: tl.constexpr, W_FP8: tl.constexpr, W_DECODE: tl.constexpr,
-    HAS_SCALE: tl.constexpr, USE_PDL: tl.constexpr, PDL_TRIGGER: tl.constexpr,
+    BLOCK_K: tl.constexpr, DOT: tl.constexpr, DOT_FP32: tl.constexpr, W_FP8: tl.constexpr, HAS_SCALE: tl.constexpr,
+    USE_PDL: tl.constexpr, PDL_TRIGGER: tl.constexpr,
 ):
     pdl_wait(USE_PDL)
     if PDL_TRIGGER == 1:
@@ -71,46 +71,23 @@ def _gemv_kernel(
     if DOT:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     else:
-        acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K // 4 if W_DECODE else BLOCK_K), dtype=tl.float32)
-    if W_DECODE:
-        # w_ptr holds int32 words of four e4m3 bytes; x is read in the matching four strided slices.
-        for k0 in range(k_start, k_end, BLOCK_K):
-            words = k0 // 4 + tl.arange(0, BLOCK_K // 4)
-            word_ok = words < K // 4
-            packed = tl.load(w_rows + words[None, :], mask=col_ok[:, None] & word_ok[None, :], other=0)
-            even, odd = _e4m3_pairs(packed, W_DECODE == 3)
-            x_at = x_rows + 4 * words[None, :]
-            x_ok = row_ok[:, None] & word_ok[None, :]
-            for j in tl.static_range(4):
-                a = tl.load(x_at + j, mask=x_ok, other=0.0)
-                if W_DECODE == 1:
-                    # times 2**64 (exact), so that products with the weights' 2**-120 stay normal floats
-                    a = a.to(tl.float32) * 18446744073709551616.0
-                w = _e4m3_byte(even, odd, j, W_DECODE)
-                if DOT:
-                    if DOT_FP32:
-                        acc += tl.dot(a, tl.trans(w), input_precision="ieee")
-                    else:
-                        acc += tl.dot(a, tl.trans(w))
-                else:
-                    acc3 += a[:, None, :] * w[None, :, :]
-    else:
-        for k0 in range(k_start, k_end, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            k_ok = ks < K
-            w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-            a = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            # e4m3 -> float16 is one packed conversion per two values (and exact); triton's direct
-            # e4m3 -> bfloat16 costs several, which made the kernel compute-bound on the H200.
-            if W_FP8:
-                w = w.to(tl.float16)
-            if DOT:
-                if DOT_FP32:
-                    acc += tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
-                else:
-                    acc += tl.dot(a, tl.trans(w.to(a.dtype)))
+        acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < K
+        w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        a = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        # e4m3 -> float16 is one packed conversion per two values (and exact); triton's direct
+        # e4m3 -> bfloat16 costs several, which made the kernel compute-bound on the H200.
+        if W_FP8:
+            w = w.to(tl.float16)
+        if DOT:
+            if DOT_FP32:
+                acc += tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
             else:
-                acc3 += a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+                acc += tl.dot(a, tl.trans(w.to(a.dtype)))
+        else:
+            acc3 += a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
     if PDL_TRIGGER == 2:
         pdl_launch_dependents(USE_PDL)
     if not DOT:
@@ -129,76 +106,20 @@ def _gemv_kernel(
             for s in tl.static_range(SPLIT_K):  # in slice order, whichever program is last: deterministic
                 acc += tl.load(parts + s * M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
             tl.atomic_xchg(tile, 0)
-            _finish(acc, scale_ptr, bias_ptr, out_ptr, rows, cols, col_ok, out_mask, stride_om, HAS_BIAS, HAS_SCALE,
-                    W_DECODE)
+            _finish(acc, scale_ptr, bias_ptr, out_ptr, rows, cols, col_ok, out_mask, stride_om, HAS_BIAS, HAS_SCALE)
     else:
-        _finish(acc, scale_ptr, bias_ptr, out_ptr, rows, cols, col_ok, out_mask, stride_om, HAS_BIAS, HAS_SCALE,
-                    W_DECODE)
+        _finish(acc, scale_ptr, bias_ptr, out_ptr, rows, cols, col_ok, out_mask, stride_om, HAS_BIAS, HAS_SCALE)
 
 
 @triton.jit
 def _finish(acc, scale_ptr, bias_ptr, out_ptr, rows, cols, col_ok, out_mask, stride_om, HAS_BIAS: tl.constexpr,
-            HAS_SCALE: tl.constexpr, W_DECODE: tl.constexpr):
+            HAS_SCALE: tl.constexpr):
     if HAS_SCALE:
-        scale = tl.load(scale_ptr + cols, mask=col_ok, other=0.0)
-        # Undo the decoded weights' power of two (:func:`_e4m3_pairs`) and, for float32, x's 2**64.
-        if W_DECODE == 1:
-            scale = scale * 72057594037927936.0  # 2**56
-        elif W_DECODE == 2:
-            scale = scale * 1.329227995784916e36  # 2**120
-        elif W_DECODE == 3:
-            scale = scale * 256.0
-        acc = acc * scale[None, :]
+        acc = acc * tl.load(scale_ptr + cols, mask=col_ok, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=out_mask)
-
-
-#: int32 masks over two 16-bit halves: their sign bits, and where e4m3's seven exponent-and-mantissa bits go
-#: in a bfloat16 (at the bottom of its exponent field) or a float16.
-SIGNS = tl.constexpr(-2147450880)  # 0x80008000
-BF16_MAGNITUDES = tl.constexpr(0x07F007F0)
-F16_MAGNITUDES = tl.constexpr(0x3F803F80)
-
-
-@triton.jit
-def _e4m3_pairs(packed, F16: tl.constexpr):
-    """Bytes 0 and 2 (``even``) and 1 and 3 (``odd``) of int32 words of e4m3 bytes as pairs of 16-bit floats.
-
-    Each byte's sign moves to bit 15 of its half and its exponent and mantissa to the low end of the half's
-    exponent field: exactly the e4m3 value times 2**-120 as a bfloat16 (2**-8 as a float16), subnormals
-    and zero included, in two or three integer instructions per pair and no conversion instruction.
-    """
-    if F16:
-        odd = (packed & SIGNS) | ((packed >> 1) & F16_MAGNITUDES)
-        even = ((packed << 8) & SIGNS) | ((packed << 7) & F16_MAGNITUDES)
-    else:
-        odd = (packed & SIGNS) | ((packed >> 4) & BF16_MAGNITUDES)
-        even = ((packed << 8) & SIGNS) | ((packed << 4) & BF16_MAGNITUDES)
-    return even, odd
-
-
-@triton.jit
-def _e4m3_byte(even, odd, J: tl.constexpr, W_DECODE: tl.constexpr):
-    """Byte ``J`` of each word from :func:`_e4m3_pairs` as float32 (``W_DECODE`` 1), bfloat16 (2) or float16 (3)."""
-    if J % 2 == 0:
-        pair = even
-    else:
-        pair = odd
-    if W_DECODE == 1:
-        if J >= 2:
-            bits = pair & -65536  # 0xFFFF0000: the high half, already in float32's place
-        else:
-            bits = pair << 16
-        return bits.to(tl.float32, bitcast=True)
-    else:
-        if J >= 2:
-            pair = pair >> 16
-        if W_DECODE == 2:
-            return pair.to(tl.int16).to(tl.bfloat16, bitcast=True)
-        else:
-            return pair.to(tl.int16).to(tl.float16, bitcast=True)
 
 
 #: Whether triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``), whose numpy has no bfloat16.
@@ -217,9 +138,6 @@ class GemvConfig(NamedTuple):
     #: When the next kernel may launch under PDL: 0 when this one completes, 1 at its start, 2 after the main
     #: loop (B2 on the H200: llama-3.1-8b fp8 2.968 ms with 2, 3.029 with 0).
     pdl_trigger: int = 2
-    #: FP8 weights read as int32 words and decoded by integer bit operations (:func:`_e4m3_pairs`) rather than
-    #: triton's conversion instructions; needs K a multiple of 4 (otherwise ignored).
-    decode_bits: bool = False
 
 
 #: Split K until a launch has at least this many programs (an H200 has 132 multiprocessors).
@@ -251,8 +169,7 @@ def default_config(m: int, n: int, k: int, weight_bytes: int = 1) -> GemvConfig:
     if weight_bytes == 2 and m <= 4:
         return GemvConfig(8, 1024 // next_power_of_2(m), num_warps=4, num_stages=3)
     split_k = split_k_for(n, k, 64, 128)
-    return GemvConfig(64, 128, num_warps=4, num_stages=5 if split_k == 1 else 3, split_k=split_k, dot=True,
-                      decode_bits=True)
+    return GemvConfig(64, 128, num_warps=4, num_stages=5 if split_k == 1 else 3, split_k=split_k, dot=True)
 
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None,
@@ -303,16 +220,11 @@ def _gemv(x, weight, scale, bias, config):
     else:
         part = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device)
         counts = _tile_counters(x.device, grid[0] * grid[2])
-    dot_fp32 = INTERPRETED or x.dtype == torch.float32
-    decode = 0
-    if cfg.decode_bits and weight.element_size() == 1 and k % 4 == 0 and weight.storage_offset() % 4 == 0:
-        decode = 1 if dot_fp32 or not cfg.dot else (3 if x.dtype == torch.float16 else 2)
-        weight = weight.view(torch.int32)
     _gemv_kernel[grid](x2, weight, out if scale is None else scale, bias_arg, out, part, counts, m, n, k,
                        x2.stride(0), weight.stride(0), out.stride(0), k_chunk, HAS_BIAS=bias is not None,
                        SPLIT_K=cfg.split_k, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                       DOT=cfg.dot, DOT_FP32=dot_fp32, W_FP8=weight.element_size() == 1, W_DECODE=decode,
-                       HAS_SCALE=scale is not None, PDL_TRIGGER=cfg.pdl_trigger,
+                       DOT=cfg.dot, DOT_FP32=INTERPRETED or x.dtype == torch.float32,
+                       W_FP8=weight.element_size() == 1, HAS_SCALE=scale is not None, PDL_TRIGGER=cfg.pdl_trigger,
                        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kwargs(use_pdl(x.device)))
     return out.reshape(*x.shape[:-1], n)
 
