@@ -113,10 +113,9 @@ def bench_shape(name, n, k, gen) -> dict:
 
 
 
-def bench_step(model: str, gen, prefetch=()) -> dict:
+def bench_step(model: str, gen) -> dict:
     """One decode step's layer linears back to back in one graph (distinct weights per layer), per path and
-    PDL trigger (0: at completion, 2: after the main loop), and with each of ``prefetch`` bytes per weight
-    row prefetched into L2 before the PDL wait."""
+    PDL trigger (0: at completion, 1: at the start, 2: after the main loop; None: PDL off)."""
     spec = MODELS[model]
     layers = spec["layers"]
     weights = {s: [torch.randn(n, k, device="cuda", generator=gen).bfloat16().mul_(0.02) for _ in range(layers)]
@@ -147,11 +146,6 @@ def bench_step(model: str, gen, prefetch=()) -> dict:
             step(lambda s, i, h: gemv(h, weights[s][i], config=cfg(s, 2, trigger))), 1) / 1000
         out[f"fp8_trigger{trigger}_ms"] = time_graph(
             step(lambda s, i, h: fp8_gemv(h, *fp8[s][i], config=cfg(s, 1, trigger))), 1) / 1000
-    for nbytes in prefetch:  # L2 prefetch before the PDL wait, trigger after the main loop
-        out[f"bf16_prefetch{nbytes}_ms"] = time_graph(step(lambda s, i, h: gemv(
-            h, weights[s][i], config=cfg(s, 2, 2)._replace(prefetch_bytes=nbytes))), 1) / 1000
-        out[f"fp8_prefetch{nbytes}_ms"] = time_graph(step(lambda s, i, h: fp8_gemv(
-            h, *fp8[s][i], config=cfg(s, 1, 2)._replace(prefetch_bytes=nbytes))), 1) / 1000
     print(f"{model} decode-step layer linears (ms): "
           + ", ".join(f"{k[:-3]} {v:.3f}" for k, v in out.items() if k != "layers"), flush=True)
     return out
@@ -160,10 +154,7 @@ def bench_step(model: str, gen, prefetch=()) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(MODELS))
-    parser.add_argument("--prefetch", default="", help="comma-separated prefetch_bytes to try in the decode-step chain")
-    parser.add_argument("--step-only", action="store_true", help="only the decode-step chains, not the per-shape grids")
     args = parser.parse_args()
-    prefetch = [int(v) for v in args.prefetch.split(",") if v]
     import triton
 
     out_dir = Path(os.environ.get("OUT", "/tmp/out"))
@@ -176,9 +167,9 @@ def main() -> None:
               "config_fields": list(GemvConfig._fields), "models": {}}
     for model in args.models.split(","):
         shapes = dict(MODELS[model]["shapes"], lm_head=MODELS[model]["lm_head"])
-        rows = {} if args.step_only else {s: bench_shape(f"{model[:5]}:{s}", n, k, gen) for s, (n, k) in shapes.items()}
+        rows = {s: bench_shape(f"{model[:5]}:{s}", n, k, gen) for s, (n, k) in shapes.items()}
         torch.cuda.empty_cache()
-        report["models"][model] = {"shapes": rows, "step": bench_step(model, gen, prefetch)}
+        report["models"][model] = {"shapes": rows, "step": bench_step(model, gen)}
         torch.cuda.empty_cache()
     report["seconds"] = round(time.time() - started, 1)
     (out_dir / "gemv_pdl.json").write_text(json.dumps(report, indent=1))

@@ -45,14 +45,13 @@ ROTARY_TYPES = dict(positions_ptr="*i64", q_ptr="*bf16", k_ptr="*bf16", q_out_pt
                     cos_sin_ptr="*fp32", q_norm_ptr="*bf16", k_norm_ptr="*bf16", eps="fp32")
 
 
-def gemv_variant(weight, dot, split_k, block_n, block_k, num_stages, prefetch_lines=0):
+def gemv_variant(weight, dot, split_k, block_n, block_k, num_stages):
     from dovetail.triton.gemv import _gemv_kernel
 
     types = dict(x_ptr="*bf16", w_ptr="*fp8e4nv" if weight == "fp8" else "*bf16", scale_ptr="*fp32",
                  bias_ptr="*bf16", out_ptr="*bf16", part_ptr="*fp32", count_ptr="*i32")
     constexprs = dict(HAS_BIAS=True, SPLIT_K=split_k, BLOCK_M=16 if dot else 1, BLOCK_N=block_n, BLOCK_K=block_k,
-                      DOT=dot, DOT_FP32=False, W_FP8=weight == "fp8", HAS_SCALE=weight == "fp8", PDL_TRIGGER=2,
-                      PREFETCH_LINES=prefetch_lines, LINE_ELEMS=128 if weight == "fp8" else 64)
+                      DOT=dot, DOT_FP32=False, W_FP8=weight == "fp8", HAS_SCALE=weight == "fp8", PDL_TRIGGER=2)
     return _gemv_kernel, types, constexprs, dict(num_warps=4, num_stages=num_stages)
 
 
@@ -106,8 +105,6 @@ def _variants():
                                      HALF=64, HALF_PAD=64, NORM=True, WEIGHT_FP32=False), dict(num_warps=4)),
         "gemv fp8 dot split-k": gemv_variant("fp8", True, 4, 64, 128, 3),
         "gemv bf16 register sums": gemv_variant("bf16", False, 1, 8, 1024, 3),
-        "gemv fp8 dot L2 prefetch": gemv_variant("fp8", True, 1, 64, 128, 5, prefetch_lines=8),
-        "gemv bf16 register sums L2 prefetch": gemv_variant("bf16", False, 1, 8, 1024, 3, prefetch_lines=16),
     }
 
 

@@ -52,28 +52,22 @@ def _gemv_kernel(
     M, N, K, stride_xm, stride_wn, stride_om, k_chunk,
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, DOT: tl.constexpr, DOT_FP32: tl.constexpr, W_FP8: tl.constexpr, HAS_SCALE: tl.constexpr,
-    USE_PDL: tl.constexpr, PDL_TRIGGER: tl.constexpr, PREFETCH_LINES: tl.constexpr, LINE_ELEMS: tl.constexpr,
+    USE_PDL: tl.constexpr, PDL_TRIGGER: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    pid_m = tl.program_id(2)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_wn
-    k_start = pid_k * k_chunk
-    k_end = tl.minimum(K, k_start + k_chunk)
-    if USE_PDL and PREFETCH_LINES > 0:
-        # The weights do not depend on the kernels before this one: start pulling this program's first
-        # PREFETCH_LINES cache lines of each row into L2 while they finish.
-        lines = k_start + tl.arange(0, PREFETCH_LINES) * LINE_ELEMS
-        _prefetch_l2(w_ptr + tl.minimum(cols, N - 1)[:, None].to(tl.int64) * stride_wn
-                     + tl.minimum(lines, k_end - 1)[None, :])
     pdl_wait(USE_PDL)
     if PDL_TRIGGER == 1:
         pdl_launch_dependents(USE_PDL)
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < M
     col_ok = cols < N
     x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_xm
+    w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_wn
+    k_start = pid_k * k_chunk
+    k_end = tl.minimum(K, k_start + k_chunk)
     if DOT:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     else:
@@ -118,13 +112,6 @@ def _gemv_kernel(
 
 
 @triton.jit
-def _prefetch_l2(pointers):
-    """Ask for the cache line of each pointer to be brought into L2 (PTX ``prefetch``; no result, no wait)."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [pointers], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-@triton.jit
 def _finish(acc, scale_ptr, bias_ptr, out_ptr, rows, cols, col_ok, out_mask, stride_om, HAS_BIAS: tl.constexpr,
             HAS_SCALE: tl.constexpr):
     if HAS_SCALE:
@@ -151,9 +138,6 @@ class GemvConfig(NamedTuple):
     #: When the next kernel may launch under PDL: 0 when this one completes, 1 at its start, 2 after the main
     #: loop (B2 on the H200: llama-3.1-8b fp8 2.968 ms with 2, 3.029 with 0).
     pdl_trigger: int = 2
-    #: Bytes of each of its weight rows that a program asks to be prefetched into L2 before it waits for the
-    #: previous kernel (under PDL only), rounded up to 128-byte lines; 0 prefetches nothing.
-    prefetch_bytes: int = 0
 
 
 #: Split K until a launch has at least this many programs (an H200 has 132 multiprocessors).
@@ -236,14 +220,11 @@ def _gemv(x, weight, scale, bias, config):
     else:
         part = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device)
         counts = _tile_counters(x.device, grid[0] * grid[2])
-    prefetch = min(cfg.prefetch_bytes, k_chunk * weight.element_size())
-    prefetch_lines = next_power_of_2(triton.cdiv(prefetch, 128)) if prefetch > 0 else 0
     _gemv_kernel[grid](x2, weight, out if scale is None else scale, bias_arg, out, part, counts, m, n, k,
                        x2.stride(0), weight.stride(0), out.stride(0), k_chunk, HAS_BIAS=bias is not None,
                        SPLIT_K=cfg.split_k, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                        DOT=cfg.dot, DOT_FP32=INTERPRETED or x.dtype == torch.float32,
                        W_FP8=weight.element_size() == 1, HAS_SCALE=scale is not None, PDL_TRIGGER=cfg.pdl_trigger,
-                       PREFETCH_LINES=prefetch_lines, LINE_ELEMS=128 // weight.element_size(),
                        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kwargs(use_pdl(x.device)))
     return out.reshape(*x.shape[:-1], n)
 
