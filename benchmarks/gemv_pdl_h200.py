@@ -47,14 +47,8 @@ MS = (1, 2, 4, 8, 16)
 GRID = [(8, 1024, 4, 3, 1, False), (8, 2048, 4, 3, 1, False), (4, 2048, 4, 3, 1, False), (16, 1024, 8, 3, 1, False),
         (8, 1024, 8, 3, 1, False), (4, 1024, 4, 3, 1, False), (8, 1024, 4, 4, 1, False), (8, 1024, 4, 2, 1, False),
         (8, 512, 4, 3, 1, False), (8, 1024, 4, 3, 2, False)]
-#: FP8 at one token (block_n, block_k, num_warps, num_stages, stream_k): tensor-core tiles split until
-#: MIN_PROGRAMS (stream_k 0) or spread over stream_k programs per multiprocessor.
-FP8_GRID = [(64, 128, 4, 5, 0), (32, 128, 4, 5, 0), (64, 256, 4, 3, 0), (128, 128, 4, 4, 0),
-            (64, 128, 4, 4, 2), (64, 128, 4, 3, 3), (64, 128, 4, 5, 2), (64, 256, 4, 3, 2), (64, 256, 4, 3, 3),
-            (32, 256, 4, 4, 3), (32, 256, 4, 3, 4), (128, 128, 4, 3, 2), (64, 512, 4, 2, 2), (32, 512, 4, 3, 4),
-            (64, 256, 8, 3, 2), (32, 128, 4, 4, 4)]
-#: The stream-K config every shape's decode-step chain also runs with.
-STREAM_K = GemvConfig(64, 256, 4, 3, dot=True, stream_k=2)
+#: FP8 at one token: tensor-core tiles (split until MIN_PROGRAMS).
+FP8_GRID = [(64, 128, 4, 5), (32, 128, 4, 5), (64, 256, 4, 3), (128, 128, 4, 4), (64, 128, 8, 5), (32, 256, 4, 4)]
 
 
 def set_pdl(on: bool) -> None:
@@ -79,19 +73,14 @@ def bench_shape(name, n, k, gen) -> dict:
     for m in MS:
         x = x_all[:m]
         ref = x.float() @ ws[0].float().t()
-        ref8 = x.float() @ (q.float() * scale[:, None]).t()
-        cell = {"fp8_us": time_graph(lambda i: fp8_gemv(x, qs[i % len(qs)], scale), CALLS),
-                "fp8_stream_k_us": time_graph(lambda i: fp8_gemv(x, qs[i % len(qs)], scale, config=STREAM_K), CALLS),
-                "fp8_stream_k_err": rel_err(fp8_gemv(x, q, scale, config=STREAM_K), ref8),
-                "cublas_us": time_graph(lambda i: F.linear(x, ws[i % len(ws)]), CALLS),
+        cell = {"cublas_us": time_graph(lambda i: F.linear(x, ws[i % len(ws)]), CALLS),
                 "default": list(default_config(m, n, k, 2)), "default_err": rel_err(gemv(x, ws[0]), ref),
                 "default_us": time_graph(lambda i: gemv(x, ws[i % len(ws)]), CALLS),
                 "dot_us": time_graph(lambda i: gemv(x, ws[i % len(ws)], config=dot16), CALLS)}
         row["m"][m] = cell
         print(f"{name:>14} M={m:<2} cuBLAS {cell['cublas_us']:6.1f}us {2 * n * k / cell['cublas_us'] / 1e3:5.0f}GB/s | "
               f"gemv {cell['default_us']:6.1f}us {2 * n * k / cell['default_us'] / 1e3:5.0f}GB/s "
-              f"err {cell['default_err']:.1e} | dot tiles {cell['dot_us']:6.1f}us | fp8 {cell['fp8_us']:6.1f}us, "
-              f"stream-K {cell['fp8_stream_k_us']:6.1f}us err {cell['fp8_stream_k_err']:.1e}", flush=True)
+              f"err {cell['default_err']:.1e} | dot tiles {cell['dot_us']:6.1f}us", flush=True)
     x = x_all[:1]
     configs = []
     for spec in GRID:
@@ -106,8 +95,8 @@ def bench_shape(name, n, k, gen) -> dict:
     ref8 = x.float() @ (q.float() * scale[:, None]).t()
     row["fp8_default_us"] = time_graph(lambda i: fp8_gemv(x, qs[i % len(qs)], scale), CALLS)
     fp8_configs = []
-    for bn, bk, warps, stages, stream_k in FP8_GRID:
-        cfg = GemvConfig(bn, bk, warps, stages, 1 if stream_k else split_k_for(n, k, bn, bk), True, stream_k=stream_k)
+    for bn, bk, warps, stages in FP8_GRID:
+        cfg = GemvConfig(bn, bk, warps, stages, split_k_for(n, k, bn, bk), True)
         try:
             err = rel_err(fp8_gemv(x, q, scale, config=cfg), ref8)
             us = time_graph(lambda i, cfg=cfg: fp8_gemv(x, qs[i % len(qs)], scale, config=cfg), CALLS)
@@ -124,10 +113,9 @@ def bench_shape(name, n, k, gen) -> dict:
 
 
 
-def bench_step(model: str, gen, fp8_best: dict) -> dict:
+def bench_step(model: str, gen) -> dict:
     """One decode step's layer linears back to back in one graph (distinct weights per layer), per path and
-    PDL trigger (0: at completion, 2: after the main loop); FP8 also with :data:`STREAM_K` and with
-    ``fp8_best`` (shape -> the fastest stream-K config at one token in :func:`bench_shape`)."""
+    PDL trigger (0: at completion, 1: at the start, 2: after the main loop; None: PDL off)."""
     spec = MODELS[model]
     layers = spec["layers"]
     weights = {s: [torch.randn(n, k, device="cuda", generator=gen).bfloat16().mul_(0.02) for _ in range(layers)]
@@ -158,11 +146,6 @@ def bench_step(model: str, gen, fp8_best: dict) -> dict:
             step(lambda s, i, h: gemv(h, weights[s][i], config=cfg(s, 2, trigger))), 1) / 1000
         out[f"fp8_trigger{trigger}_ms"] = time_graph(
             step(lambda s, i, h: fp8_gemv(h, *fp8[s][i], config=cfg(s, 1, trigger))), 1) / 1000
-        out[f"fp8_stream_k_trigger{trigger}_ms"] = time_graph(step(lambda s, i, h: fp8_gemv(
-            h, *fp8[s][i], config=STREAM_K._replace(pdl_trigger=trigger))), 1) / 1000
-        if fp8_best:
-            out[f"fp8_best_stream_k_trigger{trigger}_ms"] = time_graph(step(lambda s, i, h: fp8_gemv(
-                h, *fp8[s][i], config=fp8_best[s]._replace(pdl_trigger=trigger))), 1) / 1000
     print(f"{model} decode-step layer linears (ms): "
           + ", ".join(f"{k[:-3]} {v:.3f}" for k, v in out.items() if k != "layers"), flush=True)
     return out
@@ -186,9 +169,7 @@ def main() -> None:
         shapes = dict(MODELS[model]["shapes"], lm_head=MODELS[model]["lm_head"])
         rows = {s: bench_shape(f"{model[:5]}:{s}", n, k, gen) for s, (n, k) in shapes.items()}
         torch.cuda.empty_cache()
-        best = {s: GemvConfig(*next(c["config"] for c in rows[s]["fp8_grid_m1"] if c["config"][-1] > 0))
-                for s in MODELS[model]["shapes"]}
-        report["models"][model] = {"shapes": rows, "step": bench_step(model, gen, best)}
+        report["models"][model] = {"shapes": rows, "step": bench_step(model, gen)}
         torch.cuda.empty_cache()
     report["seconds"] = round(time.time() - started, 1)
     (out_dir / "gemv_pdl.json").write_text(json.dumps(report, indent=1))

@@ -4,8 +4,6 @@
 # qwen3-0.6b. Usage (on the H200, .whl carried): bash benchmarks/h200_gemv.sh ; results in $OUT.
 # SKIP_MICRO=1 skips the microbenchmark, SKIP_B1=1 the B1 runs; TESTS= runs only the GEMV and PDL tests;
 # PDL_AB=1 runs each B2 with DOVETAIL_TRITON_PDL=1 and then 0 (what benchmarks/h200_pdl.sh did at 77a43ea).
-# MICRO_ARGS are passed to the microbenchmark; GEMV_SETS="stream_k=0 fp8.stream_k=2,fp8.block_k=256 ..." runs
-# the llama B2s once per set of GEMV default overrides (benchmarks/with_gemv_config.py; commas separate fields).
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -18,13 +16,11 @@ timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_triton_pd
   2>&1 | tee "$OUT/tests.log" | tail -6
 if [ "${SKIP_MICRO:-0}" != 1 ]; then
   log "GEMV microbenchmark"
-  timeout 150 python3 benchmarks/gemv_pdl_h200.py ${MICRO_ARGS:-} 2>&1 | tee "$OUT/gemv_pdl.log" | grep -v Warning
+  timeout 150 python3 benchmarks/gemv_pdl_h200.py 2>&1 | tee "$OUT/gemv_pdl.log" | grep -v Warning
 fi
 bench() {  # bench LABEL KIND MODEL ARGS...
   [ "$(left)" -gt 45 ] || { echo "skip $1: out of time"; return; }
-  local cmd=(dovetail)
-  [ -z "${GEMV_SET:-}" ] || cmd=(python3 benchmarks/with_gemv_config.py $GEMV_SET --)
-  timeout "$(left)" "${cmd[@]}" --log-level WARNING bench "$2" --model "$3" --dtype bfloat16 --attention-backend TRITON \
+  timeout "$(left)" dovetail --log-level WARNING bench "$2" --model "$3" --dtype bfloat16 --attention-backend TRITON \
     "${@:4}" --output-json /tmp/r.json >/dev/null 2>>"$OUT/err.log" || { echo "$1 failed"; return; }
   python3 - "$1" <<'PY' | tee -a "$OUT/bench.jsonl"
 import json, sys
@@ -34,12 +30,7 @@ print(json.dumps({"label": sys.argv[1], **{k: r[k] for k in ("ms_per_token", "ms
 PY
 }
 log "B2"
-if [ -n "${GEMV_SETS:-}" ]; then  # the llama B2s per set of GEMV overrides, alternating
-  for set in $GEMV_SETS; do
-    GEMV_SET="${set//,/ }" bench "B2-llama-$set" latency llama-3.1-8b
-    GEMV_SET="${set//,/ }" bench "B2-llama-fp8-$set" latency llama-3.1-8b --quantization fp8
-  done
-elif [ "${PDL_AB:-0}" = 1 ]; then  # B2 with programmatic dependent launch on, then off, alternating
+if [ "${PDL_AB:-0}" = 1 ]; then  # B2 with programmatic dependent launch on, then off, alternating
   for args in "llama latency llama-3.1-8b" "llama-fp8 latency llama-3.1-8b --quantization fp8" "qwen latency qwen3-0.6b"; do
     set -- $args
     for pdl in 1 0; do DOVETAIL_TRITON_PDL=$pdl bench "B2-$1-pdl$pdl" "${@:2}"; done

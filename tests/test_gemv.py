@@ -30,12 +30,9 @@ from dovetail.triton import next_power_of_2  # noqa: E402
 from dovetail.triton.gemv import INTERPRETED, GemvConfig, default_config, fp8_gemv, gemv  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
-#: Register sums (split over 3 slices of K), tensor-core dot (split in 2), several K steps each; stream-K over
-#: the interpreter's 3 pretend multiprocessors with 2 or 5 programs each (tiles of 5 K steps cut into 2-5 pieces).
+#: Register sums (split over 3 slices of K), tensor-core dot (split in 2), several K steps each.
 CONFIGS = {"default": None, "sum-split3": GemvConfig(16, 32, split_k=3),
-           "dot-split2": GemvConfig(16, 16, split_k=2, dot=True),
-           "stream-k-2": GemvConfig(16, 16, dot=True, stream_k=2),
-           "stream-k-5": GemvConfig(16, 16, dot=True, stream_k=5)}
+           "dot-split2": GemvConfig(16, 16, split_k=2, dot=True)}
 
 
 @pytest.fixture(scope="module", autouse=True)

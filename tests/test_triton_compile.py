@@ -55,16 +55,6 @@ def gemv_variant(weight, dot, split_k, block_n, block_k, num_stages):
     return _gemv_kernel, types, constexprs, dict(num_warps=4, num_stages=num_stages)
 
 
-def gemv_stream_k_variant():
-    from dovetail.triton.gemv import _gemv_stream_k_kernel
-
-    types = dict(x_ptr="*bf16", w_ptr="*fp8e4nv", scale_ptr="*fp32", bias_ptr="*bf16", out_ptr="*bf16",
-                 part_ptr="*fp32", count_ptr="*i32")
-    constexprs = dict(HAS_BIAS=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, DOT_FP32=False, W_FP8=True,
-                      HAS_SCALE=True, PDL_TRIGGER=2)
-    return _gemv_stream_k_kernel, types, constexprs, dict(num_warps=4, num_stages=4)
-
-
 def variants(pdl: bool = False):
     """Name -> (kernel, argument types, constexpr values, options), covering every branch.
 
@@ -115,7 +105,6 @@ def _variants():
                                      HALF=64, HALF_PAD=64, NORM=True, WEIGHT_FP32=False), dict(num_warps=4)),
         "gemv fp8 dot split-k": gemv_variant("fp8", True, 4, 64, 128, 3),
         "gemv bf16 register sums": gemv_variant("bf16", False, 1, 8, 1024, 3),
-        "gemv fp8 stream-k": gemv_stream_k_variant(),
     }
 
 

@@ -111,72 +111,6 @@ def _gemv_kernel(
         _finish(acc, scale_ptr, bias_ptr, out_ptr, rows, cols, col_ok, out_mask, stride_om, HAS_BIAS, HAS_SCALE)
 
 
-@triton.jit(do_not_specialize=["M"])
-def _gemv_stream_k_kernel(
-    x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, part_ptr, count_ptr,
-    M, N, K, stride_xm, stride_wn, stride_om, steps_per_tile, units, max_pieces,
-    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_FP32: tl.constexpr, W_FP8: tl.constexpr, HAS_SCALE: tl.constexpr, USE_PDL: tl.constexpr,
-    PDL_TRIGGER: tl.constexpr,
-):
-    """The tensor-core GEMV with the work spread evenly: ``units`` = output tiles x K steps, in tile order,
-    cut into one contiguous share per program. A tile whose steps fall to several programs is finished by
-    the last of them to arrive, which adds the pieces up in program order."""
-    pdl_wait(USE_PDL)
-    if PDL_TRIGGER == 1:
-        pdl_launch_dependents(USE_PDL)
-    pid = tl.program_id(0)
-    programs = tl.num_programs(0)
-    pid_m = tl.program_id(1)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < M
-    x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_xm
-    tiles = tl.cdiv(N, BLOCK_N)
-    it = (pid * units) // programs
-    end = ((pid + 1) * units) // programs
-    while it < end:
-        tile = it // steps_per_tile
-        k_lo = it - tile * steps_per_tile
-        k_hi = tl.minimum(steps_per_tile, k_lo + end - it)
-        cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_ok = cols < N
-        w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_wn
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for step in range(k_lo, k_hi):
-            ks = step * BLOCK_K + tl.arange(0, BLOCK_K)
-            k_ok = ks < K
-            w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-            a = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            if W_FP8:
-                w = w.to(tl.float16)
-            if DOT_FP32:
-                acc += tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
-            else:
-                acc += tl.dot(a, tl.trans(w.to(a.dtype)))
-        out_mask = row_ok[:, None] & col_ok[None, :]
-        if k_hi - k_lo == steps_per_tile:
-            _finish(acc, scale_ptr, bias_ptr, out_ptr, rows, cols, col_ok, out_mask, stride_om, HAS_BIAS, HAS_SCALE)
-        else:
-            # The programs holding this tile's first and last steps (program p starts at p * units // programs).
-            first = ((tile * steps_per_tile + 1) * programs - 1) // units
-            last = ((tile + 1) * steps_per_tile * programs - 1) // units
-            parts = part_ptr + ((tile * max_pieces * M + rows[:, None]).to(tl.int64) * BLOCK_N
-                                + tl.arange(0, BLOCK_N)[None, :])
-            tl.store(parts + (pid - first) * M * BLOCK_N, acc, mask=out_mask)
-            tl.debug_barrier()
-            counter = count_ptr + pid_m * tiles + tile
-            if tl.atomic_add(counter, 1, sem="acq_rel") == last - first:
-                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                for piece in range(0, last - first + 1):
-                    acc += tl.load(parts + piece * M * BLOCK_N, mask=out_mask, other=0.0, cache_modifier=".cg")
-                tl.atomic_xchg(counter, 0)
-                _finish(acc, scale_ptr, bias_ptr, out_ptr, rows, cols, col_ok, out_mask, stride_om, HAS_BIAS,
-                        HAS_SCALE)
-        it += k_hi - k_lo
-    if PDL_TRIGGER == 2:
-        pdl_launch_dependents(USE_PDL)
-
-
 @triton.jit
 def _finish(acc, scale_ptr, bias_ptr, out_ptr, rows, cols, col_ok, out_mask, stride_om, HAS_BIAS: tl.constexpr,
             HAS_SCALE: tl.constexpr):
@@ -204,9 +138,6 @@ class GemvConfig(NamedTuple):
     #: When the next kernel may launch under PDL: 0 when this one completes, 1 at its start, 2 after the main
     #: loop (B2 on the H200: llama-3.1-8b fp8 2.968 ms with 2, 3.029 with 0).
     pdl_trigger: int = 2
-    #: With ``dot``: 0 launches one program per output tile and K slice (``split_k``); n > 0 launches n programs
-    #: per multiprocessor that share the tiles' K steps evenly (stream-K; ``split_k`` is then ignored).
-    stream_k: int = 0
 
 
 #: Split K until a launch has at least this many programs (an H200 has 132 multiprocessors).
@@ -280,9 +211,6 @@ def _gemv(x, weight, scale, bias, config):
     if m == 0:
         return out.reshape(*x.shape[:-1], n)
     cfg = config or default_config(m, n, k, weight.element_size())
-    if cfg.dot and cfg.stream_k > 0:
-        _gemv_stream_k(x2, weight, scale, bias, out, cfg)
-        return out.reshape(*x.shape[:-1], n)
     bias_arg = bias.contiguous() if bias is not None else (scale if scale is not None else out)
     block_m = 16 if cfg.dot else min(16, next_power_of_2(m))
     k_chunk = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
@@ -299,37 +227,6 @@ def _gemv(x, weight, scale, bias, config):
                        W_FP8=weight.element_size() == 1, HAS_SCALE=scale is not None, PDL_TRIGGER=cfg.pdl_trigger,
                        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kwargs(use_pdl(x.device)))
     return out.reshape(*x.shape[:-1], n)
-
-
-def _gemv_stream_k(x2, weight, scale, bias, out, cfg):
-    m, k = x2.shape
-    n = weight.shape[0]
-    block_m = 16
-    tiles, steps = triton.cdiv(n, cfg.block_n), triton.cdiv(k, cfg.block_k)
-    units = tiles * steps
-    programs = min(units, cfg.stream_k * multiprocessors(x2.device))
-    max_pieces = min(steps, triton.cdiv(steps, units // programs) + 1)
-    grid = (programs, triton.cdiv(m, block_m))
-    part = torch.empty(tiles * max_pieces * m * cfg.block_n, dtype=torch.float32, device=x2.device)
-    counts = _tile_counters(x2.device, tiles * grid[1])
-    _gemv_stream_k_kernel[grid](
-        x2, weight, out if scale is None else scale, out if bias is None else bias.contiguous(), out, part, counts, m, n, k,
-        x2.stride(0), weight.stride(0), out.stride(0), steps, units, max_pieces, HAS_BIAS=bias is not None,
-        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_FP32=INTERPRETED or x2.dtype == torch.float32,
-        W_FP8=weight.element_size() == 1, HAS_SCALE=scale is not None, PDL_TRIGGER=cfg.pdl_trigger,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kwargs(use_pdl(x2.device)))
-
-
-#: Multiprocessors the interpreter pretends to have (so that stream-K splits tiles in the CPU tests).
-INTERPRETER_MULTIPROCESSORS = 3
-
-
-@functools.lru_cache(maxsize=None)
-def multiprocessors(device: torch.device) -> int:
-    """Streaming multiprocessors (CUs on ROCm) of ``device``."""
-    if INTERPRETED or device.type != "cuda":
-        return INTERPRETER_MULTIPROCESSORS
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 _counters: dict[torch.device, list[torch.Tensor]] = {}
