@@ -5,10 +5,7 @@
 # JSON lines in $OUT/results.jsonl, each with a "label".
 set -u
 MODEL=$1
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
 source benchmarks/h200_setup.sh || exit 1
-log() { echo "== $* (t=${SECONDS}s)"; }
 json() { python3 -c "import json,sys; d=json.load(open(sys.argv[1])); d['label']=sys.argv[2]; print(json.dumps(d))" "$1" "$2" \
   | tee -a "$OUT/results.jsonl" | cut -c1-300; }
 bench() {  # bench LABEL TIMEOUT ARGS...

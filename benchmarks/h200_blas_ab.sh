@@ -3,8 +3,6 @@
 # (cuBLAS) and with cuBLASLt (torch.backends.cuda.preferred_blas_library), alternating over two rounds in
 # one process each. Usage (on the H200, .whl carried): bash benchmarks/h200_blas_ab.sh ; $OUT/ab.jsonl.
 set -u
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
 source benchmarks/h200_setup.sh >/dev/null || exit 1
 for round in 1 2; do
   for lib in default cublaslt; do

@@ -3,8 +3,6 @@
 # qwen3-0.6b with TRITON to see that nothing regressed since the recorded run.
 # Usage (on the H200, .whl carried): bash benchmarks/h200_check.sh ; logs in $OUT.
 set -u
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
 source benchmarks/h200_setup.sh || exit 1
 echo "== GPU tests (t=${SECONDS}s)"
 timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_engine_async_scheduling.py 2>&1 | tail -3

@@ -6,10 +6,7 @@
 # PART=engine runs only the checks and Dovetail's figures, PART=peers only the start-up time and HF (two calls
 # when one does not fit in the device's 10 minutes).
 set -u
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
 source benchmarks/h200_setup.sh || exit 1
-log() { echo "== $* (t=${SECONDS}s)"; }
 left() { echo $((575 - SECONDS)); }
 json() { python3 -c "import json,sys; d=json.load(open(sys.argv[1])); d['label']=sys.argv[2]; print(json.dumps(d))" "$1" "$2" \
   >> "$OUT/results.jsonl"; python3 - "$1" "$2" <<'PY'

@@ -5,10 +5,7 @@
 # SKIP_MICRO=1 skips the microbenchmark, SKIP_B1=1 the B1 runs; TESTS= runs only the GEMV and PDL tests;
 # PDL_AB=1 runs each B2 with DOVETAIL_TRITON_PDL=1 and then 0 (what benchmarks/h200_pdl.sh did at 77a43ea).
 set -u
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
 source benchmarks/h200_setup.sh || exit 1
-log() { echo "== $* (t=${SECONDS}s)"; }
 left() { echo $((580 - SECONDS)); }
 log "GPU tests"
 TESTS=${TESTS-tests/test_triton_gpu.py tests/test_triton_fused_ops.py tests/test_cuda_engine.py tests/test_cuda_graph_runner.py}

@@ -2,10 +2,7 @@
 # Second H200 call: the GPU engine tests, then where the time goes (host stages, kernels) for
 # qwen3-0.6b and llama-3.1-8b, B2 and B1, and the start-up time. Results in $OUT/profile.jsonl.
 set -u
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
 source benchmarks/h200_setup.sh || exit 1
-log() { echo "== $* (t=${SECONDS}s)"; }
 prof() { timeout "$1" python3 benchmarks/cuda_step_profile.py "${@:2}" 2>>"$OUT/profile.err" | tee -a "$OUT/profile.jsonl"; }
 
 log "tests"

@@ -2,8 +2,6 @@
 # One H200 call after the in-place q/k norm: the fused-op and engine GPU tests, then B2 and B1 of qwen3-0.6b
 # (the shape with q/k norms) with TRITON. Usage (on the H200, .whl carried): bash benchmarks/h200_qknorm.sh
 set -u
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
 source benchmarks/h200_setup.sh || exit 1
 timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_triton_fused_ops.py tests/test_triton_gpu.py \
   tests/test_cuda_engine.py -m gpu -k "not FLASHINFER" 2>&1 | tail -2

@@ -3,10 +3,7 @@
 # (FlashInfer's decode on CUDA cores, the default here, and on tensor cores; TRITON), start-up to the first
 # token, and HF transformers in the same run. JSON results in $OUT/results.jsonl.
 set -u
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
 source benchmarks/h200_setup.sh || exit 1
-log() { echo "== $* (t=${SECONDS}s)"; }
 json() { python3 -c "import json,sys; d=json.load(open(sys.argv[1])); d['label']=sys.argv[2]; print(json.dumps(d))" "$1" "$2" \
   | tee -a "$OUT/results.jsonl" | cut -c1-400; }
 bench() {  # bench LABEL TIMEOUT ARGS...

@@ -3,8 +3,6 @@
 # time (bf16 and fp8, eager, per kernel) and the cuBLAS GEMV bandwidth at M=1.
 # Usage (on the H200, .whl carried): bash benchmarks/h200_round1.sh ; results in $OUT.
 set -u
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
 source benchmarks/h200_setup.sh || exit 1
 echo "== quantization tests (t=${SECONDS}s)"
 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_gemv.py tests/test_quant_kernels.py \

@@ -2,8 +2,6 @@
 # One H200 call: where B1's GPU time goes (the first 128 requests of B1, eager, per kernel) for both shapes.
 # Usage (on the H200, .whl carried): bash benchmarks/h200_round2.sh ; results in $OUT.
 set -u
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
 source benchmarks/h200_setup.sh || exit 1
 for model in qwen3-0.6b llama-3.1-8b; do
   echo "== B1 profile $model (t=${SECONDS}s)"

@@ -2,6 +2,10 @@
 # Install Dovetail on the H200 test machine (see ../shared/gpu/README.md): the carried wheels of .whl/,
 # then the repository's distributions, editable. Source it: `source benchmarks/h200_setup.sh`.
 # A FlashInfer JIT cache carried as .fi_cache/flashinfer.tgz (from an earlier run) is unpacked too.
+# Also what every H200 script starts with: $OUT (default /tmp/out) made, and `log` for timed headings.
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+log() { echo "== $* (t=${SECONDS}s)"; }
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 rm -rf /tmp/site; python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || return 1
 export PYTHONPATH=/tmp/site

@@ -2,10 +2,7 @@
 # First H200 call: install, the CUDA tests that matter most, a first look at qwen3-0.6b speed,
 # and FlashInfer's JIT cache back as $OUT/flashinfer.tgz (carry it as .fi_cache/ next time).
 set -u
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
 source benchmarks/h200_setup.sh || exit 1
-log() { echo "== $* (t=${SECONDS}s)"; }
 
 log "tests: h128 attention, graphs, engine, sampler, platform"
 timeout 330 python3 -m pytest -q -p no:cacheprovider --durations=12 tests/test_cuda_platform.py \

@@ -14,13 +14,10 @@
 # 0.6x the bf16 time per token. --quantization fp8 quantizes the bf16 weights at load (per-channel scales,
 # per-token dynamic activation scales); lm_head and embeddings stay bf16.
 set -u
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
 what=${1:-all}
 shift || true
 extra=("$@")
 source benchmarks/h200_setup.sh || exit 1
-log() { echo "== $* (t=${SECONDS}s)"; }
 
 run_check() {
   log "quantization tests on the GPU"
