@@ -4,6 +4,9 @@
 # qwen3-0.6b. Usage (on the H200, .whl carried): bash benchmarks/h200_gemv.sh ; results in $OUT.
 # SKIP_MICRO=1 skips the microbenchmark, SKIP_B1=1 the B1 runs; TESTS= runs only the GEMV and PDL tests;
 # PDL_AB=1 runs each B2 with DOVETAIL_TRITON_PDL=1 and then 0 (what benchmarks/h200_pdl.sh did at 77a43ea).
+# MICRO_ARGS are passed to the microbenchmark; GEMV_SETS="fp8.x_f16=0 fp8.x_f16=1,fp8.block_n=128 ..." runs
+# llama-3.1-8b's B2 in bf16 once, then in fp8 once per set of GEMV default overrides
+# (benchmarks/with_gemv_config.py; commas separate fields; bf16 again for a set with bf16.FIELD).
 set -u
 source benchmarks/h200_setup.sh || exit 1
 left() { echo $((580 - SECONDS)); }
@@ -13,11 +16,13 @@ timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_triton_pd
   2>&1 | tee "$OUT/tests.log" | tail -6
 if [ "${SKIP_MICRO:-0}" != 1 ]; then
   log "GEMV microbenchmark"
-  timeout 150 python3 benchmarks/gemv_pdl_h200.py 2>&1 | tee "$OUT/gemv_pdl.log" | grep -v Warning
+  timeout 150 python3 benchmarks/gemv_pdl_h200.py ${MICRO_ARGS:-} 2>&1 | tee "$OUT/gemv_pdl.log" | grep -v Warning
 fi
 bench() {  # bench LABEL KIND MODEL ARGS...
   [ "$(left)" -gt 45 ] || { echo "skip $1: out of time"; return; }
-  timeout "$(left)" dovetail --log-level WARNING bench "$2" --model "$3" --dtype bfloat16 --attention-backend TRITON \
+  local cmd=(dovetail)
+  [ -z "${GEMV_SET:-}" ] || cmd=(python3 benchmarks/with_gemv_config.py $GEMV_SET --)
+  timeout "$(left)" "${cmd[@]}" --log-level WARNING bench "$2" --model "$3" --dtype bfloat16 --attention-backend TRITON \
     "${@:4}" --output-json /tmp/r.json >/dev/null 2>>"$OUT/err.log" || { echo "$1 failed"; return; }
   python3 - "$1" <<'PY' | tee -a "$OUT/bench.jsonl"
 import json, sys
@@ -27,7 +32,13 @@ print(json.dumps({"label": sys.argv[1], **{k: r[k] for k in ("ms_per_token", "ms
 PY
 }
 log "B2"
-if [ "${PDL_AB:-0}" = 1 ]; then  # B2 with programmatic dependent launch on, then off, alternating
+if [ -n "${GEMV_SETS:-}" ]; then  # llama bf16 B2, then fp8 per set of GEMV overrides (bf16 too if a set names it)
+  bench B2-llama latency llama-3.1-8b
+  for set in $GEMV_SETS; do
+    [[ "$set" != *bf16.* ]] || GEMV_SET="${set//,/ }" bench "B2-llama-$set" latency llama-3.1-8b
+    GEMV_SET="${set//,/ }" bench "B2-llama-fp8-$set" latency llama-3.1-8b --quantization fp8
+  done
+elif [ "${PDL_AB:-0}" = 1 ]; then  # B2 with programmatic dependent launch on, then off, alternating
   for args in "llama latency llama-3.1-8b" "llama-fp8 latency llama-3.1-8b --quantization fp8" "qwen latency qwen3-0.6b"; do
     set -- $args
     for pdl in 1 0; do DOVETAIL_TRITON_PDL=$pdl bench "B2-$1-pdl$pdl" "${@:2}"; done

@@ -52,7 +52,8 @@ def _gemv_kernel(
     M, N, K, stride_xm, stride_wn, stride_om, k_chunk,
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, DOT: tl.constexpr, DOT_FP32: tl.constexpr, W_FP8: tl.constexpr, HAS_SCALE: tl.constexpr,
-    USE_PDL: tl.constexpr, PDL_TRIGGER: tl.constexpr,
+    USE_PDL: tl.constexpr, PDL_TRIGGER: tl.constexpr, X_F16: tl.constexpr = False, EVEN: tl.constexpr = False,
+    REDUCE_UNROLL: tl.constexpr = 1,
 ):
     pdl_wait(USE_PDL)
     if PDL_TRIGGER == 1:
@@ -64,7 +65,10 @@ def _gemv_kernel(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < M
     col_ok = cols < N
-    x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_xm
+    if EVEN:  # rows past M read row M - 1 (their results are not stored): no masks in the loop
+        x_rows = x_ptr + tl.minimum(rows, M - 1)[:, None].to(tl.int64) * stride_xm
+    else:
+        x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_xm
     w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_wn
     k_start = pid_k * k_chunk
     k_end = tl.minimum(K, k_start + k_chunk)
@@ -75,15 +79,23 @@ def _gemv_kernel(
     for k0 in range(k_start, k_end, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
-        w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-        a = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        if EVEN:
+            w = tl.load(w_rows + ks[None, :])
+            a = tl.load(x_rows + ks[None, :])
+        else:
+            w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            a = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         # e4m3 -> float16 is one packed conversion per two values (and exact); triton's direct
         # e4m3 -> bfloat16 costs several, which made the kernel compute-bound on the H200.
         if W_FP8:
             w = w.to(tl.float16)
         if DOT:
             if DOT_FP32:
+                if X_F16:
+                    a = _to_float16_saturated(a, True)
                 acc += tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+            elif X_F16:
+                acc += tl.dot(_to_float16_saturated(a, False), tl.trans(w))
             else:
                 acc += tl.dot(a, tl.trans(w.to(a.dtype)))
         else:
@@ -103,12 +115,22 @@ def _gemv_kernel(
         done = tl.atomic_add(tile, 1, sem="acq_rel")
         if done == SPLIT_K - 1:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for s in tl.static_range(SPLIT_K):  # in slice order, whichever program is last: deterministic
+            # In slice order, whichever program is last: deterministic.
+            for s in tl.range(SPLIT_K, loop_unroll_factor=REDUCE_UNROLL):
                 acc += tl.load(parts + s * M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
             tl.atomic_xchg(tile, 0)
             _finish(acc, scale_ptr, bias_ptr, out_ptr, rows, cols, col_ok, out_mask, stride_om, HAS_BIAS, HAS_SCALE)
     else:
         _finish(acc, scale_ptr, bias_ptr, out_ptr, rows, cols, col_ok, out_mask, stride_om, HAS_BIAS, HAS_SCALE)
+
+
+@triton.jit
+def _to_float16_saturated(a, INTERPRETED: tl.constexpr):
+    """``a`` rounded to float16, values beyond its range clamped to +-65504 (one instruction per two values)."""
+    if INTERPRETED:
+        return tl.clamp(a.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+    return tl.inline_asm_elementwise("cvt.rn.satfinite.f16x2.f32 $0, $2, $1;", "=r,f,f", [a.to(tl.float32)],
+                                     dtype=tl.float16, is_pure=True, pack=2)
 
 
 @triton.jit
@@ -138,6 +160,8 @@ class GemvConfig(NamedTuple):
     #: When the next kernel may launch under PDL: 0 when this one completes, 1 at its start, 2 after the main
     #: loop (B2 on the H200: llama-3.1-8b fp8 2.968 ms with 2, 3.029 with 0).
     pdl_trigger: int = 2
+    #: FP8 weights with the dot: multiply in float16, x rounded to float16 (see :func:`fp8_gemv`).
+    x_f16: bool = False
 
 
 #: Split K until a launch has at least this many programs (an H200 has 132 multiprocessors).
@@ -215,6 +239,8 @@ def _gemv(x, weight, scale, bias, config):
     block_m = 16 if cfg.dot else min(16, next_power_of_2(m))
     k_chunk = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     grid = (triton.cdiv(n, cfg.block_n), cfg.split_k, triton.cdiv(m, block_m))
+    x_f16 = (cfg.x_f16 and cfg.dot and weight.element_size() == 1 and x.dtype != torch.float32
+             and (INTERPRETED or (x.device.type == "cuda" and torch.version.hip is None)))
     if cfg.split_k == 1:
         part = counts = out
     else:
@@ -225,9 +251,14 @@ def _gemv(x, weight, scale, bias, config):
                        SPLIT_K=cfg.split_k, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                        DOT=cfg.dot, DOT_FP32=INTERPRETED or x.dtype == torch.float32,
                        W_FP8=weight.element_size() == 1, HAS_SCALE=scale is not None, PDL_TRIGGER=cfg.pdl_trigger,
+                       X_F16=x_f16, EVEN=n % cfg.block_n == 0 and k % cfg.block_k == 0,
+                       REDUCE_UNROLL=max(1, min(cfg.split_k, REDUCE_ELEMENTS // (block_m * cfg.block_n))),
                        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kwargs(use_pdl(x.device)))
     return out.reshape(*x.shape[:-1], n)
 
+
+#: A split tile's last program loads this many partial sums at a time (more would spill registers).
+REDUCE_ELEMENTS = 16384
 
 _counters: dict[torch.device, list[torch.Tensor]] = {}
 
