@@ -125,7 +125,7 @@ def test_float16_products_saturate_x_at_the_float16_range():
 
 @pytest.mark.parametrize("config", CONFIGS, ids=str)
 def test_tiles_that_divide_the_weight_read_without_masks(config):
-    """N and K multiples of the tiles take the unmasked loop (rows past M read row M - 1, never stored)."""
+    """N and K multiples of the tiles take the loop without K and N masks."""
     x, q, scale, bias = case(3, 64, 128, torch.bfloat16, seed=11)
     assert_close(fp8_gemv(*on(x, q, scale, bias), config=CONFIGS[config]), reference(x, q, scale, bias),
                  torch.bfloat16)

@@ -65,10 +65,7 @@ def _gemv_kernel(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < M
     col_ok = cols < N
-    if EVEN:  # rows past M read row M - 1 (their results are not stored): no masks in the loop
-        x_rows = x_ptr + tl.minimum(rows, M - 1)[:, None].to(tl.int64) * stride_xm
-    else:
-        x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_xm
+    x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_xm
     w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_wn
     k_start = pid_k * k_chunk
     k_end = tl.minimum(K, k_start + k_chunk)
@@ -79,9 +76,9 @@ def _gemv_kernel(
     for k0 in range(k_start, k_end, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
-        if EVEN:
+        if EVEN:  # the tiles divide N and K: only x's rows past M are masked
             w = tl.load(w_rows + ks[None, :])
-            a = tl.load(x_rows + ks[None, :])
+            a = tl.load(x_rows + ks[None, :], mask=row_ok[:, None], other=0.0)
         else:
             w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
             a = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
