@@ -49,10 +49,11 @@ GRID = [(8, 1024, 4, 3, 1, False), (8, 2048, 4, 3, 1, False), (4, 2048, 4, 3, 1,
         (8, 512, 4, 3, 1, False), (8, 1024, 4, 3, 2, False)]
 #: FP8 at one token: tensor-core tiles (split until MIN_PROGRAMS), (block_n, block_k, num_warps, num_stages,
 #: x_f16): bfloat16 products, or float16 ones with x rounded to float16.
-FP8_GRID = [(64, 128, 4, 5, False), (64, 256, 4, 3, False), (128, 128, 4, 4, False),
-            (64, 128, 4, 5, True), (128, 128, 4, 4, True), (128, 128, 4, 3, True), (128, 256, 4, 3, True),
-            (256, 128, 4, 3, True), (256, 128, 4, 2, True), (256, 64, 4, 4, True), (128, 128, 8, 4, True),
-            (256, 128, 8, 3, True), (512, 64, 4, 3, True)]
+FP8_GRID = [(64, 128, 4, 5, False), (64, 256, 4, 3, False), (64, 256, 4, 4, False), (64, 256, 8, 3, False),
+            (64, 512, 4, 2, False), (64, 512, 4, 3, False), (32, 512, 4, 3, False), (32, 256, 4, 4, False),
+            (128, 128, 4, 4, False), (128, 256, 4, 3, False), (64, 256, 4, 3, True), (64, 128, 4, 5, True),
+            (128, 128, 4, 3, True), (128, 128, 4, 2, True), (128, 256, 4, 3, True), (128, 256, 4, 2, True),
+            (64, 512, 4, 3, True), (256, 128, 8, 3, True)]
 
 
 def set_pdl(on: bool) -> None:
