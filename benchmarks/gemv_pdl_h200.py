@@ -47,13 +47,9 @@ MS = (1, 2, 4, 8, 16)
 GRID = [(8, 1024, 4, 3, 1, False), (8, 2048, 4, 3, 1, False), (4, 2048, 4, 3, 1, False), (16, 1024, 8, 3, 1, False),
         (8, 1024, 8, 3, 1, False), (4, 1024, 4, 3, 1, False), (8, 1024, 4, 4, 1, False), (8, 1024, 4, 2, 1, False),
         (8, 512, 4, 3, 1, False), (8, 1024, 4, 3, 2, False)]
-#: FP8 at one token: tensor-core tiles (split until MIN_PROGRAMS), (block_n, block_k, num_warps, num_stages,
-#: x_f16): bfloat16 products, or float16 ones with x rounded to float16.
-FP8_GRID = [(64, 128, 4, 5, False), (64, 256, 4, 3, False), (64, 256, 4, 4, False), (64, 256, 8, 3, False),
-            (64, 512, 4, 2, False), (64, 512, 4, 3, False), (32, 512, 4, 3, False), (32, 256, 4, 4, False),
-            (128, 128, 4, 4, False), (128, 256, 4, 3, False), (64, 256, 4, 3, True), (64, 128, 4, 5, True),
-            (128, 128, 4, 3, True), (128, 128, 4, 2, True), (128, 256, 4, 3, True), (128, 256, 4, 2, True),
-            (64, 512, 4, 3, True), (256, 128, 8, 3, True)]
+#: FP8 at one token: tensor-core tiles (block_n, block_k, num_warps, num_stages), split until MIN_PROGRAMS.
+FP8_GRID = [(64, 256, 4, 3), (64, 128, 4, 5), (64, 256, 4, 4), (64, 256, 8, 3), (64, 512, 4, 2), (64, 512, 4, 3),
+            (32, 512, 4, 3), (32, 256, 4, 4), (128, 128, 4, 4), (128, 128, 4, 3), (128, 256, 4, 3), (128, 256, 4, 2)]
 
 
 def set_pdl(on: bool) -> None:
@@ -100,8 +96,8 @@ def bench_shape(name, n, k, gen) -> dict:
     ref8 = x.float() @ (q.float() * scale[:, None]).t()
     row["fp8_default_us"] = time_graph(lambda i: fp8_gemv(x, qs[i % len(qs)], scale), CALLS)
     fp8_configs = []
-    for bn, bk, warps, stages, x_f16 in FP8_GRID:
-        cfg = GemvConfig(bn, bk, warps, stages, split_k_for(n, k, bn, bk), True, x_f16=x_f16)
+    for bn, bk, warps, stages in FP8_GRID:
+        cfg = GemvConfig(bn, bk, warps, stages, split_k_for(n, k, bn, bk), True)
         try:
             err = rel_err(fp8_gemv(x, q, scale, config=cfg), ref8)
             us = time_graph(lambda i, cfg=cfg: fp8_gemv(x, qs[i % len(qs)], scale, config=cfg), CALLS)
@@ -121,7 +117,7 @@ def bench_shape(name, n, k, gen) -> dict:
 def bench_step(model: str, gen, fp8_best: dict) -> dict:
     """One decode step's layer linears back to back in one graph (distinct weights per layer), per path and
     PDL trigger (0: at completion, 2: after the main loop); FP8 also with ``fp8_best`` (shape -> the fastest
-    float16-product config at one token in :func:`bench_shape`)."""
+    FP8 config at one token in :func:`bench_shape`)."""
     spec = MODELS[model]
     layers = spec["layers"]
     weights = {s: [torch.randn(n, k, device="cuda", generator=gen).bfloat16().mul_(0.02) for _ in range(layers)]
@@ -152,9 +148,9 @@ def bench_step(model: str, gen, fp8_best: dict) -> dict:
             step(lambda s, i, h: gemv(h, weights[s][i], config=cfg(s, 2, trigger))), 1) / 1000
         out[f"fp8_trigger{trigger}_ms"] = time_graph(
             step(lambda s, i, h: fp8_gemv(h, *fp8[s][i], config=cfg(s, 1, trigger))), 1) / 1000
-        out[f"fp8_best_x_f16_trigger{trigger}_ms"] = time_graph(step(lambda s, i, h: fp8_gemv(
+        out[f"fp8_best_trigger{trigger}_ms"] = time_graph(step(lambda s, i, h: fp8_gemv(
             h, *fp8[s][i], config=fp8_best[s]._replace(pdl_trigger=trigger))), 1) / 1000
-    out["fp8_best_x_f16"] = {s: list(c) for s, c in fp8_best.items()}
+    out["fp8_best"] = {s: list(c) for s, c in fp8_best.items()}
     print(f"{model} decode-step layer linears (ms): "
           + ", ".join(f"{k[:-3]} {v:.3f}" for k, v in out.items() if k.endswith("_ms")), flush=True)
     return out
@@ -178,7 +174,7 @@ def main() -> None:
         shapes = dict(MODELS[model]["shapes"], lm_head=MODELS[model]["lm_head"])
         rows = {s: bench_shape(f"{model[:5]}:{s}", n, k, gen) for s, (n, k) in shapes.items()}
         torch.cuda.empty_cache()
-        best = {s: GemvConfig(*next(c["config"] for c in rows[s]["fp8_grid_m1"] if c.get("us") and c["config"][-1]))
+        best = {s: GemvConfig(*next(c["config"] for c in rows[s]["fp8_grid_m1"] if c.get("us")))
                 for s in MODELS[model]["shapes"]}
         report["models"][model] = {"shapes": rows, "step": bench_step(model, gen, best)}
         torch.cuda.empty_cache()

@@ -4,7 +4,7 @@
 # qwen3-0.6b. Usage (on the H200, .whl carried): bash benchmarks/h200_gemv.sh ; results in $OUT.
 # SKIP_MICRO=1 skips the microbenchmark, SKIP_B1=1 the B1 runs; TESTS= runs only the GEMV and PDL tests;
 # PDL_AB=1 runs each B2 with DOVETAIL_TRITON_PDL=1 and then 0 (what benchmarks/h200_pdl.sh did at 77a43ea).
-# MICRO_ARGS are passed to the microbenchmark; GEMV_SETS="fp8.x_f16=0 fp8.x_f16=1,fp8.block_n=128 ..." runs
+# MICRO_ARGS are passed to the microbenchmark; GEMV_SETS="fp8.num_stages=3 fp8.block_k=128,fp8.num_stages=5 ..." runs
 # llama-3.1-8b's B2 in bf16 once, then in fp8 once per set of GEMV default overrides
 # (benchmarks/with_gemv_config.py; commas separate fields; bf16 again for a set with bf16.FIELD).
 set -u

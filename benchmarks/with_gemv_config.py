@@ -1,10 +1,11 @@
 """Run a ``dovetail`` command with the Triton GEMV's default launch parameters changed, to tune them end to end.
 
-``python3 benchmarks/with_gemv_config.py fp8.block_n=128 -- bench latency --model llama-3.1-8b ...``
-runs ``dovetail bench latency ...`` in this process with every :func:`dovetail.triton.gemv.default_config`
-result given ``block_n=128`` (any :class:`~dovetail.triton.gemv.GemvConfig` field, integer values, 0/1 for
-flags; ``fp8.FIELD=V`` or ``bf16.FIELD=V`` for one weight kind only). Unless ``split_k`` is set too, a changed
-tensor-core tile takes the split :func:`~dovetail.triton.gemv.split_k_for` gives it. CUDA graphs capture the changed kernels.
+``python3 benchmarks/with_gemv_config.py fp8.block_n=128 -- bench latency --model llama-3.1-8b``
+runs ``dovetail bench latency ...`` in this process with every FP8 result of
+:func:`dovetail.triton.gemv.default_config` given ``block_n=128`` (any :class:`~dovetail.triton.gemv.GemvConfig`
+field, integer values; ``FIELD=V`` for both weight kinds, ``bf16.FIELD=V`` for 16-bit weights). Unless ``split_k``
+is set too, a changed tensor-core tile takes the split :func:`~dovetail.triton.gemv.split_k_for` gives it.
+CUDA graphs capture the changed kernels.
 """
 
 from __future__ import annotations

@@ -45,14 +45,14 @@ ROTARY_TYPES = dict(positions_ptr="*i64", q_ptr="*bf16", k_ptr="*bf16", q_out_pt
                     cos_sin_ptr="*fp32", q_norm_ptr="*bf16", k_norm_ptr="*bf16", eps="fp32")
 
 
-def gemv_variant(weight, dot, split_k, block_n, block_k, num_stages, x_f16=False, even=False):
+def gemv_variant(weight, dot, split_k, block_n, block_k, num_stages, even=False):
     from dovetail.triton.gemv import _gemv_kernel
 
     types = dict(x_ptr="*bf16", w_ptr="*fp8e4nv" if weight == "fp8" else "*bf16", scale_ptr="*fp32",
                  bias_ptr="*bf16", out_ptr="*bf16", part_ptr="*fp32", count_ptr="*i32")
     constexprs = dict(HAS_BIAS=True, SPLIT_K=split_k, BLOCK_M=16 if dot else 1, BLOCK_N=block_n, BLOCK_K=block_k,
                       DOT=dot, DOT_FP32=False, W_FP8=weight == "fp8", HAS_SCALE=weight == "fp8", PDL_TRIGGER=2,
-                      X_F16=x_f16, EVEN=even, REDUCE_UNROLL=4 if x_f16 else split_k)
+                      EVEN=even)
     return _gemv_kernel, types, constexprs, dict(num_warps=4, num_stages=num_stages)
 
 
@@ -105,7 +105,7 @@ def _variants():
                                 dict(NUM_HEADS=16, NUM_KV_HEADS=8, HEADS_PAD=16, KV_HEADS_PAD=8, HEAD_SIZE=128,
                                      HALF=64, HALF_PAD=64, NORM=True, WEIGHT_FP32=False), dict(num_warps=4)),
         "gemv fp8 dot split-k": gemv_variant("fp8", True, 4, 64, 128, 3),
-        "gemv fp8 float16 products, unmasked": gemv_variant("fp8", True, 8, 256, 128, 3, x_f16=True, even=True),
+        "gemv fp8 dot, tiles dividing the weight": gemv_variant("fp8", True, 4, 64, 256, 3, even=True),
         "gemv bf16 register sums": gemv_variant("bf16", False, 1, 8, 1024, 3),
     }
 

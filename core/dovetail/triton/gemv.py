@@ -52,8 +52,7 @@ def _gemv_kernel(
     M, N, K, stride_xm, stride_wn, stride_om, k_chunk,
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, DOT: tl.constexpr, DOT_FP32: tl.constexpr, W_FP8: tl.constexpr, HAS_SCALE: tl.constexpr,
-    USE_PDL: tl.constexpr, PDL_TRIGGER: tl.constexpr, X_F16: tl.constexpr = False, EVEN: tl.constexpr = False,
-    REDUCE_UNROLL: tl.constexpr = 1,
+    USE_PDL: tl.constexpr, PDL_TRIGGER: tl.constexpr, EVEN: tl.constexpr,
 ):
     pdl_wait(USE_PDL)
     if PDL_TRIGGER == 1:
@@ -88,11 +87,7 @@ def _gemv_kernel(
             w = w.to(tl.float16)
         if DOT:
             if DOT_FP32:
-                if X_F16:
-                    a = _to_float16_saturated(a, True)
                 acc += tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
-            elif X_F16:
-                acc += tl.dot(_to_float16_saturated(a, False), tl.trans(w))
             else:
                 acc += tl.dot(a, tl.trans(w.to(a.dtype)))
         else:
@@ -112,22 +107,12 @@ def _gemv_kernel(
         done = tl.atomic_add(tile, 1, sem="acq_rel")
         if done == SPLIT_K - 1:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            # In slice order, whichever program is last: deterministic.
-            for s in tl.range(SPLIT_K, loop_unroll_factor=REDUCE_UNROLL):
+            for s in tl.static_range(SPLIT_K):  # in slice order, whichever program is last: deterministic
                 acc += tl.load(parts + s * M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
             tl.atomic_xchg(tile, 0)
             _finish(acc, scale_ptr, bias_ptr, out_ptr, rows, cols, col_ok, out_mask, stride_om, HAS_BIAS, HAS_SCALE)
     else:
         _finish(acc, scale_ptr, bias_ptr, out_ptr, rows, cols, col_ok, out_mask, stride_om, HAS_BIAS, HAS_SCALE)
-
-
-@triton.jit
-def _to_float16_saturated(a, INTERPRETED: tl.constexpr):
-    """``a`` rounded to float16, values beyond its range clamped to +-65504 (one instruction per two values)."""
-    if INTERPRETED:
-        return tl.clamp(a.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
-    return tl.inline_asm_elementwise("cvt.rn.satfinite.f16x2.f32 $0, $2, $1;", "=r,f,f", [a.to(tl.float32)],
-                                     dtype=tl.float16, is_pure=True, pack=2)
 
 
 @triton.jit
@@ -157,8 +142,6 @@ class GemvConfig(NamedTuple):
     #: When the next kernel may launch under PDL: 0 when this one completes, 1 at its start, 2 after the main
     #: loop (B2 on the H200: llama-3.1-8b fp8 2.968 ms with 2, 3.029 with 0).
     pdl_trigger: int = 2
-    #: FP8 weights with the dot: multiply in float16, x rounded to float16 (see :func:`fp8_gemv`).
-    x_f16: bool = False
 
 
 #: Split K until a launch has at least this many programs (an H200 has 132 multiprocessors).
@@ -182,15 +165,16 @@ def default_config(m: int, n: int, k: int, weight_bytes: int = 1) -> GemvConfig:
     of K per step, unsplit (``benchmarks/gemv_pdl_h200.py``, H200, one token, 12 configs: the fastest
     on 4 of llama-3.1-8b's and qwen3-0.6b's 8 layer linears, within 2% on 3, 5% behind on llama's qkv).
 
-    From benchmarks/fp8_gemv_h200.py on an H200 (llama-3.1-8b's shapes, 1 to 16 tokens, 72
-    configs): the tensor-core dot with 64 weight rows and 128 of K per step, K split until there
-    are ``MIN_PROGRAMS`` programs (qkv 4, o 8, down 8, gate_up 1), was the fastest or within 3% of
-    it everywhere; without a split, 5 pipeline stages rather than 3 (lm_head: -11%).
+    Otherwise the tensor-core dot over 64 weight rows and 256 of K per step, 3 pipeline stages, K split
+    until there are ``MIN_PROGRAMS`` programs (llama-3.1-8b: qkv 4, o 8, down 8, gate_up 1). On an H200 at
+    one token (``benchmarks/gemv_pdl_h200.py``, 18 FP8 configs) it took 11.1 / 8.4 / 31.5 / 18.7 µs for
+    llama-3.1-8b's qkv / o / gate_up / down against 11.3 / 8.6 / 34.1 / 19.1 for the earlier 64 x 128 tiles,
+    and B2 fp8 2.942 ms against 2.980 (``benchmarks/h200_gemv.sh`` with ``GEMV_SETS``). With a fourth
+    stage the shared memory holds two programs per multiprocessor instead of three (gate_up 44.3 µs).
     """
     if weight_bytes == 2 and m <= 4:
         return GemvConfig(8, 1024 // next_power_of_2(m), num_warps=4, num_stages=3)
-    split_k = split_k_for(n, k, 64, 128)
-    return GemvConfig(64, 128, num_warps=4, num_stages=5 if split_k == 1 else 3, split_k=split_k, dot=True)
+    return GemvConfig(64, 256, num_warps=4, num_stages=3, split_k=split_k_for(n, k, 64, 256), dot=True)
 
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None,
@@ -236,8 +220,6 @@ def _gemv(x, weight, scale, bias, config):
     block_m = 16 if cfg.dot else min(16, next_power_of_2(m))
     k_chunk = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     grid = (triton.cdiv(n, cfg.block_n), cfg.split_k, triton.cdiv(m, block_m))
-    x_f16 = (cfg.x_f16 and cfg.dot and weight.element_size() == 1 and x.dtype != torch.float32
-             and (INTERPRETED or (x.device.type == "cuda" and torch.version.hip is None)))
     if cfg.split_k == 1:
         part = counts = out
     else:
@@ -248,14 +230,10 @@ def _gemv(x, weight, scale, bias, config):
                        SPLIT_K=cfg.split_k, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                        DOT=cfg.dot, DOT_FP32=INTERPRETED or x.dtype == torch.float32,
                        W_FP8=weight.element_size() == 1, HAS_SCALE=scale is not None, PDL_TRIGGER=cfg.pdl_trigger,
-                       X_F16=x_f16, EVEN=n % cfg.block_n == 0 and k % cfg.block_k == 0,
-                       REDUCE_UNROLL=max(1, min(cfg.split_k, REDUCE_ELEMENTS // (block_m * cfg.block_n))),
+                       EVEN=n % cfg.block_n == 0 and k % cfg.block_k == 0,
                        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kwargs(use_pdl(x.device)))
     return out.reshape(*x.shape[:-1], n)
 
-
-#: A split tile's last program loads this many partial sums at a time (more would spill registers).
-REDUCE_ELEMENTS = 16384
 
 _counters: dict[torch.device, list[torch.Tensor]] = {}
 
