@@ -4,9 +4,9 @@
 # qwen3-0.6b. Usage (on the H200, .whl carried): bash benchmarks/h200_gemv.sh ; results in $OUT.
 # SKIP_MICRO=1 skips the microbenchmark, SKIP_B1=1 the B1 runs; TESTS= runs only the GEMV and PDL tests;
 # PDL_AB=1 runs each B2 with DOVETAIL_TRITON_PDL=1 and then 0 (what benchmarks/h200_pdl.sh did at 77a43ea).
-# MICRO_ARGS are passed to the microbenchmark; GEMV_SETS="fp8.num_stages=3 fp8.block_k=128,fp8.num_stages=5 ..." runs
-# llama-3.1-8b's B2 in bf16 once, then in fp8 once per set of GEMV default overrides
-# (benchmarks/with_gemv_config.py; commas separate fields; bf16 again for a set with bf16.FIELD).
+# MICRO_ARGS are passed to the microbenchmark; GEMV_SETS="fp8.pdl_trigger=0 fp8.block_k=128,fp8.num_stages=5 ..."
+# adds a llama-3.1-8b fp8 B2 per set of GEMV default overrides after the usual B2s
+# (benchmarks/with_gemv_config.py; commas separate fields; a bf16 B2 too for a set with bf16.FIELD).
 set -u
 source benchmarks/h200_setup.sh || exit 1
 left() { echo $((580 - SECONDS)); }
@@ -32,13 +32,7 @@ print(json.dumps({"label": sys.argv[1], **{k: r[k] for k in ("ms_per_token", "ms
 PY
 }
 log "B2"
-if [ -n "${GEMV_SETS:-}" ]; then  # llama bf16 B2, then fp8 per set of GEMV overrides (bf16 too if a set names it)
-  bench B2-llama latency llama-3.1-8b
-  for set in $GEMV_SETS; do
-    [[ "$set" != *bf16.* ]] || GEMV_SET="${set//,/ }" bench "B2-llama-$set" latency llama-3.1-8b
-    GEMV_SET="${set//,/ }" bench "B2-llama-fp8-$set" latency llama-3.1-8b --quantization fp8
-  done
-elif [ "${PDL_AB:-0}" = 1 ]; then  # B2 with programmatic dependent launch on, then off, alternating
+if [ "${PDL_AB:-0}" = 1 ]; then  # B2 with programmatic dependent launch on, then off, alternating
   for args in "llama latency llama-3.1-8b" "llama-fp8 latency llama-3.1-8b --quantization fp8" "qwen latency qwen3-0.6b"; do
     set -- $args
     for pdl in 1 0; do DOVETAIL_TRITON_PDL=$pdl bench "B2-$1-pdl$pdl" "${@:2}"; done
@@ -48,6 +42,10 @@ else
   bench B2-llama-fp8 latency llama-3.1-8b --quantization fp8
   bench B2-qwen latency qwen3-0.6b
 fi
+for set in ${GEMV_SETS:-}; do  # then llama fp8 (and bf16 if the set names it) per set of GEMV overrides
+  [[ "$set" != *bf16.* ]] || GEMV_SET="${set//,/ }" bench "B2-llama-$set" latency llama-3.1-8b
+  GEMV_SET="${set//,/ }" bench "B2-llama-fp8-$set" latency llama-3.1-8b --quantization fp8
+done
 if [ "${SKIP_B1:-0}" != 1 ]; then
   log "B1"
   bench B1-qwen throughput qwen3-0.6b
