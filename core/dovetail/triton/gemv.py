@@ -165,16 +165,19 @@ def default_config(m: int, n: int, k: int, weight_bytes: int = 1) -> GemvConfig:
     of K per step, unsplit (``benchmarks/gemv_pdl_h200.py``, H200, one token, 12 configs: the fastest
     on 4 of llama-3.1-8b's and qwen3-0.6b's 8 layer linears, within 2% on 3, 5% behind on llama's qkv).
 
-    Otherwise the tensor-core dot over 64 weight rows and 256 of K per step, 3 pipeline stages, K split
-    until there are ``MIN_PROGRAMS`` programs (llama-3.1-8b: qkv 4, o 8, down 8, gate_up 1). On an H200 at
-    one token (``benchmarks/gemv_pdl_h200.py``, 18 FP8 configs) it took 11.1 / 8.4 / 31.5 / 18.7 µs for
-    llama-3.1-8b's qkv / o / gate_up / down against 11.3 / 8.6 / 34.1 / 19.1 for the earlier 64 x 128 tiles,
-    and B2 fp8 2.942 ms against 2.980 (``benchmarks/h200_gemv.sh`` with ``GEMV_SETS``). With a fourth
-    stage the shared memory holds two programs per multiprocessor instead of three (gate_up 44.3 µs).
+    Otherwise the tensor-core dot over 64 weight rows, K split until there are ``MIN_PROGRAMS`` programs.
+    For K of 4,096 or more, 256 of K per step and 3 pipeline stages (llama-3.1-8b, H200, one token,
+    ``benchmarks/gemv_pdl_h200.py``: qkv / o / gate_up / down 11.1 / 8.4 / 31.5 / 18.7 µs against 11.3 / 8.6 /
+    34.1 / 19.1 with 128 of K; B2 fp8 2.942 ms against 2.980; a fourth stage leaves shared memory for two
+    programs per multiprocessor instead of three: gate_up 44.3 µs). Shorter K, 128 per step, 5 stages
+    unsplit and 3 split (qwen3-0.6b's linears: 256 of K was 0.1-0.5 µs slower on each).
     """
     if weight_bytes == 2 and m <= 4:
         return GemvConfig(8, 1024 // next_power_of_2(m), num_warps=4, num_stages=3)
-    return GemvConfig(64, 256, num_warps=4, num_stages=3, split_k=split_k_for(n, k, 64, 256), dot=True)
+    if k >= 4096:
+        return GemvConfig(64, 256, num_warps=4, num_stages=3, split_k=split_k_for(n, k, 64, 256), dot=True)
+    split_k = split_k_for(n, k, 64, 128)
+    return GemvConfig(64, 128, num_warps=4, num_stages=5 if split_k == 1 else 3, split_k=split_k, dot=True)
 
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None,
