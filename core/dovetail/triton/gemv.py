@@ -170,7 +170,7 @@ def default_config(m: int, n: int, k: int, weight_bytes: int = 1) -> GemvConfig:
     ``benchmarks/gemv_pdl_h200.py``: qkv / o / gate_up / down 11.1 / 8.4 / 31.5 / 18.7 µs against 11.3 / 8.6 /
     34.1 / 19.1 with 128 of K; B2 fp8 2.942 ms against 2.980; a fourth stage leaves shared memory for two
     programs per multiprocessor instead of three: gate_up 44.3 µs). Shorter K, 128 per step, 5 stages
-    unsplit and 3 split (qwen3-0.6b's linears: 256 of K was 0.1-0.5 µs slower on each).
+    unsplit and 3 split (qwen3-0.6b's linears: 256 of K was 0.2-0.5 µs slower on each, same H200).
     """
     if weight_bytes == 2 and m <= 4:
         return GemvConfig(8, 1024 // next_power_of_2(m), num_warps=4, num_stages=3)
