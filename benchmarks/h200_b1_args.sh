@@ -10,7 +10,8 @@ for round in 1 2; do
   for set in "${sets[@]}"; do
     args=$set; [ "$set" = default ] && args=""
     timeout 200 dovetail --log-level WARNING bench throughput --model llama-3.1-8b --dtype bfloat16 \
-      --attention-backend TRITON $args --output-json /tmp/r.json >/dev/null 2>>"$OUT/err.log" || { echo "$set failed"; continue; }
+      --attention-backend TRITON $args --output-json /tmp/r.json >/dev/null 2>>"$OUT/err.log" \
+      || { echo "$set failed"; continue; }
     python3 - "$round" "$set" <<'PY' | tee -a "$OUT/b1_args.jsonl"
 import json, sys
 r = json.load(open("/tmp/r.json"))["dovetail"]
