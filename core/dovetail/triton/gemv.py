@@ -74,11 +74,11 @@ def _gemv_kernel(
         acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < K
         if EVEN:  # the tiles divide N and K: only x's rows past M are masked
             w = tl.load(w_rows + ks[None, :])
             a = tl.load(x_rows + ks[None, :], mask=row_ok[:, None], other=0.0)
         else:
+            k_ok = ks < K
             w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
             a = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         # e4m3 -> float16 is one packed conversion per two values (and exact); triton's direct
