@@ -6,7 +6,8 @@ L2; median of 10 replays, by ``fp8_gemv_h200.time_graph``):
 
 1. per shape (the LM head too) and M in 1-16: cuBLAS bf16 ``F.linear`` and
    :func:`dovetail.triton.gemv.gemv` with its default config and with the tensor-core tiles; at M=1 a
-   small grid of configs, and a grid of FP8 tensor-core configs; programmatic dependent launch (PDL) on;
+   small grid of configs, and a grid of FP8 configs (tensor-core tiles and register sums); programmatic
+   dependent launch (PDL) on;
 2. one decode step's layer linears in a single graph (qkv, o, gate_up, down for every layer, back to back),
    cuBLAS against both GEMVs, the PDL trigger at completion (0) or after the main loop (2). GEMVs back to
    back favour trigger 0 for FP8; in the engine, where small kernels sit between them, 2 was faster.
@@ -47,9 +48,12 @@ MS = (1, 2, 4, 8, 16)
 GRID = [(8, 1024, 4, 3, 1, False), (8, 2048, 4, 3, 1, False), (4, 2048, 4, 3, 1, False), (16, 1024, 8, 3, 1, False),
         (8, 1024, 8, 3, 1, False), (4, 1024, 4, 3, 1, False), (8, 1024, 4, 4, 1, False), (8, 1024, 4, 2, 1, False),
         (8, 512, 4, 3, 1, False), (8, 1024, 4, 3, 2, False)]
-#: FP8 at one token: tensor-core tiles (block_n, block_k, num_warps, num_stages), split until MIN_PROGRAMS.
-FP8_GRID = [(64, 256, 4, 3), (64, 128, 4, 5), (64, 256, 4, 4), (64, 256, 8, 3), (64, 512, 4, 2), (64, 512, 4, 3),
-            (32, 512, 4, 3), (32, 256, 4, 4), (128, 128, 4, 4), (128, 128, 4, 3), (128, 256, 4, 3), (128, 256, 4, 2)]
+#: FP8 at one token (block_n, block_k, num_warps, num_stages, dot), split until MIN_PROGRAMS: tensor-core tiles,
+#: then register sums over a few weight rows (the bf16 GEMV's fine-grained programs).
+FP8_GRID = [(64, 256, 4, 3, True), (64, 128, 4, 5, True), (64, 256, 4, 4, True), (64, 512, 4, 3, True),
+            (32, 512, 4, 3, True), (32, 256, 4, 3, True), (16, 256, 4, 3, True), (16, 512, 4, 3, True),
+            (128, 128, 4, 3, True), (128, 256, 4, 3, True), (8, 1024, 4, 3, False), (8, 2048, 8, 3, False),
+            (16, 1024, 8, 3, False), (16, 512, 4, 3, False), (4, 2048, 4, 3, False), (32, 512, 8, 3, False)]
 
 
 def set_pdl(on: bool) -> None:
@@ -61,7 +65,7 @@ def rel_err(out, ref) -> float:
 
 
 def bench_shape(name, n, k, gen) -> dict:
-    """cuBLAS and the Triton GEMV (default config per M, the grid at M=1), FP8 dot and register sums at M=1."""
+    """cuBLAS and the Triton GEMV (default config per M, the grid at M=1); FP8 tiles and register sums at M=1."""
     set_pdl(True)
     w = torch.randn(n, k, device="cuda", generator=gen) * 0.02
     q, scale = quant_ops.quantize_fp8_per_channel(w)
@@ -96,8 +100,8 @@ def bench_shape(name, n, k, gen) -> dict:
     ref8 = x.float() @ (q.float() * scale[:, None]).t()
     row["fp8_default_us"] = time_graph(lambda i: fp8_gemv(x, qs[i % len(qs)], scale), CALLS)
     fp8_configs = []
-    for bn, bk, warps, stages in FP8_GRID:
-        cfg = GemvConfig(bn, bk, warps, stages, split_k_for(n, k, bn, bk), True)
+    for bn, bk, warps, stages, dot in FP8_GRID:
+        cfg = GemvConfig(bn, bk, warps, stages, split_k_for(n, k, bn, bk), dot)
         try:
             err = rel_err(fp8_gemv(x, q, scale, config=cfg), ref8)
             us = time_graph(lambda i, cfg=cfg: fp8_gemv(x, qs[i % len(qs)], scale, config=cfg), CALLS)

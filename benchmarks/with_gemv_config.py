@@ -5,6 +5,7 @@ runs ``dovetail bench latency ...`` in this process with every FP8 result of
 :func:`dovetail.triton.gemv.default_config` given ``block_n=128`` (any :class:`~dovetail.triton.gemv.GemvConfig`
 field, integer values; ``FIELD=V`` for both weight kinds, ``bf16.FIELD=V`` for 16-bit weights). Unless ``split_k``
 is set too, a changed tensor-core tile takes the split :func:`~dovetail.triton.gemv.split_k_for` gives it.
+Register sums (``dot=0``) keep their accumulator within 64 values a thread: at more rows, ``block_k`` shrinks.
 CUDA graphs capture the changed kernels.
 """
 
@@ -29,7 +30,12 @@ def override(changes: dict[tuple[int | None, str], int]) -> None:
         if cfg.dot and "split_k" not in fields and ({"block_n", "block_k"} & fields.keys()):
             fields["split_k"] = gemv_module.split_k_for(n, k, fields.get("block_n", cfg.block_n),
                                                         fields.get("block_k", cfg.block_k))
-        return cfg._replace(**fields)
+        cfg = cfg._replace(**fields)
+        rows = gemv_module.next_power_of_2(m)
+        limit = 64 * 32 * cfg.num_warps
+        if not cfg.dot and rows * cfg.block_n * cfg.block_k > limit:
+            cfg = cfg._replace(block_k=max(16, limit // (rows * cfg.block_n)))
+        return cfg
 
     gemv_module.default_config = default_config
 
