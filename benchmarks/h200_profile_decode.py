@@ -139,10 +139,21 @@ def profile_b1(model: str, quantization: str | None, backend: str, num: int) -> 
         wall = time.perf_counter() - start
     kernels = sorted(_kernel_times(prof).items(), key=lambda kv: -kv[1][0])
     total = sum(t for t, _ in dict(kernels).values())
+    groups = defaultdict(float)
+    for name, (t, _) in kernels:
+        groups[next((g for g, keys in KERNEL_GROUPS.items() if any(key in name for key in keys)), "other")] += t / 1e6
     del llm
     return {"model": model, "quantization": quantization, "backend": backend, "requests": num, "wall_s": wall,
-            "output_tokens": sum(r.output_len for r in requests), "gpu_s": total / 1e6,
+            "output_tokens": sum(r.output_len for r in requests), "gpu_s": total / 1e6, "groups_s": dict(groups),
             "kernels": [{"name": k[:140], "s": t / 1e6, "calls": c} for k, (t, c) in kernels[:40]]}
+
+
+#: Kernel-name substrings of each group that ``--b1`` sums.
+KERNEL_GROUPS = {"attention": ("paged_attention", "reduce_splits", "flashinfer", "flash_fwd", "BatchDecode",
+                               "BatchPrefill"),
+                 "matmul": ("nvjet", "gemm", "cutlass", "splitKreduce", "_gemv_kernel", "sm90_xmma", "cublas"),
+                 "norm, rotary, activation, KV write": ("_rms_norm", "_rotary", "_act_and_mul", "_kv_cache_write",
+                                                        "_fused")}
 
 
 def main() -> int:
@@ -160,6 +171,7 @@ def main() -> int:
         b1 = profile_b1(args.model, args.quantization, args.attention_backend, args.b1)
         print(f"{args.model} B1 x{args.b1} eager: wall {b1['wall_s']:.2f} s, kernels {b1['gpu_s']:.2f} s, "
               f"{b1['output_tokens']} output tokens")
+        print("  " + ", ".join(f"{group} {seconds:.3f} s" for group, seconds in b1["groups_s"].items()))
         for kernel in b1["kernels"][:25]:
             print(f"{kernel['s']:8.3f} s {kernel['calls']:7d} calls  {kernel['name'][:110]}")
         (out / f"profile_b1_{args.model}{suffix}.json").write_text(json.dumps(b1, indent=1))

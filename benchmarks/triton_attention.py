@@ -22,7 +22,7 @@ kernel alone for a few scenarios and prints the fastest, to tune
 launches shaped like B1's (192 sequences, contexts 100-2048) for both models, with the bandwidth
 each configuration reaches, and only that; ``--sweep-prefill`` for prefill-only launches like B1's
 first steps (28 prompts of 100-1024 tokens), with TFLOP/s; ``--sweep-splits`` KV splits of decode batches of
-8-192 long sequences (B1's last steps).
+8-192 long sequences (B1's last steps); ``--sweep-order`` 256 B1-like decodes by the order of their programs.
 
 Usage::
 
@@ -147,7 +147,7 @@ def attention_flops(seqs, num_heads, head_size) -> float:
 def bench_attention(models, dtype, iters, bandwidth):
     from dovetail.attention.backend import AttentionLayerSpec
     from dovetail.attention.reference import ReferenceAttentionImpl
-    from dovetail.attention.triton_backend import TritonAttentionImpl
+    from dovetail.attention.triton_backend import TritonAttentionImpl, TritonBackend, TritonMetadataBuilder
 
     rows = []
     for model in models:
@@ -156,8 +156,9 @@ def bench_attention(models, dtype, iters, bandwidth):
         triton_impl, reference = TritonAttentionImpl(spec), ReferenceAttentionImpl(spec)
         for name, seqs in scenarios().items():
             seqs = sorted(seqs, key=lambda s: s[1] != 1)
-            q, k, v, cache, batch = make_inputs(seqs, num_heads, num_kv_heads, head_size, dtype)
-            ref_out = reference.forward(q, k, v, cache.clone(), batch)
+            q, k, v, cache, plain = make_inputs(seqs, num_heads, num_kv_heads, head_size, dtype)
+            batch = TritonMetadataBuilder(TritonBackend, [spec], BLOCK_SIZE, torch.device(DEVICE), dtype).build(plain)
+            ref_out = reference.forward(q, k, v, cache.clone(), plain)
             tri_out = triton_impl.forward(q, k, v, cache, batch)
             diff = (tri_out.float() - ref_out.float()).abs().max().item()
             row = {"model": model, "scenario": name, "max_abs_diff_vs_reference": diff}
@@ -273,7 +274,7 @@ def sweep_decode(dtype, iters):
         default = default_config(head_size, num_heads // num_kv_heads, True, dtype)
         timings = []
         for tile_n, warps, stages, num_splits in itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4), (1, 2)):
-            cfg = LaunchConfig(default.block_m, tile_n, warps, stages)
+            cfg = LaunchConfig(default.block_m, tile_n, warps, stages, default.heads_fastest)
 
             def call():
                 paged_attention(q, cache[0], cache[1], out, batch.block_table, batch.seq_lens,
@@ -291,6 +292,39 @@ def sweep_decode(dtype, iters):
         for ms, cfg, num_splits in timings[:6] + [t for t in timings if t[1] == default and t[2] == 1]:
             print(f"sweep-decode {model:13} {ms:8.4f} ms {nbytes / ms / 1e9:5.2f} TB/s  {cfg}  splits={num_splits}"
                   f"{'  (default)' if cfg == default and num_splits == 1 else ''}", flush=True)
+    return results
+
+
+def sweep_order(dtype, iters, batch_size=256):
+    """B1-like decode launches (contexts 100-2048) in the order drawn or longest first, the programs numbered
+    KV head by KV head or sequence by sequence, with 64 or 128 keys a step: KV bytes/s from CUDA-graph replays."""
+    from dovetail.triton.paged_attention import LaunchConfig, default_config, paged_attention
+
+    rng = random.Random(2)
+    drawn = [(rng.randint(100, 2048), 1) for _ in range(batch_size)]
+    results = []
+    for model, (num_heads, num_kv_heads, head_size) in MODELS.items():
+        default = default_config(head_size, num_heads // num_kv_heads, True, dtype)
+        for order, seqs in (("drawn", drawn), ("longest first", sorted(drawn, reverse=True))):
+            q, k, v, cache, batch = make_inputs(seqs, num_heads, num_kv_heads, head_size, dtype)
+            out = torch.empty_like(q)
+            nbytes = kv_bytes(seqs, num_kv_heads, head_size, dtype)
+            for tile_n, stages, heads_fastest in itertools.product((64, 128), (2, 3), (False, True)):
+                cfg = LaunchConfig(default.block_m, tile_n, default.num_warps, stages, heads_fastest)
+
+                def call():
+                    for _ in range(10):
+                        paged_attention(q, cache[0], cache[1], out, batch.block_table, batch.seq_lens,
+                                        batch.query_start_loc, batch.num_tokens, batch.num_seqs, head_size ** -0.5,
+                                        decode=True, config=cfg)
+                try:
+                    ms = time_ms(graphed(call), iters, warmup=2) / 10
+                except Exception as exc:  # out of shared memory for this tile
+                    print(f"  {model}: {cfg} failed: {type(exc).__name__}", flush=True)
+                    continue
+                results.append({"model": model, "order": order, "ms": ms, "TBps": nbytes / ms / 1e9,
+                                "config": cfg.__dict__})
+                print(f"sweep-order {model:13} {order:13} {ms:8.4f} ms {nbytes / ms / 1e9:5.2f} TB/s  {cfg}", flush=True)
     return results
 
 
@@ -370,6 +404,7 @@ def main():
     parser.add_argument("--sweep-decode", action="store_true", help="only sweep B1-like decode launches")
     parser.add_argument("--sweep-prefill", action="store_true", help="only sweep B1-like prefill launches")
     parser.add_argument("--sweep-splits", action="store_true", help="only sweep KV splits of mid-size decode batches")
+    parser.add_argument("--sweep-order", action="store_true", help="only B1-like decode launches by program order")
     parser.add_argument("--skip-fused", action="store_true")
     parser.add_argument("--json", default=None, help="write all results to this file")
     args = parser.parse_args()
@@ -388,8 +423,10 @@ def main():
             "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
             "commit": commit, "dtype": args.dtype, "copy_bandwidth_TBps": bandwidth / 1e12}
     print(json.dumps(meta), flush=True)
-    if args.sweep_decode or args.sweep_prefill or args.sweep_splits:
+    if args.sweep_decode or args.sweep_prefill or args.sweep_splits or args.sweep_order:
         results = {"meta": meta}
+        if args.sweep_order:
+            results["sweep_order"] = sweep_order(dtype, max(10, args.iters // 5))
         if args.sweep_splits:
             results["sweep_splits"] = sweep_splits(dtype, max(10, args.iters // 5))
         if args.sweep_decode:

@@ -217,6 +217,56 @@ def test_decode_split_path_matches():
         torch.testing.assert_close(out, expected, **TOLERANCE[torch.float32])
 
 
+def test_decodes_taken_longest_first_give_the_same_output():
+    """The builder orders the decodes by context, longest first; every order and both program numberings
+    give the same output, bit for bit, as taking them as they come."""
+    from dovetail.attention.triton_backend import TritonMetadataBuilder
+    from dovetail.triton.paged_attention import LaunchConfig, default_config, paged_attention
+
+    case = make_case([1, 1, 1, 1, 2], [9, 40, 17, 40, 6], num_heads=4, num_kv_heads=2, seed=13)
+    q, k, v, cache, batch = case
+    spec = spec_for(case)
+    builder = TritonMetadataBuilder(TritonBackend, [spec], 4, torch.device(DEVICE), torch.float32)
+    metadata = builder.build(batch)
+    assert metadata.decode_order.tolist() == [1, 3, 2, 0]  # ties (the two 40s) keep their order
+    check((q, k, v, cache, metadata), spec)
+    plain = default_config(32, 2, True, torch.float32)
+    for heads_fastest in (False, True):
+        config = LaunchConfig(plain.block_m, plain.tile_n, plain.num_warps, plain.num_stages, heads_fastest)
+        outs = []
+        for order in (None, metadata.decode_order, torch.tensor([2, 0, 3, 1], dtype=torch.int32, device=DEVICE)):
+            out = torch.full_like(q, float("nan"))
+            paged_attention(q, cache[0], cache[1], out, batch.block_table, batch.seq_lens, batch.query_start_loc,
+                            num_tokens=4, num_seqs=4, scale=spec.scale, decode=True, config=config,
+                            decode_order=order)
+            outs.append(out[:4])
+        assert not outs[0].isnan().any()
+        assert all(torch.equal(out, outs[0]) for out in outs[1:])
+
+
+def test_graph_order_buffer_keeps_its_address_and_takes_each_steps_lengths():
+    from dovetail.attention.triton_backend import TritonMetadataBuilder
+
+    q, k, v, cache, batch = make_case([1, 1, 1], [5, 12, 8], seed=14)
+    builder = TritonMetadataBuilder(TritonBackend, [spec_for((q, k))], 4, torch.device(DEVICE), torch.float32)
+    first = builder.build_for_graph(batch, 3).decode_order
+    assert first.tolist() == [1, 2, 0]
+    batch.seq_lens_cpu.copy_(torch.tensor([12, 5, 8], dtype=torch.int32))
+    second = builder.build_for_graph(batch, 3).decode_order
+    assert second.data_ptr() == first.data_ptr() and second.tolist() == [0, 2, 1]
+    assert builder.build_for_graph(batch, 2).decode_order.data_ptr() != first.data_ptr()
+
+
+def test_prefill_only_batches_have_no_decode_order():
+    from dovetail.attention.triton_backend import TritonMetadataBuilder
+
+    q, k, v, cache, batch = make_case([3, 6], [10, 7], seed=15)
+    builder = TritonMetadataBuilder(TritonBackend, [spec_for((q, k))], 4, torch.device(DEVICE), torch.float32)
+    metadata = builder.build(batch)
+    assert metadata.decode_order is None
+    check((q, k, v, cache, metadata), spec_for((q, k)))
+
+
 def requirements(**overrides):
     base = dict(platform="cuda", device_type="cuda", dtype=torch.bfloat16, kv_cache_dtype="auto", block_size=16,
                 head_size=128, num_heads=32, num_kv_heads=8, uses_sliding_window=True, uses_logit_softcap=True)

@@ -20,7 +20,8 @@ import pytest
 
 ATTENTION_TYPES = dict(
     split_out_ptr="*fp32", split_max_ptr="*fp32", split_sum_ptr="*fp32", block_table_ptr="*i32",
-    seq_lens_ptr="*i32", query_start_loc_ptr="*i32", num_seqs="i32", scale="fp32", softcap="fp32", window="i32")
+    seq_lens_ptr="*i32", query_start_loc_ptr="*i32", decode_order_ptr="*i32", num_seqs="i32", scale="fp32",
+    softcap="fp32", window="i32")
 
 
 def attention_variant(dtype, head_size, group, decode, split=False, softcap=False, window=False):
@@ -37,7 +38,8 @@ def attention_variant(dtype, head_size, group, decode, split=False, softcap=Fals
         NUM_HEADS=8 * group, QUERIES_PER_KV=group, HEAD_SIZE=head_size, HEAD_PAD=next_power_of_2(head_size),
         BLOCK_SIZE=16, BLOCK_M=cfg.block_m, BLOCK_Q=1 if decode else cfg.block_m // group, TILE_N=cfg.tile_n,
         USE_SOFTCAP=softcap, USE_WINDOW=window, SPLIT_KV=split, IEEE_DOT=dtype == "fp32", DOT_IN_FP32=False,
-        DECODE_ONLY=decode, WIDE_OFFSETS=False)
+        DECODE_ONLY=decode, WIDE_OFFSETS=False, HEADS_FASTEST=decode and cfg.heads_fastest,
+        ORDERED=decode)
     return _paged_attention_kernel, types, constexprs, dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 

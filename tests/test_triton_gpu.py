@@ -113,19 +113,21 @@ def test_decode_replays_in_a_cuda_graph():
     """Captured once, replayed with new lengths, tables, slots and inputs: still equal to REFERENCE."""
     from dovetail.attention.backend import AttentionLayerSpec
     from dovetail.attention.reference import ReferenceAttentionImpl
-    from dovetail.attention.triton_backend import TritonAttentionImpl
+    from dovetail.attention.triton_backend import TritonAttentionImpl, TritonBackend, TritonMetadataBuilder
 
     spec = AttentionLayerSpec(16, 8, 128, 128 ** -0.5)
     q, k, v, cache, batch = paged_case([(100, 1), (33, 1), (250, 1), (7, 1)], 16, 8, 128, 16, torch.bfloat16)
     impl = TritonAttentionImpl(spec)
+    builder = TritonMetadataBuilder(TritonBackend, [spec], 16, torch.device("cuda"), torch.bfloat16)
+    metadata = builder.build_for_graph(batch, 4)  # the decodes longest first, from a buffer the graph reads
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        impl.forward(q, k, v, cache, batch)
+        impl.forward(q, k, v, cache, metadata)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = impl.forward(q, k, v, cache, batch)
+        out = impl.forward(q, k, v, cache, metadata)
     # A later step: the same four sequences one token further, written into the static buffers.
     for static in (q, k, v):
         static.copy_(torch.randn_like(static))
@@ -135,6 +137,7 @@ def test_decode_replays_in_a_cuda_graph():
     batch.seq_lens.copy_(new_lens)
     batch.slot_mapping.copy_(slots)
     batch.seq_lens_cpu.copy_(new_lens.cpu())
+    builder.build_for_graph(batch, 4)
     expected_cache = cache.clone()
     expected = ReferenceAttentionImpl(spec).forward(q, k, v, expected_cache, batch)
     graph.replay()

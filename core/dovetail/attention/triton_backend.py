@@ -3,18 +3,70 @@
 Each layer's forward makes at most three launches: the KV-cache write, the
 decode sequences (which the batch puts first) with small query tiles and, when
 the batch is small, the keys split over several programs, then the remaining
-(prefill and chunked-prefill) sequences with larger query tiles. The kernels are
-in :mod:`dovetail.triton`; this module imports them (and triton) only when a
-layer is built, so it imports cleanly where triton is absent.
+(prefill and chunked-prefill) sequences with larger query tiles. Once per step the
+metadata builder orders the decodes longest context first for the decode launch
+(:mod:`dovetail.triton.paged_attention` says why). The kernels are in
+:mod:`dovetail.triton`; this module imports them (and triton) only when a layer is
+built, so it imports cleanly where triton is absent.
 """
 
 from __future__ import annotations
 
-from dovetail.attention.backend import AttentionBackend, AttentionImpl, AttentionLayerSpec
+import dataclasses
+
+import torch
+
+from dovetail.attention.backend import AttentionBackend, AttentionImpl, AttentionLayerSpec, AttentionMetadataBuilder
+from dovetail.attention.batch import AttentionBatch
+
+
+@dataclasses.dataclass
+class TritonAttentionBatch(AttentionBatch):
+    """The step's batch and ``decode_order``: int32 ``[num_decodes]`` on the device, the order in which the decode
+    launch's programs take the decode sequences (None: as they come)."""
+
+    decode_order: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, batch: AttentionBatch, decode_order: torch.Tensor | None) -> "TritonAttentionBatch":
+        fields = {f.name: getattr(batch, f.name) for f in dataclasses.fields(AttentionBatch)}
+        return cls(**fields, decode_order=decode_order)
+
+
+def _longest_first(seq_lens_cpu: torch.Tensor) -> torch.Tensor:
+    return torch.argsort(seq_lens_cpu, descending=True, stable=True).to(torch.int32)
+
+
+class TritonMetadataBuilder(AttentionMetadataBuilder):
+    """Orders the step's decodes longest context first, from the host's sequence lengths (one small copy a step).
+
+    For a device graph the order goes into a buffer kept per graph size, which the captured launches read.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._graph_orders: dict[int, torch.Tensor] = {}
+
+    def build(self, batch: AttentionBatch) -> TritonAttentionBatch:
+        if not batch.num_decodes:
+            return TritonAttentionBatch.of(batch, None)
+        order = _longest_first(batch.seq_lens_cpu[:batch.num_decodes])
+        return TritonAttentionBatch.of(batch, order.to(batch.seq_lens.device, non_blocking=True))
+
+    def build_for_graph(self, batch: AttentionBatch, graph_size: int) -> TritonAttentionBatch:
+        order = self._graph_orders.get(graph_size)
+        if order is None:
+            order = self._graph_orders[graph_size] = torch.empty(graph_size, dtype=torch.int32,
+                                                                 device=batch.seq_lens.device)
+        order.copy_(_longest_first(batch.seq_lens_cpu[:graph_size]), non_blocking=True)
+        return TritonAttentionBatch.of(batch, order)
 
 
 class TritonAttentionImpl(AttentionImpl):
-    """Writes the new keys and values, then attends decodes and prefills with the Triton kernel."""
+    """Writes the new keys and values, then attends decodes and prefills with the Triton kernel.
+
+    ``metadata`` is the builder's :class:`TritonAttentionBatch`, or a plain :class:`AttentionBatch`, whose
+    decodes are then taken as they come."""
 
     def __init__(self, spec: AttentionLayerSpec):
         super().__init__(spec)
@@ -38,7 +90,7 @@ class TritonAttentionImpl(AttentionImpl):
             attention.paged_attention(
                 q, key_cache, value_cache, out, metadata.block_table, metadata.seq_lens,
                 metadata.query_start_loc, num_tokens=num_decodes, num_seqs=num_decodes,
-                decode=True, num_splits=splits, **options)
+                decode=True, num_splits=splits, decode_order=getattr(metadata, "decode_order", None), **options)
         if num_decodes < metadata.num_seqs:
             attention.paged_attention(
                 q[num_decodes:], key_cache, value_cache, out[num_decodes:],
@@ -79,3 +131,7 @@ class TritonBackend(AttentionBackend):
     @classmethod
     def impl_cls(cls):
         return TritonAttentionImpl
+
+    @classmethod
+    def metadata_builder_cls(cls):
+        return TritonMetadataBuilder
