@@ -248,3 +248,18 @@ def test_batch_defaults_follow_vllm_by_device(monkeypatch, memory_gib, name, llm
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=0: name)
     platform = CudaPlatform.__new__(CudaPlatform)
     assert platform.default_batch_limits("llm") == llm and platform.default_batch_limits("server") == server
+
+
+def test_selecting_the_device_picks_cublaslt_unless_told_otherwise(monkeypatch):
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: chosen.append(("device", index)))
+    monkeypatch.setattr(torch.backends.cuda, "preferred_blas_library", lambda library: chosen.append(library))
+    monkeypatch.delenv("DOVETAIL_CUDA_BLAS", raising=False)
+    CudaPlatform().set_device(0)
+    monkeypatch.setenv("DOVETAIL_CUDA_BLAS", "cuBLAS")
+    CudaPlatform().set_device(1)
+    assert chosen == [("device", 0), "cublaslt", ("device", 1), "cublas"]
+    monkeypatch.setenv("DOVETAIL_CUDA_BLAS", "mkl")
+    with pytest.raises(ValueError, match="DOVETAIL_CUDA_BLAS='mkl': expected 'cublaslt' or 'cublas'"):
+        CudaPlatform().set_device(0)
+    assert len(chosen) == 4  # nothing selected

@@ -4,7 +4,8 @@ The probe (:mod:`dovetail_cuda.probe`) uses NVML and never initialises CUDA;
 constructing the platform does. Memory is ``torch.cuda``'s, the distributed
 backend is NCCL, decode steps are captured as CUDA graphs, the fused ops are the
 core's Triton kernels, and FP8 linears on sm89+ use a Triton weight-only GEMV up to 16
-tokens and ``torch._scaled_mm`` above.
+tokens and ``torch._scaled_mm`` above. Selecting the device makes torch's matrix products go through
+cuBLASLt (``DOVETAIL_CUDA_BLAS``: :func:`blas_library`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import os
 
 import torch
 
+from dovetail.errors import ConfigError
 from dovetail.platform import HostCopy, ProbeResult
 from dovetail.torch_device_platform import TorchDevicePlatform
 from dovetail_cuda import probe as cuda_probe
@@ -26,6 +28,19 @@ VERIFICATION = (
     "synchronisation per step, greedy output against HF with FLASHINFER, TRITON and REFERENCE. Never exercised: "
     "NCCL through torch.distributed (the engine runs one device), GPUs other than Hopper"
 )
+
+
+def blas_library() -> str:
+    """The library torch's matrix products use once the engine selects its device: ``DOVETAIL_CUDA_BLAS``,
+    ``cublaslt`` (the default) or ``cublas``. It is a process-wide torch setting.
+
+    B1 on llama-3.1-8b (H200): 10,535 / 10,536 output tok/s with cuBLAS, 10,608 / 10,605 with cuBLASLt
+    (``benchmarks/h200_blas_ab.sh``; ``benchmarks/RESULTS.md``).
+    """
+    choice = os.environ.get("DOVETAIL_CUDA_BLAS", "cublaslt").strip().lower()
+    if choice not in ("cublaslt", "cublas"):
+        raise ConfigError(f"DOVETAIL_CUDA_BLAS={choice!r}: expected 'cublaslt' or 'cublas'")
+    return choice
 
 
 class _CudaHostCopy(HostCopy):
@@ -59,6 +74,12 @@ class CudaPlatform(TorchDevicePlatform):
 
     def device_count(self) -> int:
         return torch.cuda.device_count()
+
+    def set_device(self, index: int = 0) -> None:
+        """Select device ``index`` and the BLAS library of :func:`blas_library`."""
+        library = blas_library()
+        super().set_device(index)
+        torch.backends.cuda.preferred_blas_library(library)
 
     def capability(self, index: int = 0) -> tuple[int, int]:
         """The compute capability of device ``index``, e.g. ``(9, 0)`` on Hopper."""
