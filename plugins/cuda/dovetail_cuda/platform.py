@@ -34,8 +34,8 @@ def blas_library() -> str:
     """The library torch's matrix products use once the engine selects its device: ``DOVETAIL_CUDA_BLAS``,
     ``cublaslt`` (the default) or ``cublas``. It is a process-wide torch setting.
 
-    B1 on llama-3.1-8b (H200): 10,535 / 10,536 output tok/s with cuBLAS, 10,608 / 10,605 with cuBLASLt
-    (``benchmarks/h200_blas_ab.sh``; ``benchmarks/RESULTS.md``).
+    B1 on llama-3.1-8b (H200, alternating on one machine, ``benchmarks/h200_blas_ab.sh``): 10,718 / 10,723
+    output tok/s with cuBLAS, 10,790 / 10,790 with cuBLASLt (``benchmarks/RESULTS.md``, 2026-11-21).
     """
     choice = os.environ.get("DOVETAIL_CUDA_BLAS", "cublaslt").strip().lower()
     if choice not in ("cublaslt", "cublas"):
