@@ -13,17 +13,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 from collections import defaultdict
 from pathlib import Path
 
-import torch
-from torch.profiler import ProfilerActivity, profile
+from h200_profile_decode import profiled_b1  # benchmarks/, this script's directory
 
 from dovetail.bench import shapes
-from dovetail.bench.workload import random_requests
 from dovetail.llm import LLM
-from dovetail.sampling_params import SamplingParams
 
 
 def gpu_intervals(trace_path: Path) -> list[tuple[float, float, str]]:
@@ -42,15 +38,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     model_dir, defaults = shapes.materialize(args.model)
     llm = LLM(model_dir, attention_backend="TRITON", **defaults)
-    requests = random_requests(args.num, (100, 1024), (100, 1024), llm.llm_engine.vocab_size, 0)
-    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
-    params = [SamplingParams(temperature=0, ignore_eos=True, max_tokens=r.output_len) for r in requests]
-    llm.generate([{"prompt_token_ids": q["prompt_token_ids"][::-1]} for q in prompts[:2]], params[:2], use_tqdm=False)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        start = time.perf_counter()
-        llm.generate(prompts, params, use_tqdm=False)
-        torch.cuda.synchronize()
-        wall = time.perf_counter() - start
+    prof, wall, _ = profiled_b1(llm, args.num)
     trace = Path("/tmp/b1_trace.json")
     prof.export_chrome_trace(str(trace))
     spans = gpu_intervals(trace)

@@ -14,9 +14,8 @@ import pstats
 import time
 
 from dovetail.bench import shapes
-from dovetail.bench.workload import random_requests
+from dovetail.bench.workload import greedy_inputs, random_requests, warm_up
 from dovetail.llm import LLM
-from dovetail.sampling_params import SamplingParams
 
 
 def main() -> None:
@@ -27,9 +26,8 @@ def main() -> None:
     model_dir, defaults = shapes.materialize(args.model)
     llm = LLM(model_dir, attention_backend="TRITON", **defaults)
     requests = random_requests(args.num, (100, 1024), (100, 1024), llm.llm_engine.vocab_size, 0)
-    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
-    params = [SamplingParams(temperature=0, ignore_eos=True, max_tokens=r.output_len) for r in requests]
-    llm.generate([{"prompt_token_ids": p["prompt_token_ids"][::-1]} for p in prompts[:2]], params[:2], use_tqdm=False)
+    prompts, params = greedy_inputs(requests)
+    warm_up(llm, prompts, params)
     start = time.perf_counter()
     llm.generate(prompts, params, use_tqdm=False)
     plain = time.perf_counter() - start

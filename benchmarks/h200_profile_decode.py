@@ -116,27 +116,32 @@ def profile_decode(model: str, quantization: str | None, backend: str) -> dict:
             "kernels": [{"name": k[:140], **v} for k, v in ranked if abs(v["us"]) > 0.05]}
 
 
-def profile_b1(model: str, quantization: str | None, backend: str, num: int) -> dict:
+def profiled_b1(llm, num: int):
+    """(profiler, wall seconds, requests) of one ``generate`` of B1's first ``num`` requests, after a warm-up."""
     import time
 
     from torch.profiler import ProfilerActivity, profile
 
-    from dovetail.bench import shapes
-    from dovetail.bench.workload import random_requests
-    from dovetail.llm import LLM
-    from dovetail.sampling_params import SamplingParams
+    from dovetail.bench.workload import greedy_inputs, random_requests, warm_up
 
-    model_dir, defaults = shapes.materialize(model)
-    llm = LLM(model_dir, attention_backend=backend, enforce_eager=True, quantization=quantization, **defaults)
     requests = random_requests(num, (100, 1024), (100, 1024), llm.llm_engine.vocab_size, 0)
-    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
-    params = [SamplingParams(temperature=0, ignore_eos=True, max_tokens=r.output_len) for r in requests]
-    llm.generate([{"prompt_token_ids": p["prompt_token_ids"][::-1]} for p in prompts[:2]], params[:2], use_tqdm=False)
+    prompts, params = greedy_inputs(requests)
+    warm_up(llm, prompts, params)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
         torch.cuda.synchronize()
         wall = time.perf_counter() - start
+    return prof, wall, requests
+
+
+def profile_b1(model: str, quantization: str | None, backend: str, num: int) -> dict:
+    from dovetail.bench import shapes
+    from dovetail.llm import LLM
+
+    model_dir, defaults = shapes.materialize(model)
+    llm = LLM(model_dir, attention_backend=backend, enforce_eager=True, quantization=quantization, **defaults)
+    prof, wall, requests = profiled_b1(llm, num)
     kernels = sorted(_kernel_times(prof).items(), key=lambda kv: -kv[1][0])
     total = sum(t for t, _ in dict(kernels).values())
     groups = defaultdict(float)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 
 from dovetail.bench.common import add_common_arguments, build_llm, emit, environment
-from dovetail.bench.workload import parse_range, random_requests
+from dovetail.bench.workload import greedy_inputs, parse_range, random_requests, warm_up
 
 #: Defaults per named shape: (requests, prompt range, output range, HF batch size).
 DEFAULTS = {"c1": (64, "64:256", "64:128", 64), None: (256, "100:1024", "100:1024", 64)}
@@ -26,8 +26,6 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from dovetail.sampling_params import SamplingParams
-
     num, in_range, out_range, hf_batch = DEFAULTS.get(args.model or "c1", DEFAULTS[None])
     num = args.num_prompts or num
     in_range = parse_range(args.input_len or in_range)
@@ -37,11 +35,8 @@ def run(args) -> int:
     llm, model_dir, kwargs, load_s = build_llm(args)
     engine = llm.llm_engine
     requests = random_requests(num, in_range, out_range, engine.vocab_size, args.workload_seed)
-    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
-    params = [SamplingParams(temperature=0, ignore_eos=True, max_tokens=r.output_len) for r in requests]
-
-    # Warm up on reversed prompts: the measured prompts must not already sit in the prefix cache.
-    llm.generate([{"prompt_token_ids": p["prompt_token_ids"][::-1]} for p in prompts[:2]], params[:2], use_tqdm=False)
+    prompts, params = greedy_inputs(requests)
+    warm_up(llm, prompts, params)
     t0 = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - t0
