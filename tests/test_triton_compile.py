@@ -33,13 +33,14 @@ def attention_variant(dtype, head_size, group, decode, split=False, softcap=Fals
 
     cfg = default_config(head_size, group, decode, getattr(torch, torch_dtype), num_splits=2 if split else 1)
     ptr = "*" + dtype
-    types = dict(ATTENTION_TYPES, q_ptr=ptr, key_cache_ptr=ptr, value_cache_ptr=ptr, out_ptr=ptr)
+    types = dict(ATTENTION_TYPES, q_ptr=ptr, key_cache_ptr=ptr, value_cache_ptr=ptr, out_ptr=ptr, new_k_ptr=ptr,
+                 new_v_ptr=ptr, slot_ptr="*i64")
     constexprs = dict(
         NUM_HEADS=8 * group, QUERIES_PER_KV=group, HEAD_SIZE=head_size, HEAD_PAD=next_power_of_2(head_size),
         BLOCK_SIZE=16, BLOCK_M=cfg.block_m, BLOCK_Q=1 if decode else cfg.block_m // group, TILE_N=cfg.tile_n,
         USE_SOFTCAP=softcap, USE_WINDOW=window, SPLIT_KV=split, IEEE_DOT=dtype == "fp32", DOT_IN_FP32=False,
         DECODE_ONLY=decode, WIDE_OFFSETS=False, HEADS_FASTEST=decode and cfg.heads_fastest,
-        ORDERED=decode)
+        ORDERED=decode, NEW_KV=decode)
     return _paged_attention_kernel, types, constexprs, dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 

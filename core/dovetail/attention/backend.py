@@ -13,7 +13,8 @@ Semantics every backend must implement (``REFERENCE`` is the definition):
   its context of ``seq_lens[i]`` tokens (the earlier ones are already cached).
 - Before attending, the new keys and values are written into the paged cache at
   ``slot_mapping`` (slot = block number * block_size + offset; a negative slot
-  means "do not write", used for padding).
+  means "do not write", used for padding; such a token's own output is then
+  unspecified).
 - A query at absolute position ``p`` sees keys at positions ``j <= p``; with a
   sliding window ``w``, only ``p - w < j <= p``.
 - Scores are ``scale * q . k``; with logit soft-capping ``c``, they become

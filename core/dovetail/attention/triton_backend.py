@@ -1,9 +1,11 @@
 """TRITON: the core's own paged attention in Triton, for the CUDA, ROCm and XPU platforms.
 
-Each layer's forward makes at most three launches: the KV-cache write, the
-decode sequences (which the batch puts first) with small query tiles and, when
-the batch is small, the keys split over several programs, then the remaining
-(prefill and chunked-prefill) sequences with larger query tiles. Once per step the
+Each layer's forward makes at most three launches: the decode sequences (which
+the batch puts first) with small query tiles and, when the batch is small, the
+keys split over several programs; the KV-cache write of the remaining (prefill
+and chunked-prefill) tokens; then those sequences with larger query tiles. The
+decode launch stores the decodes' own keys and values itself, so a decode-only
+step (every CUDA-graph step) has no separate cache write. Once per step the
 metadata builder orders the decodes longest context first for the decode launch
 (:mod:`dovetail.triton.paged_attention` says why). The kernels are in
 :mod:`dovetail.triton`; this module imports them (and triton) only when a layer is
@@ -77,20 +79,23 @@ class TritonAttentionImpl(AttentionImpl):
 
     def forward(self, q, k, v, kv_cache, metadata):
         spec = self.spec
-        self._kv_cache_write.write_kv_cache(k, v, kv_cache, metadata.slot_mapping)
+        num_decodes = metadata.num_decodes
+        if num_decodes < metadata.num_tokens:  # the decode launch stores the decodes' own keys and values
+            self._kv_cache_write.write_kv_cache(k[num_decodes:], v[num_decodes:], kv_cache,
+                                                metadata.slot_mapping[num_decodes:])
         if q.stride(-1) != 1:
             q = q.contiguous()
         out = q.new_empty(q.shape)
         attention = self._paged_attention
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         options = dict(scale=spec.scale, sliding_window=spec.sliding_window, logit_softcap=spec.logit_softcap)
-        num_decodes = metadata.num_decodes
         if num_decodes:
             splits = attention.default_num_splits(num_decodes, spec.num_kv_heads, q.device)
             attention.paged_attention(
                 q, key_cache, value_cache, out, metadata.block_table, metadata.seq_lens,
                 metadata.query_start_loc, num_tokens=num_decodes, num_seqs=num_decodes,
-                decode=True, num_splits=splits, decode_order=getattr(metadata, "decode_order", None), **options)
+                decode=True, num_splits=splits, decode_order=getattr(metadata, "decode_order", None),
+                new_kv=(k, v, metadata.slot_mapping), **options)
         if num_decodes < metadata.num_seqs:
             attention.paged_attention(
                 q[num_decodes:], key_cache, value_cache, out[num_decodes:],

@@ -65,10 +65,45 @@ def _find_sequence(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr
     return lo - 1
 
 
+@triton.jit
+def _attend_and_store_new_key(q, m_i, l_i, acc, new_k_ptr, new_v_ptr, slot_ptr, key_cache_ptr, value_cache_ptr,
+                              token, kv_head, dims, dim_valid, stride_new_kt, stride_new_kh, stride_new_vt,
+                              stride_new_vh, stride_cache_block, stride_cache_slot, stride_cache_head, scale, softcap,
+                              BLOCK_SIZE: tl.constexpr, USE_SOFTCAP: tl.constexpr, WIDE_OFFSETS: tl.constexpr):
+    """A decode's own key and value: fold them into the online softmax straight from the projection's
+    output, and store them at the token's slot (a negative slot: not stored) for later steps."""
+    key = tl.load(new_k_ptr + token * stride_new_kt + kv_head * stride_new_kh + dims, mask=dim_valid, other=0.0)
+    value = tl.load(new_v_ptr + token * stride_new_vt + kv_head * stride_new_vh + dims, mask=dim_valid, other=0.0)
+    slot = tl.load(slot_ptr + token)
+    if slot >= 0:
+        block = slot // BLOCK_SIZE
+        if not WIDE_OFFSETS:
+            block = block.to(tl.int32)
+        offset = block * stride_cache_block + (slot % BLOCK_SIZE).to(tl.int32) * stride_cache_slot
+        offset += kv_head * stride_cache_head
+        tl.store(key_cache_ptr + offset + dims, key.to(key_cache_ptr.dtype.element_ty), mask=dim_valid)
+        tl.store(value_cache_ptr + offset + dims, value.to(value_cache_ptr.dtype.element_ty), mask=dim_valid)
+    # What the cache would give back: the tiles read keys and values in the cache's dtype.
+    key = key.to(key_cache_ptr.dtype.element_ty)
+    value = value.to(value_cache_ptr.dtype.element_ty)
+    s = tl.sum(q.to(tl.float32) * key.to(tl.float32)[None, :], 1)
+    if USE_SOFTCAP:
+        s = (softcap * LOG2E) * _tanh(s * (scale / softcap))
+    else:
+        s = s * (scale * LOG2E)
+    m_new = tl.maximum(m_i, s)
+    p = tl.exp2(s - m_new)
+    alpha = tl.exp2(m_i - m_new)
+    p_rounded = p.to(value.dtype).to(tl.float32)
+    acc = acc * alpha[:, None] + p_rounded[:, None] * value.to(tl.float32)[None, :]
+    return m_new, l_i * alpha + p, acc
+
+
 # Per-step values must not select a new compiled kernel: lengths and the table's
 # width are plain runtime integers, and the metadata tensors (sliced past the
 # decodes for the prefill launch) are not specialised on their alignment.
-_PER_STEP_POINTERS = ["block_table_ptr", "seq_lens_ptr", "query_start_loc_ptr", "decode_order_ptr"]
+_PER_STEP_POINTERS = ["block_table_ptr", "seq_lens_ptr", "query_start_loc_ptr", "decode_order_ptr", "new_k_ptr",
+                      "new_v_ptr", "slot_ptr"]
 _NO_ALIGNMENT = ({"do_not_specialize_on_alignment": _PER_STEP_POINTERS}
                  if "do_not_specialize_on_alignment" in inspect.signature(triton.jit).parameters else {})
 
@@ -78,15 +113,17 @@ def _paged_attention_kernel(
     q_ptr, key_cache_ptr, value_cache_ptr, out_ptr,
     split_out_ptr, split_max_ptr, split_sum_ptr,
     block_table_ptr, seq_lens_ptr, query_start_loc_ptr, decode_order_ptr,
+    new_k_ptr, new_v_ptr, slot_ptr,
     num_seqs, scale, softcap, window,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cache_block, stride_cache_slot, stride_cache_head, stride_table,
+    stride_new_kt, stride_new_kh, stride_new_vt, stride_new_vh,
     NUM_HEADS: tl.constexpr, QUERIES_PER_KV: tl.constexpr,
     HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, SPLIT_KV: tl.constexpr, IEEE_DOT: tl.constexpr,
     DOT_IN_FP32: tl.constexpr, DECODE_ONLY: tl.constexpr, WIDE_OFFSETS: tl.constexpr, HEADS_FASTEST: tl.constexpr,
-    ORDERED: tl.constexpr, USE_PDL: tl.constexpr,
+    ORDERED: tl.constexpr, NEW_KV: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pdl_prologue(USE_PDL)
     if HEADS_FASTEST:
@@ -131,8 +168,11 @@ def _paged_attention_kernel(
     kv_start = 0
     if USE_WINDOW:
         kv_start = tl.maximum(first_pos - window + 1, 0)
+    cached_end = kv_end
+    if NEW_KV:  # the decode's own key and value come from new_k / new_v, after the loop
+        cached_end = kv_end - 1
     tile_lo = kv_start // TILE_N
-    tile_hi = tl.cdiv(kv_end, TILE_N)
+    tile_hi = tl.cdiv(cached_end, TILE_N)
     if SPLIT_KV:
         split = tl.program_id(2)
         per_split = tl.cdiv(tile_hi - tile_lo, tl.num_programs(2))
@@ -146,7 +186,7 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
     for tile in range(tile_lo, tile_hi):
         key_pos = tile * TILE_N + tl.arange(0, TILE_N)
-        key_valid = key_pos < kv_end
+        key_valid = key_pos < cached_end
         block = tl.load(table_row + key_pos // BLOCK_SIZE, mask=key_valid, other=0)
         if WIDE_OFFSETS:
             block = block.to(tl.int64)
@@ -182,6 +222,14 @@ def _paged_attention_kernel(
             pv = tl.dot(p.to(v.dtype), v)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
+
+    if NEW_KV:
+        # The last split takes it (the only one without splits), even when its share of the cached tiles is empty.
+        if tl.program_id(2) == tl.num_programs(2) - 1:
+            m_i, l_i, acc = _attend_and_store_new_key(
+                q, m_i, l_i, acc, new_k_ptr, new_v_ptr, slot_ptr, key_cache_ptr, value_cache_ptr, (q_start - base).to(tl.int64),
+                kv_head, dims, dim_valid, stride_new_kt, stride_new_kh, stride_new_vt, stride_new_vh, stride_cache_block,
+                stride_cache_slot, stride_cache_head, scale, softcap, BLOCK_SIZE, USE_SOFTCAP, WIDE_OFFSETS)
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     if SPLIT_KV:
@@ -307,7 +355,8 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
                     block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                     num_tokens: int, num_seqs: int, scale: float, sliding_window: int | None = None,
                     logit_softcap: float | None = None, decode: bool = False, num_splits: int = 1,
-                    config: LaunchConfig | None = None, decode_order: torch.Tensor | None = None) -> None:
+                    config: LaunchConfig | None = None, decode_order: torch.Tensor | None = None,
+                    new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
     """Attend ``num_seqs`` sequences whose queries are ``num_tokens`` rows of ``q``, into ``out``.
 
     ``q`` and ``out`` are ``[tokens, num_heads, head_size]``; their row 0 is the
@@ -318,6 +367,9 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
     splits each sequence's keys over that many programs and merges them after. ``decode_order`` (decode only):
     int32 ``[num_seqs]``, a permutation of the sequences in the order their programs take them
     (the TRITON backend's metadata builder passes longest context first); None takes them as they come.
+    ``new_kv`` (decode only): ``(k, v, slot_mapping)`` of this step's tokens, rows as in ``q``. Each decode
+    then attends its own key and value from ``k`` and ``v`` instead of the cache, and stores them at its
+    slot, so that no separate KV-cache write is launched for the decodes (a negative slot is not stored).
     """
     if num_seqs == 0 or num_tokens == 0:
         return
@@ -335,21 +387,31 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
         split_sum = torch.empty_like(split_max)
     else:
         split_out = split_max = split_sum = out
+    if new_kv is not None and not decode:
+        raise ValueError("new_kv is for decode launches only: a prefill's queries read each other's keys "
+                         "from the cache, so they must be written first")
+    new_k, new_v, slots = new_kv if new_kv is not None else (q, q, seq_lens)
+    if new_k.stride(-1) != 1:
+        new_k = new_k.contiguous()
+    if new_v.stride(-1) != 1:
+        new_v = new_v.contiguous()
     heads_fastest = decode and cfg.heads_fastest and num_q_blocks < 65536
     grid = (num_kv_heads, num_q_blocks, num_splits) if heads_fastest else (num_q_blocks, num_kv_heads, num_splits)
     launch = launch_kwargs(use_pdl(q.device))
     _paged_attention_kernel[grid](
         q, key_cache, value_cache, out, split_out, split_max, split_sum,
         block_table, seq_lens, query_start_loc, decode_order if decode_order is not None else seq_lens,
+        new_k, new_v, slots,
         num_seqs, float(scale), float(logit_softcap or 1.0), int(sliding_window or 0),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_table.stride(0),
+        new_k.stride(0), new_k.stride(1), new_v.stride(0), new_v.stride(1),
         NUM_HEADS=num_heads, QUERIES_PER_KV=queries_per_kv, HEAD_SIZE=head_size, HEAD_PAD=head_pad,
         BLOCK_SIZE=block_size, BLOCK_M=cfg.block_m, BLOCK_Q=block_q, TILE_N=cfg.tile_n,
         USE_SOFTCAP=bool(logit_softcap), USE_WINDOW=bool(sliding_window), SPLIT_KV=split_kv,
         IEEE_DOT=q.dtype == torch.float32, DOT_IN_FP32=INTERPRETED and q.dtype == torch.bfloat16,
         DECODE_ONLY=decode, WIDE_OFFSETS=_needs_wide_offsets(key_cache, value_cache), HEADS_FASTEST=heads_fastest,
-        ORDERED=decode and decode_order is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
+        ORDERED=decode and decode_order is not None, NEW_KV=new_kv is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
     )
     if split_kv:
         _reduce_splits_kernel[(num_tokens, num_heads)](
