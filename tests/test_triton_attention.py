@@ -222,7 +222,7 @@ def test_decode_split_path_matches():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_launch_stores_and_attends_its_own_keys(dtype):
     """With ``new_kv`` the decode launch attends each decode's new key and value from ``k`` and ``v`` (the
-    cache's slot still holds garbage) and stores them there, split or not, windowed or not."""
+    cache's slot still holds garbage: NaN here) and stores them there, split or not, windowed or not."""
     from dovetail.triton.paged_attention import LaunchConfig, paged_attention
 
     case = make_case([1, 1, 1], [1, 30, 17], num_heads=4, num_kv_heads=2, dtype=dtype, seed=15)
@@ -233,6 +233,7 @@ def test_decode_launch_stores_and_attends_its_own_keys(dtype):
         expected = ReferenceAttentionImpl(spec).forward(q, k, v, ref_cache, batch)
         for splits in (1, 2, 16):
             tri_cache = cache.clone()
+            tri_cache.view(2, -1, *cache.shape[-2:])[:, batch.slot_mapping] = float("nan")
             out = torch.full_like(q, float("nan"))
             config = LaunchConfig(block_m=16, tile_n=16, num_warps=4, num_stages=1)
             paged_attention(q, tri_cache[0], tri_cache[1], out, batch.block_table, batch.seq_lens,
@@ -354,3 +355,75 @@ def test_conformance_kit_cases(case):
 def test_kernel_modules_import_without_touching_a_device():
     testing.check_import_is_cheap("dovetail.attention.triton_backend", "dovetail.triton.paged_attention",
                                   "dovetail.triton.kv_cache_write", "dovetail.triton.fused_ops")
+
+
+def _rotary_inputs(case, rotary_dim, norm_dtype, seed):
+    """Positions of every row, a cos/sin table, and (with ``norm_dtype``) random per-head norm weights;
+    ``apply`` is the rotary kernel, whose arithmetic the decode launch repeats."""
+    from dovetail.attention.backend import RotaryInputs
+    from dovetail.layers.rotary import compute_cos_sin_cache
+    from dovetail.triton.rotary import rotary_embedding
+
+    q, k, v, cache, batch = case
+    head_size = q.shape[-1]
+    gen = torch.Generator().manual_seed(seed)
+    qsl, seq_lens = batch.query_start_loc_cpu.tolist(), batch.seq_lens_cpu.tolist()
+    positions = torch.tensor([p for i, s in enumerate(seq_lens) for p in range(s - (qsl[i + 1] - qsl[i]), s)],
+                             device=DEVICE)
+    table = compute_cos_sin_cache(rotary_dim, 64, {"rope_theta": 100.0, "rope_type": "default"}, 64).to(DEVICE)
+    weights = {}
+    if norm_dtype is not None:
+        weights = {name: (1 + 0.5 * torch.randn(head_size, generator=gen)).to(DEVICE, norm_dtype)
+                   for name in ("q_norm_weight", "k_norm_weight")}
+
+    def apply(pos, q2, k2):
+        return rotary_embedding(pos, q2, k2, table, head_size, rotary_dim, weights.get("q_norm_weight"),
+                                weights.get("k_norm_weight"), 1e-5)
+
+    return RotaryInputs(positions, table, rotary_dim, apply, eps=1e-5, **weights)
+
+
+@pytest.mark.parametrize("dtype,rotary_dim,norm_dtype", [
+    (torch.float32, 32, None), (torch.bfloat16, 32, None), (torch.float32, 16, None),
+    (torch.bfloat16, 32, torch.float32), (torch.bfloat16, 32, torch.bfloat16), (torch.float16, 32, torch.float16)])
+def test_decode_launch_rotates_its_rows(dtype, rotary_dim, norm_dtype):
+    """``forward_rotary``: TRITON rotates the decodes' q and k in the decode launch (partial rotary, q/k norms
+    with float32 or model-dtype weights) and the prefills' with ``apply``; the base class applies the rotary to
+    every row first. Same output and cache, on a mixed batch with random (unrotated) q and k."""
+    case = make_case([1, 1, 1, 4, 3], [1, 23, 9, 7, 12], num_heads=4, num_kv_heads=2, dtype=dtype, seed=17)
+    q, k, v, cache, batch = case
+    spec = spec_for(case)
+    rotary = _rotary_inputs(case, rotary_dim, norm_dtype, seed=18)
+    ref_cache, tri_cache = cache.clone(), cache.clone()
+    expected = ReferenceAttentionImpl(spec).forward_rotary(q, k, v, ref_cache, batch, rotary)
+    actual = TritonAttentionImpl(spec).forward_rotary(q, k, v, tri_cache, batch, rotary)
+    torch.testing.assert_close(tri_cache.float(), ref_cache.float(), **TOLERANCE[dtype])
+    torch.testing.assert_close(actual.float(), expected.float(), **TOLERANCE[dtype])
+    unrotated = ReferenceAttentionImpl(spec).forward(q, k, v, cache.clone(), batch)
+    assert not torch.allclose(unrotated[:3].float(), expected[:3].float(), atol=0.1)
+
+
+def test_rotary_the_launch_cannot_apply_falls_back_to_the_platform_rotation():
+    """A cos/sin table in float16 is not one the decode launch reads: ``apply`` rotates every row."""
+    import dataclasses
+
+    from dovetail.triton.paged_attention import rotary_fits
+
+    case = make_case([1, 1, 2], [5, 9, 6], seed=19)
+    q, k, v, cache, batch = case
+    rotary = _rotary_inputs(case, 32, None, seed=20)
+    calls = []
+
+    def counting_apply(pos, q2, k2):
+        calls.append(q2.shape[0])
+        return rotary.apply(pos, q2, k2)
+
+    half_table = dataclasses.replace(rotary, cos_sin_cache=rotary.cos_sin_cache.half().float().half(),
+                                     apply=counting_apply)
+    assert rotary_fits(rotary, q) and not rotary_fits(half_table, q)
+    spec = spec_for(case)
+    ref_cache, tri_cache = cache.clone(), cache.clone()
+    expected = ReferenceAttentionImpl(spec).forward_rotary(q, k, v, ref_cache, batch, rotary)
+    actual = TritonAttentionImpl(spec).forward_rotary(q, k, v, tri_cache, batch, half_table)
+    assert calls == [4]
+    torch.testing.assert_close(actual, expected, atol=2e-3, rtol=2e-3)

@@ -24,7 +24,8 @@ ATTENTION_TYPES = dict(
     softcap="fp32", window="i32")
 
 
-def attention_variant(dtype, head_size, group, decode, split=False, softcap=False, window=False):
+def attention_variant(dtype, head_size, group, decode, split=False, softcap=False, window=False, rotary=0,
+                      qk_norm=False):
     from dovetail.triton import next_power_of_2
     from dovetail.triton.paged_attention import _paged_attention_kernel, default_config
 
@@ -34,13 +35,14 @@ def attention_variant(dtype, head_size, group, decode, split=False, softcap=Fals
     cfg = default_config(head_size, group, decode, getattr(torch, torch_dtype), num_splits=2 if split else 1)
     ptr = "*" + dtype
     types = dict(ATTENTION_TYPES, q_ptr=ptr, key_cache_ptr=ptr, value_cache_ptr=ptr, out_ptr=ptr, new_k_ptr=ptr,
-                 new_v_ptr=ptr, slot_ptr="*i64")
+                 new_v_ptr=ptr, slot_ptr="*i64", positions_ptr="*i64", cos_sin_ptr="*fp32", q_norm_ptr=ptr,
+                 k_norm_ptr=ptr, eps="fp32")
     constexprs = dict(
         NUM_HEADS=8 * group, QUERIES_PER_KV=group, HEAD_SIZE=head_size, HEAD_PAD=next_power_of_2(head_size),
         BLOCK_SIZE=16, BLOCK_M=cfg.block_m, BLOCK_Q=1 if decode else cfg.block_m // group, TILE_N=cfg.tile_n,
         USE_SOFTCAP=softcap, USE_WINDOW=window, SPLIT_KV=split, IEEE_DOT=dtype == "fp32", DOT_IN_FP32=False,
         DECODE_ONLY=decode, WIDE_OFFSETS=False, HEADS_FASTEST=decode and cfg.heads_fastest,
-        ORDERED=decode, NEW_KV=decode)
+        ORDERED=decode, NEW_KV=decode, ROTARY_HALF=rotary // 2, QK_NORM=qk_norm, NORM_WEIGHT_FP32=False)
     return _paged_attention_kernel, types, constexprs, dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
@@ -78,7 +80,9 @@ def _variants():
     return {
         "attention prefill bf16 h128 gqa4 window softcap": attention_variant("bf16", 128, 4, False, softcap=True,
                                                                              window=True),
-        "attention decode split bf16 h128 gqa2": attention_variant("bf16", 128, 2, True, split=True),
+        "attention decode split bf16 h128 gqa2, q/k norms and rotary": attention_variant(
+            "bf16", 128, 2, True, split=True, rotary=128, qk_norm=True),
+        "attention decode bf16 h128 gqa4, rotary": attention_variant("bf16", 128, 4, True, rotary=128),
         "attention decode bf16 h128 gqa4": attention_variant("bf16", 128, 4, True),
         "attention prefill fp16 h80 gqa7": attention_variant("fp16", 80, 7, False),
         "attention prefill bf16 h256": attention_variant("bf16", 256, 2, False, window=True, softcap=True),

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 if TYPE_CHECKING:
     import torch
@@ -98,11 +98,40 @@ class AttentionMetadataBuilder:
         return self.build(batch)
 
 
+@dataclass(frozen=True)
+class RotaryInputs:
+    """The rotary embedding a layer's ``q`` and ``k`` still need, handed to :meth:`AttentionImpl.forward_rotary`.
+
+    ``cos_sin_cache`` is float32 ``[max_position, rotary_dim]`` (cosines, then sines: NeoX style) and
+    ``positions`` holds each token's position. With ``q_norm_weight`` and ``k_norm_weight`` each head is
+    RMS-normalised first (Qwen 3, Gemma 3), with ``eps``. ``apply(positions, q, k)`` does all of it with
+    the platform's ops on flattened ``[tokens, heads * head_size]`` rows and returns the new ``(q, k)``.
+    """
+
+    positions: "torch.Tensor"
+    cos_sin_cache: "torch.Tensor"
+    rotary_dim: int
+    apply: Callable[["torch.Tensor", "torch.Tensor", "torch.Tensor"], tuple["torch.Tensor", "torch.Tensor"]]
+    q_norm_weight: "torch.Tensor | None" = None
+    k_norm_weight: "torch.Tensor | None" = None
+    eps: float = 1e-6
+
+
 class AttentionImpl(ABC):
     """The attention computation of one layer."""
 
     def __init__(self, spec: AttentionLayerSpec):
         self.spec = spec
+
+    def forward_rotary(self, q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", kv_cache: "torch.Tensor",
+                       metadata: Any, rotary: RotaryInputs) -> "torch.Tensor":
+        """:meth:`forward` of ``q`` and ``k`` before their rotary embedding (shapes as there).
+
+        The default applies ``rotary`` and calls :meth:`forward`; a backend may do the rotation inside its
+        own kernels instead, and must then give the same result.
+        """
+        q_rot, k_rot = rotary.apply(rotary.positions, q.flatten(1), k.flatten(1))
+        return self.forward(q_rot.view(q.shape), k_rot.view(k.shape), v, kv_cache, metadata)
 
     @abstractmethod
     def forward(self, q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor",

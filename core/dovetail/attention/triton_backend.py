@@ -5,7 +5,9 @@ the batch puts first) with small query tiles and, when the batch is small, the
 keys split over several programs; the KV-cache write of the remaining (prefill
 and chunked-prefill) tokens; then those sequences with larger query tiles. The
 decode launch stores the decodes' own keys and values itself, so a decode-only
-step (every CUDA-graph step) has no separate cache write. Once per step the
+step (every CUDA-graph step) has no separate cache write; given the layer's rotary
+(``forward_rotary``), it also rotates the decodes' q and k (after Qwen 3's per-head
+norms), so such a step launches no rotary kernel either. Once per step the
 metadata builder orders the decodes longest context first for the decode launch
 (:mod:`dovetail.triton.paged_attention` says why). The kernels are in
 :mod:`dovetail.triton`; this module imports them (and triton) only when a layer is
@@ -18,7 +20,8 @@ import dataclasses
 
 import torch
 
-from dovetail.attention.backend import AttentionBackend, AttentionImpl, AttentionLayerSpec, AttentionMetadataBuilder
+from dovetail.attention.backend import (AttentionBackend, AttentionImpl, AttentionLayerSpec, AttentionMetadataBuilder,
+                                        RotaryInputs)
 from dovetail.attention.batch import AttentionBatch
 
 
@@ -78,13 +81,32 @@ class TritonAttentionImpl(AttentionImpl):
         self._paged_attention = paged_attention
 
     def forward(self, q, k, v, kv_cache, metadata):
+        n, end = metadata.num_decodes, metadata.num_tokens
+        return self._attend(q, k, v, kv_cache, metadata, (q[n:end], k[n:end], v[n:end]), None)
+
+    def forward_rotary(self, q, k, v, kv_cache, metadata, rotary: RotaryInputs):
+        """Rotates the prefills' rows with ``rotary.apply`` and leaves the decodes' to the decode launch."""
+        n, end = metadata.num_decodes, metadata.num_tokens
+        if not n or not self._paged_attention.rotary_fits(rotary, q):
+            return super().forward_rotary(q, k, v, kv_cache, metadata, rotary)
+        q_rest, k_rest = q[n:end], k[n:end]
+        if n < end:
+            q_rot, k_rot = rotary.apply(rotary.positions[n:end], q_rest.flatten(1), k_rest.flatten(1))
+            q_rest, k_rest = q_rot.view(q_rest.shape), k_rot.view(k_rest.shape)
+        return self._attend(q, k, v, kv_cache, metadata, (q_rest, k_rest, v[n:end]), rotary)
+
+    def _attend(self, q, k, v, kv_cache, metadata, rest, rotary):
+        """The decode launch on the first ``num_decodes`` rows of ``q``, ``k``, ``v`` (rotated there when
+        ``rotary`` is given), then the cache write and launch of ``rest``: the other rows' q, k and v."""
         spec = self.spec
         num_decodes = metadata.num_decodes
-        if num_decodes < metadata.num_tokens:  # the decode launch stores the decodes' own keys and values
-            self._kv_cache_write.write_kv_cache(k[num_decodes:], v[num_decodes:], kv_cache,
-                                                metadata.slot_mapping[num_decodes:])
+        q_rest, k_rest, v_rest = rest
+        if q_rest.shape[0]:  # the decode launch stores the decodes' own keys and values
+            self._kv_cache_write.write_kv_cache(k_rest, v_rest, kv_cache, metadata.slot_mapping[num_decodes:])
         if q.stride(-1) != 1:
             q = q.contiguous()
+        if q_rest.stride(-1) != 1:
+            q_rest = q_rest.contiguous()
         out = q.new_empty(q.shape)
         attention = self._paged_attention
         key_cache, value_cache = kv_cache[0], kv_cache[1]
@@ -95,10 +117,10 @@ class TritonAttentionImpl(AttentionImpl):
                 q, key_cache, value_cache, out, metadata.block_table, metadata.seq_lens,
                 metadata.query_start_loc, num_tokens=num_decodes, num_seqs=num_decodes,
                 decode=True, num_splits=splits, decode_order=getattr(metadata, "decode_order", None),
-                new_kv=(k, v, metadata.slot_mapping), **options)
+                new_kv=(k, v, metadata.slot_mapping), rotary=rotary, **options)
         if num_decodes < metadata.num_seqs:
             attention.paged_attention(
-                q[num_decodes:], key_cache, value_cache, out[num_decodes:],
+                q_rest, key_cache, value_cache, out[num_decodes:],
                 metadata.block_table[num_decodes:], metadata.seq_lens[num_decodes:],
                 metadata.query_start_loc[num_decodes:], num_tokens=metadata.num_tokens - num_decodes,
                 num_seqs=metadata.num_seqs - num_decodes, decode=False, **options)

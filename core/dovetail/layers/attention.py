@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dovetail.attention.backend import AttentionLayerSpec
+from dovetail.attention.backend import AttentionLayerSpec, RotaryInputs
 from dovetail.forward_context import get_forward_context
 from dovetail.model_interface import ModelContext
 
@@ -36,5 +36,29 @@ class Attention(nn.Module):
             k.view(tokens, spec.num_kv_heads, spec.head_size),
             v.view(tokens, spec.num_kv_heads, spec.head_size),
             self.kv_cache, get_forward_context().attn_metadata,
+        )
+        return out.reshape(tokens, spec.num_heads * spec.head_size)
+
+    def forward_rotary(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       rotary_emb, q_norm=None, k_norm=None) -> torch.Tensor:
+        """:meth:`forward` of ``q`` and ``k`` before ``rotary_emb`` (a
+        :class:`~dovetail.layers.rotary.RotaryEmbedding`), and before the per-head RMSNorms ``q_norm`` and
+        ``k_norm`` when given. The backend applies them, in its own kernels where it can."""
+        tokens = q.shape[0]
+        spec = self.spec
+        if q_norm is None:
+            def apply(pos, q2, k2):
+                return rotary_emb(pos, q2, k2)
+            rotary = RotaryInputs(positions, rotary_emb.cos_sin_cache, rotary_emb.rotary_dim, apply)
+        else:
+            def apply(pos, q2, k2):
+                return rotary_emb.forward_with_qk_norm(pos, q2, k2, q_norm, k_norm)
+            rotary = RotaryInputs(positions, rotary_emb.cos_sin_cache, rotary_emb.rotary_dim, apply,
+                                  q_norm.weight, k_norm.weight, q_norm.eps)
+        out = self.impl.forward_rotary(
+            q.view(tokens, spec.num_heads, spec.head_size),
+            k.view(tokens, spec.num_kv_heads, spec.head_size),
+            v.view(tokens, spec.num_kv_heads, spec.head_size),
+            self.kv_cache, get_forward_context().attn_metadata, rotary,
         )
         return out.reshape(tokens, spec.num_heads * spec.head_size)

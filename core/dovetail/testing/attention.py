@@ -1,4 +1,5 @@
-"""Attention backends against REFERENCE on random inputs: prefill, decode, chunked prefill, GQA."""
+"""Attention backends against REFERENCE on random inputs: prefill, decode, chunked prefill, GQA, and q and k
+handed over before their rotary embedding (``AttentionImpl.forward_rotary``)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,11 @@ from dataclasses import dataclass
 
 import torch
 
-from dovetail.attention.backend import AttentionBackend, AttentionLayerSpec, AttentionRequirements
+from dovetail.attention.backend import AttentionBackend, AttentionLayerSpec, AttentionRequirements, RotaryInputs
 from dovetail.attention.batch import AttentionBatch
 from dovetail.attention.reference import ReferenceBackend
+from dovetail.layers.rotary import compute_cos_sin_cache
+from dovetail.ops import FusedOps
 
 
 class NotApplicable(Exception):
@@ -28,6 +31,8 @@ class AttentionCase:
     block_size: int = 16
     sliding_window: int | None = None
     logit_softcap: float | None = None
+    #: q and k go in before their rotary embedding (``forward_rotary``), after per-head norms with ``"qk_norm"``.
+    rotary: str | None = None
 
     def __str__(self):
         return self.name
@@ -50,8 +55,26 @@ def attention_cases(head_sizes=(64, 128), block_sizes=(16,)) -> list[AttentionCa
         AttentionCase("gqa8-mixed", ((50, 1), (0, 20), (10, 6)), 64, 8, 1, 16),
         AttentionCase("sliding-window", ((45, 1), (0, 40), (20, 15)), 64, 4, 2, 16, sliding_window=8),
         AttentionCase("softcap", ((33, 1), (0, 18), (8, 8)), 64, 4, 2, 16, logit_softcap=5.0),
+        AttentionCase("rotary-mixed", ((30, 1), (9, 1), (0, 13), (17, 6)), 64, 8, 2, 16, rotary="rotary"),
+        AttentionCase("qk-norm-rotary-decode", ((41, 1), (2, 1), (15, 1)), 64, 4, 2, 16, rotary="qk_norm"),
     ]
     return cases
+
+
+def _rotary_inputs(case: AttentionCase, batch: AttentionBatch, device: str, dtype: torch.dtype) -> RotaryInputs:
+    """Every row's position, a cos/sin table and (``qk_norm``) random norm weights; ``apply`` is the definition."""
+    ops = FusedOps()
+    qsl, seq_lens = batch.query_start_loc_cpu.tolist(), batch.seq_lens_cpu.tolist()
+    positions = torch.tensor([p for i, s in enumerate(seq_lens) for p in range(s - (qsl[i + 1] - qsl[i]), s)],
+                             device=device)
+    table = compute_cos_sin_cache(case.head_size, max(seq_lens) + 1, {"rope_theta": 500.0, "rope_type": "default"},
+                                  max(seq_lens) + 1).to(device)
+    if case.rotary != "qk_norm":
+        return RotaryInputs(positions, table, case.head_size,
+                            lambda pos, q, k: ops.rotary_embedding(pos, q, k, table, case.head_size, case.head_size))
+    q_weight, k_weight = (1 + 0.3 * torch.randn(2, case.head_size, device=device)).to(dtype)
+    return RotaryInputs(positions, table, case.head_size, lambda pos, q, k: ops.qk_norm_rotary_embedding(
+        pos, q, k, q_weight, k_weight, 1e-6, table, case.head_size, case.head_size), q_weight, k_weight, 1e-6)
 
 
 def _requirements(backend: type[AttentionBackend], case: AttentionCase, device: str, dtype: torch.dtype,
@@ -96,20 +119,29 @@ def check_attention_case(backend: type[AttentionBackend], case: AttentionCase, d
     v = torch.randn(tokens, case.num_kv_heads, case.head_size, device=device).to(dtype)
     ref_shape = ReferenceBackend.kv_cache_shape(num_blocks, case.block_size, case.num_kv_heads, case.head_size)
     ref_cache = torch.randn(ref_shape, device=device).to(dtype)  # the cached context: random, never zeros
-    ref_out = ReferenceBackend.impl_cls()(spec).forward(q, k, v, ref_cache.clone(), batch)
+    rotary = _rotary_inputs(case, batch, device, dtype) if case.rotary else None
+
+    def attend(impl, cache, metadata):
+        if rotary is None:
+            return impl.forward(q, k, v, cache, metadata)
+        return impl.forward_rotary(q, k, v, cache, metadata, rotary)
+
+    ref_out = attend(ReferenceBackend.impl_cls()(spec), ref_cache.clone(), batch)
 
     shape = backend.kv_cache_shape(num_blocks, case.block_size, case.num_kv_heads, case.head_size)
     cache = backend.cache_from_reference(ref_cache)
     assert tuple(cache.shape) == tuple(shape), (
         f"{backend.name}.cache_from_reference gave shape {tuple(cache.shape)}, kv_cache_shape says {tuple(shape)}")
     builder = backend.metadata_builder_cls()(backend, [spec], case.block_size, torch.device(device), dtype)
-    out = backend.impl_cls()(spec).forward(q, k, v, cache, builder.build(batch))
+    out = attend(backend.impl_cls()(spec), cache, builder.build(batch))
     tol = atol if atol is not None else (2e-3 if dtype == torch.float32 else 3e-2)
     diff = (out.float() - ref_out.float()).abs().max().item()
     assert diff <= tol, f"{backend.name} output differs from REFERENCE by {diff:.3g} (tolerance {tol}) in {case}"
     written = batch.slot_mapping.long()
     ours = backend.cache_to_reference(cache).reshape(2, -1, case.num_kv_heads, case.head_size)[:, written].float()
-    want = torch.stack([k, v]).float()
+    stored_k = k if rotary is None else rotary.apply(rotary.positions, q.flatten(1), k.flatten(1))[1].view(k.shape)
+    want = torch.stack([stored_k, v]).float()
     wdiff = (ours - want).abs().max().item()
-    assert wdiff <= (0 if dtype == torch.float32 else 1e-2), \
+    exact = dtype == torch.float32 and rotary is None  # a rotation in a kernel may round its float32 math apart
+    assert wdiff <= (0 if exact else 1e-5 if dtype == torch.float32 else 1e-2), \
         f"{backend.name} wrote keys/values that differ by {wdiff:.3g} from the inputs in {case}"

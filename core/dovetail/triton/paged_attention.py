@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dovetail.attention.backend import RotaryInputs
 from dovetail.triton import next_power_of_2
 from dovetail.triton.pdl import launch_kwargs, pdl_prologue, use_pdl
 
@@ -66,16 +67,35 @@ def _find_sequence(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr
 
 
 @triton.jit
-def _attend_and_store_new_key(q, m_i, l_i, acc, new_k_ptr, new_v_ptr, slot_ptr, key_cache_ptr, value_cache_ptr,
-                              token, kv_head, dims, dim_valid, stride_new_kt, stride_new_kh, stride_new_vt,
-                              stride_new_vh, stride_cache_block, stride_cache_slot, stride_cache_head, scale, softcap,
-                              BLOCK_SIZE: tl.constexpr, USE_SOFTCAP: tl.constexpr, WIDE_OFFSETS: tl.constexpr):
-    """A decode's own key and value: fold them into the online softmax straight from the projection's
-    output, and store them at the token's slot (a negative slot: not stored) for later steps."""
-    key = tl.load(new_k_ptr + token * stride_new_kt + kv_head * stride_new_kh + dims, mask=dim_valid, other=0.0)
-    value = tl.load(new_v_ptr + token * stride_new_vt + kv_head * stride_new_vh + dims, mask=dim_valid, other=0.0)
-    slot = tl.load(slot_ptr + token)
-    if slot >= 0:
+def _rope_rows(row_ptrs, row_mask, dims, dim_valid, partner, cos, sin, norm_ptr, eps, HEAD_SIZE: tl.constexpr,
+               QK_NORM: tl.constexpr, NORM_WEIGHT_FP32: tl.constexpr, dtype: tl.constexpr):
+    """Rows of heads (``row_ptrs`` ``[R, 1]``) rotated as :mod:`dovetail.triton.rotary` rotates them, rounded
+    alike: ``x * cos + x[partner] * sin`` per feature (``sin`` already negated on the first half), after the
+    per-head RMSNorm with ``QK_NORM``."""
+    mask = row_mask & dim_valid[None, :]
+    x = tl.load(row_ptrs + dims[None, :], mask=mask, other=0.0).to(tl.float32)
+    x_partner = tl.load(row_ptrs + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+    if QK_NORM:
+        rstd = (1.0 / tl.sqrt(tl.sum(x * x, 1) / HEAD_SIZE + eps))[:, None]
+        w = tl.load(norm_ptr + dims, mask=dim_valid, other=0.0).to(tl.float32)[None, :]
+        w_partner = tl.load(norm_ptr + partner, mask=dim_valid, other=0.0).to(tl.float32)[None, :]
+        if NORM_WEIGHT_FP32:
+            x = (x * rstd * w).to(dtype).to(tl.float32)
+            x_partner = (x_partner * rstd * w_partner).to(dtype).to(tl.float32)
+        else:
+            x = ((x * rstd).to(dtype).to(tl.float32) * w).to(dtype).to(tl.float32)
+            x_partner = ((x_partner * rstd).to(dtype).to(tl.float32) * w_partner).to(dtype).to(tl.float32)
+    return (x * cos[None, :] + x_partner * sin[None, :]).to(dtype)
+
+
+@triton.jit
+def _start_with_new_key(q, m_i, l_i, acc, key, value, slot, owner, key_cache_ptr, value_cache_ptr, kv_head, dims,
+                        dim_valid, stride_cache_block, stride_cache_slot, stride_cache_head, scale, softcap,
+                        BLOCK_SIZE: tl.constexpr, USE_SOFTCAP: tl.constexpr, WIDE_OFFSETS: tl.constexpr):
+    """A decode's own key and value (``[HEAD_PAD]``), straight from the projection's output: the ``owner``
+    program starts its online softmax with them and stores them at the token's slot (a negative slot: not
+    stored) for later steps; the others start empty."""
+    if owner and slot >= 0:
         block = slot // BLOCK_SIZE
         if not WIDE_OFFSETS:
             block = block.to(tl.int32)
@@ -84,26 +104,25 @@ def _attend_and_store_new_key(q, m_i, l_i, acc, new_k_ptr, new_v_ptr, slot_ptr, 
         tl.store(key_cache_ptr + offset + dims, key.to(key_cache_ptr.dtype.element_ty), mask=dim_valid)
         tl.store(value_cache_ptr + offset + dims, value.to(value_cache_ptr.dtype.element_ty), mask=dim_valid)
     # What the cache would give back: the tiles read keys and values in the cache's dtype.
-    key = key.to(key_cache_ptr.dtype.element_ty)
-    value = value.to(value_cache_ptr.dtype.element_ty)
-    s = tl.sum(q.to(tl.float32) * key.to(tl.float32)[None, :], 1)
+    key = key.to(key_cache_ptr.dtype.element_ty).to(tl.float32)
+    value = value.to(value_cache_ptr.dtype.element_ty).to(tl.float32)
+    s = tl.sum(q.to(tl.float32) * key[None, :], 1)
     if USE_SOFTCAP:
         s = (softcap * LOG2E) * _tanh(s * (scale / softcap))
     else:
         s = s * (scale * LOG2E)
-    m_new = tl.maximum(m_i, s)
-    p = tl.exp2(s - m_new)
-    alpha = tl.exp2(m_i - m_new)
-    p_rounded = p.to(value.dtype).to(tl.float32)
-    acc = acc * alpha[:, None] + p_rounded[:, None] * value.to(tl.float32)[None, :]
-    return m_new, l_i * alpha + p, acc
+    # Its weight is exp2(s - s) = 1: the running sum starts at 1 and the output at the value.
+    m_i = tl.where(owner, s, m_i)
+    l_i = tl.where(owner, 1.0, l_i)
+    acc = tl.where(owner, tl.broadcast_to(value[None, :], acc.shape), acc)
+    return m_i, l_i, acc
 
 
 # Per-step values must not select a new compiled kernel: lengths and the table's
 # width are plain runtime integers, and the metadata tensors (sliced past the
 # decodes for the prefill launch) are not specialised on their alignment.
 _PER_STEP_POINTERS = ["block_table_ptr", "seq_lens_ptr", "query_start_loc_ptr", "decode_order_ptr", "new_k_ptr",
-                      "new_v_ptr", "slot_ptr"]
+                      "new_v_ptr", "slot_ptr", "positions_ptr"]
 _NO_ALIGNMENT = ({"do_not_specialize_on_alignment": _PER_STEP_POINTERS}
                  if "do_not_specialize_on_alignment" in inspect.signature(triton.jit).parameters else {})
 
@@ -113,17 +132,18 @@ def _paged_attention_kernel(
     q_ptr, key_cache_ptr, value_cache_ptr, out_ptr,
     split_out_ptr, split_max_ptr, split_sum_ptr,
     block_table_ptr, seq_lens_ptr, query_start_loc_ptr, decode_order_ptr,
-    new_k_ptr, new_v_ptr, slot_ptr,
-    num_seqs, scale, softcap, window,
+    new_k_ptr, new_v_ptr, slot_ptr, positions_ptr, cos_sin_ptr, q_norm_ptr, k_norm_ptr,
+    num_seqs, scale, softcap, window, eps,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cache_block, stride_cache_slot, stride_cache_head, stride_table,
-    stride_new_kt, stride_new_kh, stride_new_vt, stride_new_vh,
+    stride_new_kt, stride_new_kh, stride_new_vt, stride_new_vh, stride_cos_sin,
     NUM_HEADS: tl.constexpr, QUERIES_PER_KV: tl.constexpr,
     HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, SPLIT_KV: tl.constexpr, IEEE_DOT: tl.constexpr,
     DOT_IN_FP32: tl.constexpr, DECODE_ONLY: tl.constexpr, WIDE_OFFSETS: tl.constexpr, HEADS_FASTEST: tl.constexpr,
-    ORDERED: tl.constexpr, NEW_KV: tl.constexpr, USE_PDL: tl.constexpr,
+    ORDERED: tl.constexpr, NEW_KV: tl.constexpr, ROTARY_HALF: tl.constexpr, QK_NORM: tl.constexpr,
+    NORM_WEIGHT_FP32: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pdl_prologue(USE_PDL)
     if HEADS_FASTEST:
@@ -159,8 +179,23 @@ def _paged_attention_kernel(
     q_pos = context_len + q_index
     dims = tl.arange(0, HEAD_PAD)
     dim_valid = dims < HEAD_SIZE
-    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
-                mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
+    q_rows = q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh
+    if ROTARY_HALF:  # decodes whose q and k are not rotated yet: the first 2 * ROTARY_HALF features turn here
+        position = tl.load(positions_ptr + q_start - base).to(tl.int64)
+        first_half = dims < ROTARY_HALF
+        turning = dims < 2 * ROTARY_HALF
+        pair = tl.where(first_half, dims, dims - ROTARY_HALF)
+        cos_sin_row = cos_sin_ptr + position * stride_cos_sin
+        # Rounded to the activations' dtype first, as the rotary kernel and the torch definition do.
+        cos = tl.load(cos_sin_row + pair, mask=turning, other=1.0).to(q_ptr.dtype.element_ty).to(tl.float32)
+        sin = tl.load(cos_sin_row + ROTARY_HALF + pair, mask=turning, other=0.0)
+        sin = sin.to(q_ptr.dtype.element_ty).to(tl.float32)
+        sin = tl.where(first_half, -sin, sin)
+        partner = tl.where(turning, tl.where(first_half, dims + ROTARY_HALF, dims - ROTARY_HALF), dims)
+        q = _rope_rows(q_rows, row_valid[:, None], dims, dim_valid, partner, cos, sin, q_norm_ptr, eps, HEAD_SIZE,
+                       QK_NORM, NORM_WEIGHT_FP32, q_ptr.dtype.element_ty)
+    else:
+        q = tl.load(q_rows + dims[None, :], mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
 
     # Keys this program may see: up to its last query, from the window of its first.
     first_pos = context_len + local_block * BLOCK_Q
@@ -168,11 +203,10 @@ def _paged_attention_kernel(
     kv_start = 0
     if USE_WINDOW:
         kv_start = tl.maximum(first_pos - window + 1, 0)
-    cached_end = kv_end
-    if NEW_KV:  # the decode's own key and value come from new_k / new_v, after the loop
-        cached_end = kv_end - 1
     tile_lo = kv_start // TILE_N
-    tile_hi = tl.cdiv(cached_end, TILE_N)
+    tile_hi = tl.cdiv(kv_end, TILE_N)
+    if NEW_KV:  # the decode's own key and value come from new_k / new_v, not from the cache
+        tile_hi = tl.cdiv(kv_end - 1, TILE_N)
     if SPLIT_KV:
         split = tl.program_id(2)
         per_split = tl.cdiv(tile_hi - tile_lo, tl.num_programs(2))
@@ -184,9 +218,26 @@ def _paged_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+    if NEW_KV:  # before the loop, so that none of it stays live (in registers) through the loop
+        decode_token = (q_start - base).to(tl.int64)
+        key_row = new_k_ptr + decode_token * stride_new_kt + kv_head * stride_new_kh
+        if ROTARY_HALF:
+            key = _rope_rows(key_row + tl.zeros([1, 1], tl.int64), tl.full([1, 1], 1, tl.int1), dims, dim_valid,
+                             partner, cos, sin, k_norm_ptr, eps, HEAD_SIZE, QK_NORM, NORM_WEIGHT_FP32,
+                             new_k_ptr.dtype.element_ty)
+            key = tl.reshape(key, [HEAD_PAD])
+        else:
+            key = tl.load(key_row + dims, mask=dim_valid, other=0.0)
+        value = tl.load(new_v_ptr + decode_token * stride_new_vt + kv_head * stride_new_vh + dims, mask=dim_valid,
+                        other=0.0)
+        # The last split takes it (the only program without splits), even when its share of the tiles is empty.
+        m_i, l_i, acc = _start_with_new_key(
+            q, m_i, l_i, acc, key, value, tl.load(slot_ptr + decode_token), tl.program_id(2) == tl.num_programs(2) - 1,
+            key_cache_ptr, value_cache_ptr, kv_head, dims, dim_valid, stride_cache_block, stride_cache_slot,
+            stride_cache_head, scale, softcap, BLOCK_SIZE, USE_SOFTCAP, WIDE_OFFSETS)
     for tile in range(tile_lo, tile_hi):
         key_pos = tile * TILE_N + tl.arange(0, TILE_N)
-        key_valid = key_pos < cached_end
+        key_valid = key_pos < kv_end
         block = tl.load(table_row + key_pos // BLOCK_SIZE, mask=key_valid, other=0)
         if WIDE_OFFSETS:
             block = block.to(tl.int64)
@@ -203,7 +254,10 @@ def _paged_attention_kernel(
             s = (softcap * LOG2E) * _tanh(s * (scale / softcap))
         else:
             s = s * (scale * LOG2E)
-        visible = key_valid[None, :] & (key_pos[None, :] <= q_pos[:, None])
+        if NEW_KV:  # the cache's slot of the decode's own key may be stale: that key was taken first
+            visible = key_valid[None, :] & (key_pos[None, :] < q_pos[:, None])
+        else:
+            visible = key_valid[None, :] & (key_pos[None, :] <= q_pos[:, None])
         if USE_WINDOW:
             visible = visible & (key_pos[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
@@ -212,8 +266,11 @@ def _paged_attention_kernel(
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
+        value_valid = key_valid
+        if NEW_KV:  # a stale value there could be a NaN, which a zero weight would not cancel
+            value_valid = key_pos < kv_end - 1
         v = tl.load(value_cache_ptr + kv_offset[:, None] + dims[None, :],
-                    mask=key_valid[:, None] & dim_valid[None, :], other=0.0)
+                    mask=value_valid[:, None] & dim_valid[None, :], other=0.0)
         if IEEE_DOT:
             pv = tl.dot(p, v, input_precision="ieee")
         elif DOT_IN_FP32:
@@ -222,14 +279,6 @@ def _paged_attention_kernel(
             pv = tl.dot(p.to(v.dtype), v)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
-
-    if NEW_KV:
-        # The last split takes it (the only one without splits), even when its share of the cached tiles is empty.
-        if tl.program_id(2) == tl.num_programs(2) - 1:
-            m_i, l_i, acc = _attend_and_store_new_key(
-                q, m_i, l_i, acc, new_k_ptr, new_v_ptr, slot_ptr, key_cache_ptr, value_cache_ptr, (q_start - base).to(tl.int64),
-                kv_head, dims, dim_valid, stride_new_kt, stride_new_kh, stride_new_vt, stride_new_vh, stride_cache_block,
-                stride_cache_slot, stride_cache_head, scale, softcap, BLOCK_SIZE, USE_SOFTCAP, WIDE_OFFSETS)
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     if SPLIT_KV:
@@ -351,12 +400,37 @@ def default_num_splits(num_seqs: int, num_kv_heads: int, device: torch.device) -
     return 2 if programs <= 2 * multiprocessors else 1
 
 
+def rotary_fits(rotary: RotaryInputs, q: torch.Tensor) -> bool:
+    """Whether a decode launch can apply ``rotary`` to ``q`` ``[tokens, heads, head_size]`` and the new keys."""
+    head_size = q.shape[-1]
+    cache = rotary.cos_sin_cache
+    fits = (rotary.rotary_dim % 2 == 0 and 0 < rotary.rotary_dim <= head_size and cache.dtype == torch.float32
+            and cache.dim() == 2 and cache.shape[-1] == rotary.rotary_dim and cache.stride(-1) == 1
+            and rotary.positions.dim() == 1 and rotary.positions.shape[0] >= q.shape[0])
+    if rotary.q_norm_weight is None or not fits:
+        return fits
+    q_weight, k_weight = rotary.q_norm_weight, rotary.k_norm_weight
+    return (k_weight is not None and rotary.rotary_dim == head_size
+            and q_weight.shape == k_weight.shape == (head_size,) and q_weight.dtype == k_weight.dtype
+            and q_weight.dtype in (torch.float32, q.dtype) and q_weight.is_contiguous() and k_weight.is_contiguous())
+
+
+def _rotary_tensors(rotary: RotaryInputs | None, placeholder: torch.Tensor, q: torch.Tensor) -> tuple:
+    """positions, cos/sin cache, q and k norm weights (placeholders where unused)."""
+    if rotary is None:
+        return placeholder, placeholder, q, q
+    norm = rotary.q_norm_weight is not None
+    return (rotary.positions, rotary.cos_sin_cache, rotary.q_norm_weight if norm else q,
+            rotary.k_norm_weight if norm else q)
+
+
 def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, out: torch.Tensor,
                     block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                     num_tokens: int, num_seqs: int, scale: float, sliding_window: int | None = None,
                     logit_softcap: float | None = None, decode: bool = False, num_splits: int = 1,
                     config: LaunchConfig | None = None, decode_order: torch.Tensor | None = None,
-                    new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
+                    new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                    rotary: RotaryInputs | None = None) -> None:
     """Attend ``num_seqs`` sequences whose queries are ``num_tokens`` rows of ``q``, into ``out``.
 
     ``q`` and ``out`` are ``[tokens, num_heads, head_size]``; their row 0 is the
@@ -370,6 +444,8 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
     ``new_kv`` (decode only): ``(k, v, slot_mapping)`` of this step's tokens, rows as in ``q``. Each decode
     then attends its own key and value from ``k`` and ``v`` instead of the cache, and stores them at its
     slot, so that no separate KV-cache write is launched for the decodes (a negative slot is not stored).
+    ``rotary`` (with ``new_kv``, where :func:`rotary_fits`): the decodes' rows of ``q`` and ``k`` are not
+    rotated yet; the launch rotates them (after the per-head norms, when given) as the rotary kernel would.
     """
     if num_seqs == 0 or num_tokens == 0:
         return
@@ -390,6 +466,8 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
     if new_kv is not None and not decode:
         raise ValueError("new_kv is for decode launches only: a prefill's queries read each other's keys "
                          "from the cache, so they must be written first")
+    if rotary is not None and (new_kv is None or not rotary_fits(rotary, q)):
+        raise ValueError("rotary needs new_kv, and inputs that rotary_fits accepts")
     new_k, new_v, slots = new_kv if new_kv is not None else (q, q, seq_lens)
     if new_k.stride(-1) != 1:
         new_k = new_k.contiguous()
@@ -401,17 +479,23 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
     _paged_attention_kernel[grid](
         q, key_cache, value_cache, out, split_out, split_max, split_sum,
         block_table, seq_lens, query_start_loc, decode_order if decode_order is not None else seq_lens,
-        new_k, new_v, slots,
+        new_k, new_v, slots, *_rotary_tensors(rotary, seq_lens, q),
         num_seqs, float(scale), float(logit_softcap or 1.0), int(sliding_window or 0),
+        float(rotary.eps) if rotary is not None else 0.0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_table.stride(0),
         new_k.stride(0), new_k.stride(1), new_v.stride(0), new_v.stride(1),
+        rotary.cos_sin_cache.stride(0) if rotary is not None else 0,
         NUM_HEADS=num_heads, QUERIES_PER_KV=queries_per_kv, HEAD_SIZE=head_size, HEAD_PAD=head_pad,
         BLOCK_SIZE=block_size, BLOCK_M=cfg.block_m, BLOCK_Q=block_q, TILE_N=cfg.tile_n,
         USE_SOFTCAP=bool(logit_softcap), USE_WINDOW=bool(sliding_window), SPLIT_KV=split_kv,
         IEEE_DOT=q.dtype == torch.float32, DOT_IN_FP32=INTERPRETED and q.dtype == torch.bfloat16,
         DECODE_ONLY=decode, WIDE_OFFSETS=_needs_wide_offsets(key_cache, value_cache), HEADS_FASTEST=heads_fastest,
-        ORDERED=decode and decode_order is not None, NEW_KV=new_kv is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
+        ORDERED=decode and decode_order is not None, NEW_KV=new_kv is not None,
+        ROTARY_HALF=rotary.rotary_dim // 2 if rotary is not None else 0,
+        QK_NORM=rotary is not None and rotary.q_norm_weight is not None,
+        NORM_WEIGHT_FP32=rotary is not None and rotary.q_norm_weight is not None
+        and rotary.q_norm_weight.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
     )
     if split_kv:
         _reduce_splits_kernel[(num_tokens, num_heads)](

@@ -77,11 +77,8 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if self.q_norm is not None:  # per-head norms of the QKV output's q and k views, then the rotary
-            q, k = self.rotary_emb.forward_with_qk_norm(positions, q, k, self.q_norm, self.k_norm)
-        else:
-            q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v))
+        # The per-head norms (when present) and the rotary are the backend's to apply, in its kernels if it can.
+        return self.o_proj(self.attn.forward_rotary(positions, q, k, v, self.rotary_emb, self.q_norm, self.k_norm))
 
 
 class LlamaMLP(nn.Module):
