@@ -386,10 +386,11 @@ def _rotary_inputs(case, rotary_dim, norm_dtype, seed):
 @pytest.mark.parametrize("dtype,rotary_dim,norm_dtype", [
     (torch.float32, 32, None), (torch.bfloat16, 32, None), (torch.float32, 16, None),
     (torch.bfloat16, 32, torch.float32), (torch.bfloat16, 32, torch.bfloat16), (torch.float16, 32, torch.float16)])
-def test_decode_launch_rotates_its_rows(dtype, rotary_dim, norm_dtype):
+def test_decode_launch_rotates_its_rows(dtype, rotary_dim, norm_dtype, monkeypatch):
     """``forward_rotary``: TRITON rotates the decodes' q and k in the decode launch (partial rotary, q/k norms
     with float32 or model-dtype weights) and the prefills' with ``apply``; the base class applies the rotary to
     every row first. Same output and cache, on a mixed batch with random (unrotated) q and k."""
+    monkeypatch.setattr(TritonAttentionImpl, "_rotates_in_decode_launch", lambda self, n, q: n > 0)
     case = make_case([1, 1, 1, 4, 3], [1, 23, 9, 7, 12], num_heads=4, num_kv_heads=2, dtype=dtype, seed=17)
     q, k, v, cache, batch = case
     spec = spec_for(case)
@@ -427,3 +428,15 @@ def test_rotary_the_launch_cannot_apply_falls_back_to_the_platform_rotation():
     actual = TritonAttentionImpl(spec).forward_rotary(q, k, v, tri_cache, batch, half_table)
     assert calls == [4]
     torch.testing.assert_close(actual, expected, atol=2e-3, rtol=2e-3)
+
+
+def test_only_split_decode_launches_rotate():
+    """Small decode batches (split launches) rotate in the decode launch; batches that fill the device use the
+    rotary kernel first, so that no program's first key read waits for its rotation."""
+    from dovetail.triton.paged_attention import default_num_splits
+
+    impl = TritonAttentionImpl(AttentionLayerSpec(num_heads=4, num_kv_heads=2, head_size=32, scale=1.0))
+    q = torch.empty(1, 4, 32, device=DEVICE)
+    assert default_num_splits(1, 2, q.device) > 1 and impl._rotates_in_decode_launch(1, q)
+    assert default_num_splits(4096, 2, q.device) == 1 and not impl._rotates_in_decode_launch(4096, q)
+    assert not impl._rotates_in_decode_launch(0, q)
