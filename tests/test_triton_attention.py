@@ -62,20 +62,36 @@ def make_case(query_lens, seq_lens, *, num_heads=4, num_kv_heads=2, head_size=32
     return q, k, v, cache, batch
 
 
-def run_both(case, spec):
+class _FusedTriton(TritonAttentionImpl):
+    """TRITON with the decode launch writing the decodes' keys and values whatever the batch's size."""
+
+    def _fuses_into_decode_launch(self, num_decodes, q):
+        return num_decodes > 0
+
+
+class _UnfusedTriton(TritonAttentionImpl):
+    """TRITON with the cache write always launched first."""
+
+    def _fuses_into_decode_launch(self, num_decodes, q):
+        return False
+
+
+def run_both(case, spec, impl_cls=TritonAttentionImpl):
     """Output and cache of REFERENCE and of TRITON on copies of the same inputs."""
     q, k, v, cache, batch = case
     ref_cache, tri_cache = cache.clone(), cache.clone()
     expected = ReferenceAttentionImpl(spec).forward(q, k, v, ref_cache, batch)
-    actual = TritonAttentionImpl(spec).forward(q, k, v, tri_cache, batch)
+    actual = impl_cls(spec).forward(q, k, v, tri_cache, batch)
     return expected, actual, ref_cache, tri_cache
 
 
 def check(case, spec):
-    expected, actual, ref_cache, tri_cache = run_both(case, spec)
-    assert actual.dtype == expected.dtype and actual.shape == expected.shape
-    torch.testing.assert_close(tri_cache, ref_cache, rtol=0, atol=0)
-    torch.testing.assert_close(actual.float(), expected.float(), **TOLERANCE[expected.dtype])
+    """Both ways of writing the decodes' keys and values (in the decode launch or before it)."""
+    for impl_cls in (_FusedTriton, _UnfusedTriton):
+        expected, actual, ref_cache, tri_cache = run_both(case, spec, impl_cls)
+        assert actual.dtype == expected.dtype and actual.shape == expected.shape
+        torch.testing.assert_close(tri_cache, ref_cache, rtol=0, atol=0)
+        torch.testing.assert_close(actual.float(), expected.float(), **TOLERANCE[expected.dtype])
 
 
 def spec_for(case, scale=None, sliding_window=None, logit_softcap=None):
@@ -145,7 +161,7 @@ def test_negative_slots_are_not_written():
     slots[0] = slots[3] = -1
     tables = [row[: -(-s // block_size)] for row, s in zip(batch.block_table.tolist(), seq_lens)]
     batch = AttentionBatch.build(query_lens, seq_lens, tables, slots, block_size, DEVICE)
-    expected, actual, ref_cache, tri_cache = run_both((q, k, v, cache, batch), spec_for((q, k)))
+    expected, actual, ref_cache, tri_cache = run_both((q, k, v, cache, batch), spec_for((q, k)), _FusedTriton)
     torch.testing.assert_close(tri_cache, ref_cache, rtol=0, atol=0)
     # Row 0, a decode that stores nothing, has no specified output (REFERENCE reads the stale slot back,
     # TRITON's decode launch attends the new key); the prefill's rows read the stale slot in both.
@@ -390,7 +406,7 @@ def test_decode_launch_rotates_its_rows(dtype, rotary_dim, norm_dtype, monkeypat
     """``forward_rotary``: TRITON rotates the decodes' q and k in the decode launch (partial rotary, q/k norms
     with float32 or model-dtype weights) and the prefills' with ``apply``; the base class applies the rotary to
     every row first. Same output and cache, on a mixed batch with random (unrotated) q and k."""
-    monkeypatch.setattr(TritonAttentionImpl, "_rotates_in_decode_launch", lambda self, n, q: n > 0)
+    monkeypatch.setattr(TritonAttentionImpl, "_fuses_into_decode_launch", lambda self, n, q: n > 0)
     case = make_case([1, 1, 1, 4, 3], [1, 23, 9, 7, 12], num_heads=4, num_kv_heads=2, dtype=dtype, seed=17)
     q, k, v, cache, batch = case
     spec = spec_for(case)
@@ -430,13 +446,13 @@ def test_rotary_the_launch_cannot_apply_falls_back_to_the_platform_rotation():
     torch.testing.assert_close(actual, expected, atol=2e-3, rtol=2e-3)
 
 
-def test_only_split_decode_launches_rotate():
-    """Small decode batches (split launches) rotate in the decode launch; batches that fill the device use the
-    rotary kernel first, so that no program's first key read waits for its rotation."""
+def test_only_split_decode_launches_take_over_the_cache_write_and_rotation():
+    """Small decode batches (split launches) write and rotate in the decode launch; batches that fill the
+    device have the cache write and the rotary kernel first, so that no program's first key read waits."""
     from dovetail.triton.paged_attention import default_num_splits
 
     impl = TritonAttentionImpl(AttentionLayerSpec(num_heads=4, num_kv_heads=2, head_size=32, scale=1.0))
     q = torch.empty(1, 4, 32, device=DEVICE)
-    assert default_num_splits(1, 2, q.device) > 1 and impl._rotates_in_decode_launch(1, q)
-    assert default_num_splits(4096, 2, q.device) == 1 and not impl._rotates_in_decode_launch(4096, q)
-    assert not impl._rotates_in_decode_launch(0, q)
+    assert default_num_splits(1, 2, q.device) > 1 and impl._fuses_into_decode_launch(1, q)
+    assert default_num_splits(4096, 2, q.device) == 1 and not impl._fuses_into_decode_launch(4096, q)
+    assert not impl._fuses_into_decode_launch(0, q)

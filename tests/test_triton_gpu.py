@@ -212,3 +212,27 @@ def test_fused_ops_at_llama_8b_sizes(dtype):
     for got, want in zip(tri.rotary_embedding(positions, q, k, cos_sin, 128, 128),
                          ref.rotary_embedding(positions, q, k, cos_sin, 128, 128)):
         close(got, want)
+
+
+def test_sliced_index_arrays_do_not_recompile():
+    """``slot_mapping[n:]`` and ``positions[n:]`` start at any 8-byte offset: the cache write and the rotary
+    kernel are not specialised on those pointers' alignment, so an odd offset compiles nothing new."""
+    from dovetail.layers.rotary import compute_cos_sin_cache
+    from dovetail.triton import kv_cache_write, rotary
+
+    def compiled(kernel):
+        return sum(len(entry[0]) for entry in kernel.device_caches.values())
+
+    k = torch.randn(9, 8, 128, device="cuda", dtype=torch.bfloat16)
+    cache = torch.zeros(2, 4, 16, 8, 128, device="cuda", dtype=torch.bfloat16)
+    slots = torch.arange(9, device="cuda")
+    q2, k2 = torch.randn(9, 32 * 128, device="cuda", dtype=torch.bfloat16), k.flatten(1)
+    positions = torch.arange(9, device="cuda")
+    table = compute_cos_sin_cache(128, 64, {"rope_theta": 10000.0, "rope_type": "default"}, 64).cuda()
+    kv_cache_write.write_kv_cache(k[2:], k[2:], cache, slots[2:])
+    rotary.rotary_embedding(positions[2:], q2[2:], k2[2:], table, 128, 128)
+    before = compiled(kv_cache_write._kv_cache_write_kernel), compiled(rotary._rotary_kernel)
+    kv_cache_write.write_kv_cache(k[1:], k[1:], cache, slots[1:])
+    rotary.rotary_embedding(positions[1:], q2[1:], k2[1:], table, 128, 128)
+    torch.cuda.synchronize()
+    assert (compiled(kv_cache_write._kv_cache_write_kernel), compiled(rotary._rotary_kernel)) == before

@@ -1,13 +1,13 @@
 """TRITON: the core's own paged attention in Triton, for the CUDA, ROCm and XPU platforms.
 
-Each layer's forward makes at most three launches: the decode sequences (which
-the batch puts first) with small query tiles and, when the batch is small, the
-keys split over several programs; the KV-cache write of the remaining (prefill
-and chunked-prefill) tokens; then those sequences with larger query tiles. The
-decode launch stores the decodes' own keys and values itself, so a decode-only
-step (every CUDA-graph step) has no separate cache write; given the layer's rotary
-(``forward_rotary``), it also rotates the decodes' q and k (after Qwen 3's per-head
-norms), so such a step launches no rotary kernel either. Once per step the
+Each layer's forward makes at most three launches: the KV-cache write, the
+decode sequences (which the batch puts first) with small query tiles and, when
+the batch is small, the keys split over several programs, then the remaining
+(prefill and chunked-prefill) sequences with larger query tiles. A split decode
+launch (small batches, batch-1 decode) stores the decodes' own keys and values
+itself and, given the layer's rotary (``forward_rotary``), rotates their q and k
+(after Qwen 3's per-head norms): a small decode-only step then launches neither a
+cache write nor a rotary kernel. Once per step the
 metadata builder orders the decodes longest context first for the decode launch
 (:mod:`dovetail.triton.paged_attention` says why). The kernels are in
 :mod:`dovetail.triton`; this module imports them (and triton) only when a layer is
@@ -81,37 +81,43 @@ class TritonAttentionImpl(AttentionImpl):
         self._paged_attention = paged_attention
 
     def forward(self, q, k, v, kv_cache, metadata):
-        n, end = metadata.num_decodes, metadata.num_tokens
-        return self._attend(q, k, v, kv_cache, metadata, (q[n:end], k[n:end], v[n:end]), None)
+        return self._attend(q, k, v, kv_cache, metadata)
 
     def forward_rotary(self, q, k, v, kv_cache, metadata, rotary: RotaryInputs):
-        """Rotates the prefills' rows with ``rotary.apply`` and leaves the decodes' to the decode launch when
-        that launch splits the keys (small batches: :func:`_rotates_in_decode_launch`)."""
+        """When the decode launch takes over the decodes' cache write (:meth:`_fuses_into_decode_launch`), it
+        rotates their q and k too; the other rows are rotated with ``rotary.apply``."""
         n, end = metadata.num_decodes, metadata.num_tokens
-        if not self._rotates_in_decode_launch(n, q) or not self._paged_attention.rotary_fits(rotary, q):
+        if not self._fuses_into_decode_launch(n, q) or not self._paged_attention.rotary_fits(rotary, q):
             return super().forward_rotary(q, k, v, kv_cache, metadata, rotary)
         q_rest, k_rest = q[n:end], k[n:end]
         if n < end:
             q_rot, k_rot = rotary.apply(rotary.positions[n:end], q_rest.flatten(1), k_rest.flatten(1))
             q_rest, k_rest = q_rot.view(q_rest.shape), k_rot.view(k_rest.shape)
-        return self._attend(q, k, v, kv_cache, metadata, (q_rest, k_rest, v[n:end]), rotary)
+        return self._attend(q, k, v, kv_cache, metadata, rotary, (q_rest, k_rest))
 
-    def _rotates_in_decode_launch(self, num_decodes: int, q) -> bool:
-        """Only a split decode launch rotates: it has few programs, and a launch saved counts. With many
-        programs each one's rotation comes before its first key read and delays it: on the H200, B1 of
-        qwen3-0.6b fell from 26,911 to 24,291 output tok/s with every decode launch rotating."""
+    def _fuses_into_decode_launch(self, num_decodes: int, q) -> bool:
+        """Whether the decode launch stores the decodes' own keys and values (and, from :meth:`forward_rotary`,
+        rotates their q and k) instead of separate launches doing it first: only when it splits the keys
+        (small batches). There the launches saved count: on the H200, B2 went from 4.338 to 4.277 ms
+        (llama-3.1-8b), 2.954 to 2.877 (its fp8) and 0.961 to 0.910 (qwen3-0.6b). A launch that fills the
+        device has many programs, each of which would do that work before its first key read: B1 lost
+        0.7-1.6% with the cache write in every decode launch, and qwen3-0.6b up to 8% with the rotation too
+        (``benchmarks/h200_variants.sh``, 2026-11-21)."""
         if not num_decodes:
             return False
         return self._paged_attention.default_num_splits(num_decodes, self.spec.num_kv_heads, q.device) > 1
 
-    def _attend(self, q, k, v, kv_cache, metadata, rest, rotary):
-        """The decode launch on the first ``num_decodes`` rows of ``q``, ``k``, ``v`` (rotated there when
-        ``rotary`` is given), then the cache write and launch of ``rest``: the other rows' q, k and v."""
+    def _attend(self, q, k, v, kv_cache, metadata, rotary: RotaryInputs | None = None, rest=None):
+        """Write the cache, then the decode launch on the first ``num_decodes`` rows, then the launch of the
+        other sequences on ``rest`` (their q and k, when the caller rotated them; else ``q``'s and ``k``'s)."""
         spec = self.spec
-        num_decodes = metadata.num_decodes
-        q_rest, k_rest, v_rest = rest
-        if q_rest.shape[0]:  # the decode launch stores the decodes' own keys and values
-            self._kv_cache_write.write_kv_cache(k_rest, v_rest, kv_cache, metadata.slot_mapping[num_decodes:])
+        n, end = metadata.num_decodes, metadata.num_tokens
+        fused = self._fuses_into_decode_launch(n, q)
+        q_rest, k_rest = rest if rest is not None else (q[n:end], k[n:end])
+        if not fused:
+            self._kv_cache_write.write_kv_cache(k, v, kv_cache, metadata.slot_mapping)
+        elif n < end:
+            self._kv_cache_write.write_kv_cache(k_rest, v[n:end], kv_cache, metadata.slot_mapping[n:end])
         if q.stride(-1) != 1:
             q = q.contiguous()
         if q_rest.stride(-1) != 1:
@@ -120,19 +126,19 @@ class TritonAttentionImpl(AttentionImpl):
         attention = self._paged_attention
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         options = dict(scale=spec.scale, sliding_window=spec.sliding_window, logit_softcap=spec.logit_softcap)
-        if num_decodes:
-            splits = attention.default_num_splits(num_decodes, spec.num_kv_heads, q.device)
+        if n:
             attention.paged_attention(
                 q, key_cache, value_cache, out, metadata.block_table, metadata.seq_lens,
-                metadata.query_start_loc, num_tokens=num_decodes, num_seqs=num_decodes,
-                decode=True, num_splits=splits, decode_order=getattr(metadata, "decode_order", None),
-                new_kv=(k, v, metadata.slot_mapping), rotary=rotary, **options)
-        if num_decodes < metadata.num_seqs:
+                metadata.query_start_loc, num_tokens=n, num_seqs=n, decode=True,
+                num_splits=attention.default_num_splits(n, spec.num_kv_heads, q.device),
+                decode_order=getattr(metadata, "decode_order", None),
+                new_kv=(k, v, metadata.slot_mapping) if fused else None, rotary=rotary if fused else None,
+                **options)
+        if n < metadata.num_seqs:
             attention.paged_attention(
-                q_rest, key_cache, value_cache, out[num_decodes:],
-                metadata.block_table[num_decodes:], metadata.seq_lens[num_decodes:],
-                metadata.query_start_loc[num_decodes:], num_tokens=metadata.num_tokens - num_decodes,
-                num_seqs=metadata.num_seqs - num_decodes, decode=False, **options)
+                q_rest, key_cache, value_cache, out[n:], metadata.block_table[n:], metadata.seq_lens[n:],
+                metadata.query_start_loc[n:], num_tokens=end - n, num_seqs=metadata.num_seqs - n, decode=False,
+                **options)
         return out
 
 

@@ -46,3 +46,18 @@ def interpreter_active() -> bool:
     import triton.language as tl
 
     return type(tl.cdiv).__name__ == "InterpretedFunction"
+
+
+def unaligned(*pointer_names: str) -> dict:
+    """``triton.jit`` options that keep these pointer arguments from being specialised on their alignment.
+
+    For per-step index arrays that callers slice (``positions[n:]``, ``slot_mapping[n:]``): an odd offset
+    would otherwise compile a new kernel in the middle of serving. Empty where triton lacks the option.
+    """
+    import inspect
+
+    import triton
+
+    if "do_not_specialize_on_alignment" in inspect.signature(triton.jit).parameters:
+        return {"do_not_specialize_on_alignment": list(pointer_names)}
+    return {}

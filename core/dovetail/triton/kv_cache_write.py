@@ -12,11 +12,11 @@ import torch
 import triton
 import triton.language as tl
 
-from dovetail.triton import next_power_of_2
+from dovetail.triton import next_power_of_2, unaligned
 from dovetail.triton.pdl import launch_kwargs, pdl_prologue, use_pdl
 
 
-@triton.jit
+@triton.jit(**unaligned("slot_ptr"))
 def _kv_cache_write_kernel(
     k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh,

@@ -29,7 +29,6 @@ batches too small to fill it (batch 1 has only ``num_kv_heads`` programs otherwi
 
 from __future__ import annotations
 
-import inspect
 import os
 from dataclasses import dataclass
 
@@ -38,7 +37,7 @@ import triton
 import triton.language as tl
 
 from dovetail.attention.backend import RotaryInputs
-from dovetail.triton import next_power_of_2
+from dovetail.triton import next_power_of_2, unaligned
 from dovetail.triton.pdl import launch_kwargs, pdl_prologue, use_pdl
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -123,11 +122,10 @@ def _start_with_new_key(q, m_i, l_i, acc, key, value, slot, owner, key_cache_ptr
 # decodes for the prefill launch) are not specialised on their alignment.
 _PER_STEP_POINTERS = ["block_table_ptr", "seq_lens_ptr", "query_start_loc_ptr", "decode_order_ptr", "new_k_ptr",
                       "new_v_ptr", "slot_ptr", "positions_ptr"]
-_NO_ALIGNMENT = ({"do_not_specialize_on_alignment": _PER_STEP_POINTERS}
-                 if "do_not_specialize_on_alignment" in inspect.signature(triton.jit).parameters else {})
 
 
-@triton.jit(do_not_specialize=["num_seqs", "window", "stride_table"], **_NO_ALIGNMENT)
+
+@triton.jit(do_not_specialize=["num_seqs", "window", "stride_table"], **unaligned(*_PER_STEP_POINTERS))
 def _paged_attention_kernel(
     q_ptr, key_cache_ptr, value_cache_ptr, out_ptr,
     split_out_ptr, split_max_ptr, split_sum_ptr,

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dovetail.triton import next_power_of_2
+from dovetail.triton import next_power_of_2, unaligned
 from dovetail.triton.pdl import launch_kwargs, pdl_prologue, use_pdl
 
 
@@ -43,7 +43,7 @@ def _rotate_heads(src_ptr, dst_ptr, cos, sin, norm_weight_ptr, eps, NUM_HEADS: t
     tl.store(dst_ptr + offset + HALF, (x2 * cos + x1 * sin).to(dtype), mask=mask)
 
 
-@triton.jit
+@triton.jit(**unaligned("positions_ptr"))
 def _rotary_kernel(
     positions_ptr, q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_sin_ptr, q_norm_ptr, k_norm_ptr,
     stride_q, stride_k, stride_q_out, stride_k_out, stride_cos_sin, eps,
