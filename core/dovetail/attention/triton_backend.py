@@ -100,9 +100,9 @@ class TritonAttentionImpl(AttentionImpl):
         rotates their q and k) instead of separate launches doing it first: only when it splits the keys
         (small batches). There the launches saved count: on the H200, B2 went from 4.338 to 4.277 ms
         (llama-3.1-8b), 2.954 to 2.877 (its fp8) and 0.961 to 0.910 (qwen3-0.6b). A launch that fills the
-        device has many programs, each of which would do that work before its first key read: B1 lost
-        0.7-1.6% with the cache write in every decode launch, and qwen3-0.6b up to 8% with the rotation too
-        (``benchmarks/h200_variants.sh``, 2026-11-21)."""
+        device has many programs, each of which would do that work before its first key read: with the cache
+        write in every decode launch, B1 lost 0.7% (llama-3.1-8b) and 1.1-2.1% (qwen3-0.6b); as it is, B1 is
+        unchanged (``benchmarks/h200_variants.sh``, 2026-11-21)."""
         if not num_decodes:
             return False
         return self._paged_attention.default_num_splits(num_decodes, self.spec.num_kv_heads, q.device) > 1
@@ -148,11 +148,11 @@ class TritonBackend(AttentionBackend):
 
     name = "TRITON"
     verification = ("ran on one NVIDIA H200 (triton 3.6) on 2026-11-20 and 2026-11-21 (launched with programmatic "
-                    "dependent launch): the current kernels in whole models (greedy output against HF, CUDA-graph "
-                    "decode on and off, batch-1 decode) and the B1/B2 benchmarks; the full "
-                    "per-case matrix against REFERENCE (head sizes 64/128/256, block sizes 16/32, window, "
-                    "soft-capping, GQA) ran there on an earlier version of the kernels (ee31229). In CI: against "
-                    "REFERENCE in triton's CPU interpreter. Never run on an AMD or Intel GPU")
+                    "dependent launch): the current kernels (1a9d721) against REFERENCE case by case (head sizes "
+                    "64-256, block sizes, window, soft-capping, GQA, the split decode launch's own cache write and "
+                    "rotation), in whole models (greedy output against HF, CUDA-graph decode on and off, batch-1 "
+                    "decode) and in the B1/B2 benchmarks. In CI: against REFERENCE in triton's CPU interpreter. "
+                    "Never run on an AMD or Intel GPU")
     # Any head size works (padded to a power of two); these are the ones tested.
     supported_head_sizes = (32, 64, 80, 96, 112, 128, 160, 192, 256)
     supported_dtypes = ("float16", "bfloat16", "float32")

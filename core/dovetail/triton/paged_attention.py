@@ -21,6 +21,11 @@ of one sequence run side by side, reading the same cache blocks together. On B1-
 batches on the H200 the two together raised the KV bandwidth from 4.17 to 4.42 TB/s
 (``benchmarks/triton_attention.py --sweep-order``, 256 sequences, contexts 100-2,048).
 
+A decode launch may also take each decode's own key and value from the projection's output
+(``new_kv``) instead of the cache: the program starts its softmax with them and stores them at
+the decode's slot, and with ``rotary`` it rotates the decode's q and k first, as the rotary kernel
+would. The TRITON backend does so for split launches only (its ``_fuses_into_decode_launch`` says why).
+
 With ``SPLIT_KV`` each of ``num_splits`` programs takes a share of the key tiles
 and writes a partial result (its output, row maximum and row sum);
 :func:`_reduce_splits_kernel` merges them. That keeps the GPU busy on decode

@@ -34,7 +34,8 @@ def blas_library() -> str:
     """The library torch's matrix products use once the engine selects its device: ``DOVETAIL_CUDA_BLAS``,
     ``cublaslt`` (the default) or ``cublas``. It is a process-wide torch setting.
 
-    B1 on llama-3.1-8b (H200, alternating on one machine, ``benchmarks/h200_blas_ab.sh``): 10,718 / 10,723
+    B1 on llama-3.1-8b (H200, alternating on one machine; the script is now ``benchmarks/h200_variants.sh``
+    with ``VARIANTS="DOVETAIL_CUDA_BLAS=cublas|DOVETAIL_CUDA_BLAS=cublaslt"``): 10,718 / 10,723
     output tok/s with cuBLAS, 10,790 / 10,790 with cuBLASLt (``benchmarks/RESULTS.md``, 2026-11-21).
     """
     choice = os.environ.get("DOVETAIL_CUDA_BLAS", "cublaslt").strip().lower()
