@@ -44,6 +44,7 @@ import triton.language as tl
 from dovetail.attention.backend import RotaryInputs
 from dovetail.triton import next_power_of_2, unaligned
 from dovetail.triton.pdl import launch_kwargs, pdl_prologue, use_pdl
+from dovetail.triton.rotary import normalised
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -83,12 +84,8 @@ def _rope_rows(row_ptrs, row_mask, dims, dim_valid, partner, cos, sin, norm_ptr,
         rstd = (1.0 / tl.sqrt(tl.sum(x * x, 1) / HEAD_SIZE + eps))[:, None]
         w = tl.load(norm_ptr + dims, mask=dim_valid, other=0.0).to(tl.float32)[None, :]
         w_partner = tl.load(norm_ptr + partner, mask=dim_valid, other=0.0).to(tl.float32)[None, :]
-        if NORM_WEIGHT_FP32:
-            x = (x * rstd * w).to(dtype).to(tl.float32)
-            x_partner = (x_partner * rstd * w_partner).to(dtype).to(tl.float32)
-        else:
-            x = ((x * rstd).to(dtype).to(tl.float32) * w).to(dtype).to(tl.float32)
-            x_partner = ((x_partner * rstd).to(dtype).to(tl.float32) * w_partner).to(dtype).to(tl.float32)
+        x = normalised(x, rstd, w, NORM_WEIGHT_FP32, dtype)
+        x_partner = normalised(x_partner, rstd, w_partner, NORM_WEIGHT_FP32, dtype)
     return (x * cos[None, :] + x_partner * sin[None, :]).to(dtype)
 
 

@@ -19,6 +19,17 @@ from dovetail.triton.pdl import launch_kwargs, pdl_prologue, use_pdl
 
 
 @triton.jit
+def normalised(x, rstd, weight, WEIGHT_FP32: tl.constexpr, dtype: tl.constexpr):
+    """``x * rstd * weight`` in float32, rounded where the torch RMSNorm definition rounds: once with float32
+    weights, before and after the weight with weights in the activations' ``dtype``."""
+    if WEIGHT_FP32:
+        y = (x * rstd * weight).to(dtype).to(tl.float32)
+    else:
+        y = ((x * rstd).to(dtype).to(tl.float32) * weight).to(dtype).to(tl.float32)
+    return y
+
+
+@triton.jit
 def _rotate_heads(src_ptr, dst_ptr, cos, sin, norm_weight_ptr, eps, NUM_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr,
                   HEAD_SIZE: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr, NORM: tl.constexpr,
                   WEIGHT_FP32: tl.constexpr):
@@ -33,12 +44,8 @@ def _rotate_heads(src_ptr, dst_ptr, cos, sin, norm_weight_ptr, eps, NUM_HEADS: t
         rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / HEAD_SIZE + eps)[:, None]
         w1 = tl.load(norm_weight_ptr + cols, mask=cols < HALF, other=0.0).to(tl.float32)
         w2 = tl.load(norm_weight_ptr + HALF + cols, mask=cols < HALF, other=0.0).to(tl.float32)
-        if WEIGHT_FP32:
-            x1 = (x1 * rstd * w1).to(dtype).to(tl.float32)
-            x2 = (x2 * rstd * w2).to(dtype).to(tl.float32)
-        else:
-            x1 = ((x1 * rstd).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
-            x2 = ((x2 * rstd).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
+        x1 = normalised(x1, rstd, w1, WEIGHT_FP32, dtype)
+        x2 = normalised(x2, rstd, w2, WEIGHT_FP32, dtype)
     tl.store(dst_ptr + offset, (x1 * cos - x2 * sin).to(dtype), mask=mask)
     tl.store(dst_ptr + offset + HALF, (x2 * cos + x1 * sin).to(dtype), mask=mask)
 
