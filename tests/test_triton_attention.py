@@ -437,7 +437,7 @@ def test_rotary_the_launch_cannot_apply_falls_back_to_the_platform_rotation():
 
     half_table = dataclasses.replace(rotary, cos_sin_cache=rotary.cos_sin_cache.half().float().half(),
                                      apply=counting_apply)
-    assert rotary_fits(rotary, q) and not rotary_fits(half_table, q)
+    assert rotary_fits(rotary, q, k) and not rotary_fits(half_table, q, k)
     spec = spec_for(case)
     ref_cache, tri_cache = cache.clone(), cache.clone()
     expected = ReferenceAttentionImpl(spec).forward_rotary(q, k, v, ref_cache, batch, rotary)

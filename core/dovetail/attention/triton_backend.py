@@ -87,7 +87,7 @@ class TritonAttentionImpl(AttentionImpl):
         """When the decode launch takes over the decodes' cache write (:meth:`_fuses_into_decode_launch`), it
         rotates their q and k too; the other rows are rotated with ``rotary.apply``."""
         n, end = metadata.num_decodes, metadata.num_tokens
-        if not self._fuses_into_decode_launch(n, q) or not self._paged_attention.rotary_fits(rotary, q):
+        if not self._fuses_into_decode_launch(n, q) or not self._paged_attention.rotary_fits(rotary, q, k):
             return super().forward_rotary(q, k, v, kv_cache, metadata, rotary)
         q_rest, k_rest = q[n:end], k[n:end]
         if n < end:

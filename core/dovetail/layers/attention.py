@@ -29,13 +29,18 @@ class Attention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """``q``, ``k``, ``v`` flattened ``[tokens, heads * head_size]``; returns the same shape as ``q``."""
+        return self._per_head(self.impl.forward, q, k, v)
+
+    def _per_head(self, impl_method, q, k, v, *extra) -> torch.Tensor:
+        """``impl_method`` on per-head views of flattened ``q``, ``k``, ``v`` and this layer's cache; its output
+        flattened again."""
         tokens = q.shape[0]
         spec = self.spec
-        out = self.impl.forward(
+        out = impl_method(
             q.view(tokens, spec.num_heads, spec.head_size),
             k.view(tokens, spec.num_kv_heads, spec.head_size),
             v.view(tokens, spec.num_kv_heads, spec.head_size),
-            self.kv_cache, get_forward_context().attn_metadata,
+            self.kv_cache, get_forward_context().attn_metadata, *extra,
         )
         return out.reshape(tokens, spec.num_heads * spec.head_size)
 
@@ -44,8 +49,6 @@ class Attention(nn.Module):
         """:meth:`forward` of ``q`` and ``k`` before ``rotary_emb`` (a
         :class:`~dovetail.layers.rotary.RotaryEmbedding`), and before the per-head RMSNorms ``q_norm`` and
         ``k_norm`` when given. The backend applies them, in its own kernels where it can."""
-        tokens = q.shape[0]
-        spec = self.spec
         if q_norm is None:
             def apply(pos, q2, k2):
                 return rotary_emb(pos, q2, k2)
@@ -55,10 +58,4 @@ class Attention(nn.Module):
                 return rotary_emb.forward_with_qk_norm(pos, q2, k2, q_norm, k_norm)
             rotary = RotaryInputs(positions, rotary_emb.cos_sin_cache, rotary_emb.rotary_dim, apply,
                                   q_norm.weight, k_norm.weight, q_norm.eps)
-        out = self.impl.forward_rotary(
-            q.view(tokens, spec.num_heads, spec.head_size),
-            k.view(tokens, spec.num_kv_heads, spec.head_size),
-            v.view(tokens, spec.num_kv_heads, spec.head_size),
-            self.kv_cache, get_forward_context().attn_metadata, rotary,
-        )
-        return out.reshape(tokens, spec.num_heads * spec.head_size)
+        return self._per_head(self.impl.forward_rotary, q, k, v, rotary)

@@ -44,6 +44,7 @@ import triton.language as tl
 from dovetail.attention.backend import RotaryInputs
 from dovetail.triton import next_power_of_2, unaligned
 from dovetail.triton.pdl import launch_kwargs, pdl_prologue, use_pdl
+from dovetail.triton import rotary as rotary_kernel
 from dovetail.triton.rotary import normalised
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -124,7 +125,6 @@ def _start_with_new_key(q, m_i, l_i, acc, key, value, slot, owner, key_cache_ptr
 # decodes for the prefill launch) are not specialised on their alignment.
 _PER_STEP_POINTERS = ["block_table_ptr", "seq_lens_ptr", "query_start_loc_ptr", "decode_order_ptr", "new_k_ptr",
                       "new_v_ptr", "slot_ptr", "positions_ptr"]
-
 
 
 @triton.jit(do_not_specialize=["num_seqs", "window", "stride_table"], **unaligned(*_PER_STEP_POINTERS))
@@ -400,19 +400,17 @@ def default_num_splits(num_seqs: int, num_kv_heads: int, device: torch.device) -
     return 2 if programs <= 2 * multiprocessors else 1
 
 
-def rotary_fits(rotary: RotaryInputs, q: torch.Tensor) -> bool:
-    """Whether a decode launch can apply ``rotary`` to ``q`` ``[tokens, heads, head_size]`` and the new keys."""
-    head_size = q.shape[-1]
-    cache = rotary.cos_sin_cache
-    fits = (rotary.rotary_dim % 2 == 0 and 0 < rotary.rotary_dim <= head_size and cache.dtype == torch.float32
-            and cache.dim() == 2 and cache.shape[-1] == rotary.rotary_dim and cache.stride(-1) == 1
-            and rotary.positions.dim() == 1 and rotary.positions.shape[0] >= q.shape[0])
+def rotary_fits(rotary: RotaryInputs, q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether a decode launch can apply ``rotary`` to ``q`` and ``k`` (``[tokens, heads, head_size]``): what the
+    rotary kernel accepts (:func:`dovetail.triton.rotary.supports`, ``supports_qk_norm``), with a float32 table."""
+    head_size, cache = q.shape[-1], rotary.cos_sin_cache
+    fits = (cache.dtype == torch.float32 and cache.dim() == 2
+            and rotary_kernel.supports(rotary.positions, q.flatten(1), k.flatten(1), cache, head_size,
+                                       rotary.rotary_dim))
     if rotary.q_norm_weight is None or not fits:
         return fits
-    q_weight, k_weight = rotary.q_norm_weight, rotary.k_norm_weight
-    return (k_weight is not None and rotary.rotary_dim == head_size
-            and q_weight.shape == k_weight.shape == (head_size,) and q_weight.dtype == k_weight.dtype
-            and q_weight.dtype in (torch.float32, q.dtype) and q_weight.is_contiguous() and k_weight.is_contiguous())
+    return rotary.k_norm_weight is not None and rotary_kernel.supports_qk_norm(
+        rotary.q_norm_weight, rotary.k_norm_weight, q, head_size, rotary.rotary_dim)
 
 
 def _rotary_tensors(rotary: RotaryInputs | None, placeholder: torch.Tensor, q: torch.Tensor) -> tuple:
@@ -466,7 +464,7 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
     if new_kv is not None and not decode:
         raise ValueError("new_kv is for decode launches only: a prefill's queries read each other's keys "
                          "from the cache, so they must be written first")
-    if rotary is not None and (new_kv is None or not rotary_fits(rotary, q)):
+    if rotary is not None and (new_kv is None or not rotary_fits(rotary, q, new_kv[0])):
         raise ValueError("rotary needs new_kv, and inputs that rotary_fits accepts")
     new_k, new_v, slots = new_kv if new_kv is not None else (q, q, seq_lens)
     if new_k.stride(-1) != 1:
