@@ -101,4 +101,8 @@ def assert_greedy_matches(ours: list[int], theirs: list[int], hf_logprobs: list[
         top2 = lp.topk(2).values
         if ours[i] in lp.topk(2).indices.tolist() and float(top2[0] - top2[1]) < tol:
             return
-    raise AssertionError(f"greedy tokens diverge at step {i}: ours {ours[i:i + 5]} vs HF {theirs[i:i + 5]}")
+    gap = ""
+    if i < len(hf_logprobs) and i < len(ours) and i < len(theirs):
+        lp = hf_logprobs[i]
+        gap = f" (HF's logprobs there: ours {float(lp[ours[i]]):.6f}, HF's {float(lp[theirs[i]]):.6f})"
+    raise AssertionError(f"greedy tokens diverge at step {i}: ours {ours[i:i + 5]} vs HF {theirs[i:i + 5]}{gap}")

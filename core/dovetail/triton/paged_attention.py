@@ -413,10 +413,13 @@ def rotary_fits(rotary: RotaryInputs, q: torch.Tensor, k: torch.Tensor) -> bool:
         rotary.q_norm_weight, rotary.k_norm_weight, q, head_size, rotary.rotary_dim)
 
 
-def _rotary_tensors(rotary: RotaryInputs | None, placeholder: torch.Tensor, q: torch.Tensor) -> tuple:
-    """positions, cos/sin cache, q and k norm weights (placeholders where unused)."""
+def _rotary_tensors(rotary: RotaryInputs | None, q: torch.Tensor) -> tuple:
+    """positions, cos/sin cache, q and k norm weights; ``q`` where unused. (A placeholder must be aligned as
+    ``q`` is, whatever the step: a pointer that is specialised on its alignment, such as the cos/sin cache's,
+    given ``seq_lens[n:]`` of a step with an odd number of decodes compiled a second prefill launch inside the
+    benchmark's timed call: ``benchmarks/triton_compiles.py``, H200, 2026-11-21.)"""
     if rotary is None:
-        return placeholder, placeholder, q, q
+        return q, q, q, q
     norm = rotary.q_norm_weight is not None
     return (rotary.positions, rotary.cos_sin_cache, rotary.q_norm_weight if norm else q,
             rotary.k_norm_weight if norm else q)
@@ -477,7 +480,7 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
     _paged_attention_kernel[grid](
         q, key_cache, value_cache, out, split_out, split_max, split_sum,
         block_table, seq_lens, query_start_loc, decode_order if decode_order is not None else seq_lens,
-        new_k, new_v, slots, *_rotary_tensors(rotary, seq_lens, q),
+        new_k, new_v, slots, *_rotary_tensors(rotary, q),
         num_seqs, float(scale), float(logit_softcap or 1.0), int(sliding_window or 0),
         float(rotary.eps) if rotary is not None else 0.0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
