@@ -67,6 +67,22 @@ def test_greedy_matches_hf(model_dir, hf_reference, backend):
         assert_greedy_matches(tokens, hf_tokens, hf_logprobs, tol=0.05)
 
 
+@pytest.mark.parametrize("backend", ["REFERENCE", "TRITON"])
+def test_float32_matches_hf_within_float_error(model_dir, hf_reference, backend):
+    """``dtype="float32"`` keeps float32 on the GPU (``"auto"`` would run this checkpoint in 16 bits): tokens as
+    HF's but for ties within 1e-4, and each chosen token's logprob within 1e-4 of HF's."""
+    llm = LLM(str(model_dir), attention_backend=backend, **{**ENGINE, "dtype": "float32"})
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    for out, (hf_tokens, hf_logprobs) in zip(outputs, hf_reference):
+        tokens = out.outputs[0].token_ids
+        assert_greedy_matches(tokens, hf_tokens, hf_logprobs, tol=1e-4)
+        for step, token in enumerate(tokens):
+            if token != hf_tokens[step]:
+                break
+            assert abs(out.outputs[0].logprobs[step][token].logprob - float(hf_logprobs[step][token])) < 1e-4
+
+
 @pytest.mark.parametrize("backend", ["FLASHINFER", "TRITON"])
 def test_graphs_on_and_off_give_identical_tokens(model_dir, backend):
     prompts = [list(range(10 + i, 40 + i)) for i in range(4)]  # 4 decodes: a captured size, no padding

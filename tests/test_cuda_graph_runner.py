@@ -68,9 +68,9 @@ def hf_reference(tiny_llama_hf):
 
 
 def test_replayed_decode_steps_match_hf(tiny_llama_dir, hf_reference):
-    llm = LLM(str(tiny_llama_dir), attention_backend="REFERENCE", max_num_seqs=6)
+    llm = LLM(str(tiny_llama_dir), device="cpu", attention_backend="REFERENCE", max_num_seqs=6)
     runner = llm.llm_engine.runner
-    assert runner.graphs is None, "the CPU platform captures no graphs"
+    assert runner.graphs is None, "the CPU platform captures no graphs"  # pinned: a GPU host would pick cuda, and bf16
     for layer in runner.attention_layers:
         layer.impl = DeviceOnlyDecodeImpl(layer.spec)
     runner.platform, runner.use_graphs = ReplayPlatform(), True
