@@ -399,14 +399,17 @@ def _rotary_inputs(case, rotary_dim, norm_dtype, seed):
     return RotaryInputs(positions, table, rotary_dim, apply, eps=1e-5, **weights)
 
 
+@pytest.mark.parametrize("split_launch", [True, False], ids=["split-decode-launch", "unsplit"])
 @pytest.mark.parametrize("dtype,rotary_dim,norm_dtype", [
     (torch.float32, 32, None), (torch.bfloat16, 32, None), (torch.float32, 16, None),
     (torch.bfloat16, 32, torch.float32), (torch.bfloat16, 32, torch.bfloat16), (torch.float16, 32, torch.float16)])
-def test_decode_launch_rotates_its_rows(dtype, rotary_dim, norm_dtype, monkeypatch):
-    """``forward_rotary``: TRITON rotates the decodes' q and k in the decode launch (partial rotary, q/k norms
-    with float32 or model-dtype weights) and the prefills' with ``apply``; the base class applies the rotary to
-    every row first. Same output and cache, on a mixed batch with random (unrotated) q and k."""
-    monkeypatch.setattr(TritonAttentionImpl, "_fuses_into_decode_launch", lambda self, n, q: n > 0)
+def test_decode_launch_rotates_its_rows(dtype, rotary_dim, norm_dtype, split_launch, monkeypatch):
+    """``forward_rotary``: TRITON rotates the decodes' q and k in a split decode launch (partial rotary, q/k
+    norms with float32 or model-dtype weights); the other rows (all of them, unsplit) go through the rotary
+    kernel that also writes the cache (whole-head rotary) or through ``apply`` (partial). The base class
+    applies the rotary to every row first. Same output and cache, on a mixed batch with random (unrotated)
+    q and k."""
+    monkeypatch.setattr(TritonAttentionImpl, "_fuses_into_decode_launch", lambda self, n, q: split_launch and n > 0)
     case = make_case([1, 1, 1, 4, 3], [1, 23, 9, 7, 12], num_heads=4, num_kv_heads=2, dtype=dtype, seed=17)
     q, k, v, cache, batch = case
     spec = spec_for(case)

@@ -47,7 +47,10 @@ def attention_variant(dtype, head_size, group, decode, split=False, softcap=Fals
 
 
 ROTARY_TYPES = dict(positions_ptr="*i64", q_ptr="*bf16", k_ptr="*bf16", q_out_ptr="*bf16", k_out_ptr="*bf16",
-                    cos_sin_ptr="*fp32", q_norm_ptr="*bf16", k_norm_ptr="*bf16", eps="fp32")
+                    cos_sin_ptr="*fp32", q_norm_ptr="*bf16", k_norm_ptr="*bf16", eps="fp32", v_ptr="*bf16",
+                    key_cache_ptr="*bf16", value_cache_ptr="*bf16", slot_ptr="*i64")
+ROTARY_LLAMA = dict(NUM_HEADS=32, NUM_KV_HEADS=8, HEADS_PAD=32, KV_HEADS_PAD=8, HEAD_SIZE=128, HALF=64, HALF_PAD=64,
+                    NORM=False, WEIGHT_FP32=False, CACHE_WRITE=False, BLOCK_SIZE=1, HEAD_PAD=128)
 
 
 def gemv_variant(weight, dot, split_k, block_n, block_k, num_stages, even=False):
@@ -105,12 +108,13 @@ def _variants():
                          dict(GELU_TANH=False, BLOCK=1024), dict(num_warps=4)),
         "gelu tanh and mul": (_act_and_mul_kernel, dict(x_ptr="*fp16", out_ptr="*fp16"),
                               dict(GELU_TANH=True, BLOCK=1024), dict(num_warps=4)),
-        "rotary": (_rotary_kernel, ROTARY_TYPES,
-                   dict(NUM_HEADS=32, NUM_KV_HEADS=8, HEADS_PAD=32, KV_HEADS_PAD=8, HEAD_SIZE=128, HALF=64,
-                        HALF_PAD=64, NORM=False, WEIGHT_FP32=False), dict(num_warps=4)),
+        "rotary": (_rotary_kernel, ROTARY_TYPES, ROTARY_LLAMA, dict(num_warps=4)),
         "q/k norm and rotary": (_rotary_kernel, ROTARY_TYPES,
-                                dict(NUM_HEADS=16, NUM_KV_HEADS=8, HEADS_PAD=16, KV_HEADS_PAD=8, HEAD_SIZE=128,
-                                     HALF=64, HALF_PAD=64, NORM=True, WEIGHT_FP32=False), dict(num_warps=4)),
+                                dict(ROTARY_LLAMA, NUM_HEADS=16, HEADS_PAD=16, NORM=True), dict(num_warps=4)),
+        "q/k norm and rotary into the KV cache": (
+            _rotary_kernel, ROTARY_TYPES,
+            dict(ROTARY_LLAMA, NUM_HEADS=16, HEADS_PAD=16, NORM=True, CACHE_WRITE=True, BLOCK_SIZE=16),
+            dict(num_warps=4)),
         "gemv fp8 dot split-k": gemv_variant("fp8", True, 4, 64, 128, 3),
         "gemv fp8 dot, tiles dividing the weight": gemv_variant("fp8", True, 4, 64, 256, 3, even=True),
         "gemv bf16 register sums": gemv_variant("bf16", False, 1, 8, 1024, 3),

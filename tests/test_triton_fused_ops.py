@@ -145,6 +145,36 @@ def test_qk_norm_and_rotary_in_one_launch_on_views_of_a_fused_qkv(dtype, weight_
     assert not torch.allclose(got[0].float(), rotary_only[0].float(), atol=1e-2)  # the norm was applied
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("norm", [False, True])
+def test_rotary_into_the_kv_cache_equals_rotary_then_cache_write(dtype, norm):
+    """One launch rotates q (returned) and stores the rotated k and v at each token's slot: the same q and
+    the same cache as the rotary kernel followed by the cache write. A negative slot stores nothing."""
+    from dovetail.triton import kv_cache_write, rotary
+
+    head_size, num_heads, num_kv_heads, tokens, block_size = 32, 4, 2, 6, 4
+    cos_sin = compute_cos_sin_cache(head_size, 128, {"rope_theta": 10000.0, "rope_type": "default"}, 128).to(DEVICE)
+    qkv = rand(tokens, (num_heads + 2 * num_kv_heads) * head_size, dtype=dtype, seed=21) * 3
+    q = qkv[:, : num_heads * head_size]
+    k = qkv[:, num_heads * head_size: (num_heads + num_kv_heads) * head_size]
+    v = qkv[:, (num_heads + num_kv_heads) * head_size:]
+    weights = (rand(head_size, dtype=dtype, seed=22) + 1, rand(head_size, dtype=dtype, seed=23) + 1) if norm \
+        else (None, None)
+    positions = torch.tensor([0, 1, 2, 17, 64, 127], device=DEVICE)
+    slots = torch.tensor([5, 0, -1, 13, 2, 9], device=DEVICE)
+    cache = rand(2, 5, block_size, num_kv_heads, head_size, dtype=dtype, seed=24)
+    expected_cache = cache.clone()
+    q_want, k_want = rotary.rotary_embedding(positions, q, k, cos_sin, head_size, head_size, *weights, 1e-6)
+    kv_cache_write.write_kv_cache(k_want.view(tokens, num_kv_heads, head_size), v.view(tokens, num_kv_heads, head_size),
+                                  expected_cache, slots)
+    assert rotary.writes_cache(k, v, cache[0], cache[1], head_size, head_size)
+    q_got = rotary.rotary_embedding_into_cache(positions, q, k, v, cache[0], cache[1], slots, cos_sin, head_size,
+                                               *weights, 1e-6)
+    assert torch.equal(q_got, q_want)
+    assert torch.equal(cache, expected_cache)
+    assert not rotary.writes_cache(k, v, cache[0], cache[1], head_size, head_size // 2)  # partial rotary
+
+
 def test_qk_norm_with_partial_rotary_uses_the_torch_definition():
     head_size, rotary_dim = 32, 16
     cos_sin = compute_cos_sin_cache(rotary_dim, 64, {"rope_theta": 10000.0, "rope_type": "default"}, 64).to(DEVICE)

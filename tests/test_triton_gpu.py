@@ -158,14 +158,27 @@ def test_mixed_steps_compile_nothing_beyond_start_up():
     spec = AttentionLayerSpec(32, 8, 128, 128 ** -0.5)
     impl = TritonAttentionImpl(spec)
 
+    from dovetail.attention.backend import RotaryInputs
+    from dovetail.layers.rotary import compute_cos_sin_cache
+    from dovetail.triton import kv_cache_write, rotary
+
+    table = compute_cos_sin_cache(128, 4096, {"rope_theta": 500000.0, "rope_type": "default"}, 4096).cuda()
+
     def compiled():
-        kernels = (paged_attention._paged_attention_kernel, paged_attention._reduce_splits_kernel)
+        kernels = (paged_attention._paged_attention_kernel, paged_attention._reduce_splits_kernel,
+                   rotary._rotary_kernel, kv_cache_write._kv_cache_write_kernel)
         return sum(len(entry[0]) for kernel in kernels for entry in kernel.device_caches.values())
 
     def step(seed, decodes, prefill):
+        """The step once without rotary (``forward``) and once as the models call it (``forward_rotary``)."""
         seqs = [(random.Random(seed + i).randint(1, 3000), 1) for i in range(decodes)] + prefill
         q, k, v, cache, batch = paged_case(seqs, 32, 8, 128, 16, torch.bfloat16, seed=seed)
         impl.forward(q, k, v, cache, batch)
+        qsl, lens = batch.query_start_loc_cpu.tolist(), batch.seq_lens_cpu.tolist()
+        positions = torch.tensor([p for i, s in enumerate(lens) for p in range(s - (qsl[i + 1] - qsl[i]), s)],
+                                 device="cuda")
+        apply = lambda pos, q2, k2: rotary.rotary_embedding(pos, q2, k2, table, 128, 128)  # noqa: E731
+        impl.forward_rotary(q, k, v, cache, batch, RotaryInputs(positions, table, 128, apply))
 
     for seed, decodes in enumerate((1, 2, 8, 24, 200)):  # each split count, then unsplit
         step(seed, decodes, [])

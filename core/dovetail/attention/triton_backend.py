@@ -75,19 +75,32 @@ class TritonAttentionImpl(AttentionImpl):
 
     def __init__(self, spec: AttentionLayerSpec):
         super().__init__(spec)
-        from dovetail.triton import kv_cache_write, paged_attention
+        from dovetail.triton import kv_cache_write, paged_attention, rotary
 
         self._kv_cache_write = kv_cache_write
         self._paged_attention = paged_attention
+        self._rotary = rotary
 
     def forward(self, q, k, v, kv_cache, metadata):
         return self._attend(q, k, v, kv_cache, metadata)
 
     def forward_rotary(self, q, k, v, kv_cache, metadata, rotary: RotaryInputs):
         """When the decode launch takes over the decodes' cache write (:meth:`_fuses_into_decode_launch`), it
-        rotates their q and k too; the other rows are rotated with ``rotary.apply``."""
+        rotates their q and k too. The other rows go through the rotary kernel, which also stores their rotated
+        keys and values in the cache (one launch instead of two), or else through ``rotary.apply``."""
         n, end = metadata.num_decodes, metadata.num_tokens
-        if not self._fuses_into_decode_launch(n, q) or not self._paged_attention.rotary_fits(rotary, q, k):
+        if not self._paged_attention.rotary_fits(rotary, q, k):
+            return super().forward_rotary(q, k, v, kv_cache, metadata, rotary)
+        fused = self._fuses_into_decode_launch(n, q)
+        start = n if fused else 0
+        q_rest = None
+        if fused or end == q.shape[0]:  # else the rotated rows would not make up the whole of q
+            q_rest = self._rotate_into_cache(q[start:end], k[start:end], v[start:end], kv_cache,
+                                             metadata.slot_mapping[start:end], rotary, start)
+        if q_rest is not None:
+            return self._attend(q_rest if not fused else q, k, v, kv_cache, metadata, rotary if fused else None,
+                                (q_rest, None) if fused else None, written=True)
+        if not fused:
             return super().forward_rotary(q, k, v, kv_cache, metadata, rotary)
         q_rest, k_rest = q[n:end], k[n:end]
         if n < end:
@@ -95,26 +108,42 @@ class TritonAttentionImpl(AttentionImpl):
             q_rest, k_rest = q_rot.view(q_rest.shape), k_rot.view(k_rest.shape)
         return self._attend(q, k, v, kv_cache, metadata, rotary, (q_rest, k_rest))
 
+    def _rotate_into_cache(self, q, k, v, kv_cache, slots, rotary: RotaryInputs, start: int):
+        """``q`` rotated (``[rows, heads, head_size]``), with the rows' rotated keys and values stored at
+        ``slots`` by the same launch; None where the rotary kernel cannot write this cache (nothing done)."""
+        rows, head_size = q.shape[0], q.shape[-1]
+        k2, v2 = k.flatten(1), v.flatten(1)
+        if not rows or not self._rotary.writes_cache(k2, v2, kv_cache[0], kv_cache[1], head_size, rotary.rotary_dim):
+            return None
+        q_rot = self._rotary.rotary_embedding_into_cache(
+            rotary.positions[start:start + rows], q.flatten(1), k2, v2, kv_cache[0], kv_cache[1], slots,
+            rotary.cos_sin_cache, head_size, rotary.q_norm_weight, rotary.k_norm_weight, rotary.eps)
+        return q_rot.view(q.shape)
+
     def _fuses_into_decode_launch(self, num_decodes: int, q) -> bool:
         """Whether the decode launch stores the decodes' own keys and values (and, from :meth:`forward_rotary`,
         rotates their q and k) instead of separate launches doing it first: only when it splits the keys
         (small batches). There the launches saved count: on the H200, B2 went from 4.338 to 4.277 ms
         (llama-3.1-8b), 2.954 to 2.877 (its fp8) and 0.961 to 0.910 (qwen3-0.6b). A launch that fills the
         device has many programs, each of which would do that work before its first key read: with the cache
-        write in every decode launch, B1 lost 0.7% (llama-3.1-8b) and 1.1-2.1% (qwen3-0.6b); as it is, B1 is
-        unchanged (``benchmarks/h200_variants.sh``, 2026-11-21)."""
+        write and the rotation in every decode launch, B1 lost 0.14% (llama-3.1-8b) and 1.5% (qwen3-0.6b)
+        (``benchmarks/h200_variants.sh``, 2026-11-21, eighth session, no compile in the timed calls)."""
         if not num_decodes:
             return False
         return self._paged_attention.default_num_splits(num_decodes, self.spec.num_kv_heads, q.device) > 1
 
-    def _attend(self, q, k, v, kv_cache, metadata, rotary: RotaryInputs | None = None, rest=None):
-        """Write the cache, then the decode launch on the first ``num_decodes`` rows, then the launch of the
-        other sequences on ``rest`` (their q and k, when the caller rotated them; else ``q``'s and ``k``'s)."""
+    def _attend(self, q, k, v, kv_cache, metadata, rotary: RotaryInputs | None = None, rest=None,
+                written: bool = False):
+        """Write the cache (unless ``written``: the rows the decode launch does not store are in it already),
+        then the decode launch on the first ``num_decodes`` rows, then the launch of the other sequences on
+        ``rest`` (their q and k, when the caller rotated them; else ``q``'s and ``k``'s)."""
         spec = self.spec
         n, end = metadata.num_decodes, metadata.num_tokens
         fused = self._fuses_into_decode_launch(n, q)
         q_rest, k_rest = rest if rest is not None else (q[n:end], k[n:end])
-        if not fused:
+        if written:
+            pass
+        elif not fused:
             self._kv_cache_write.write_kv_cache(k, v, kv_cache, metadata.slot_mapping)
         elif n < end:
             self._kv_cache_write.write_kv_cache(k_rest, v[n:end], kv_cache, metadata.slot_mapping[n:end])
