@@ -177,9 +177,9 @@ class TritonBackend(AttentionBackend):
 
     name = "TRITON"
     verification = ("ran on one NVIDIA H200 (triton 3.6) on 2026-11-20 and 2026-11-21 (launched with programmatic "
-                    "dependent launch): the current kernels (1a9d721) against REFERENCE case by case (head sizes "
+                    "dependent launch): the current kernels (5ac8018) against REFERENCE case by case (head sizes "
                     "64-256, block sizes, window, soft-capping, GQA, the split decode launch's own cache write and "
-                    "rotation), in whole models (greedy output against HF, CUDA-graph decode on and off, batch-1 "
+                    "rotation, the rotary kernel's cache write), in whole models (greedy output against HF, CUDA-graph decode on and off, batch-1 "
                     "decode) and in the B1/B2 benchmarks. In CI: against REFERENCE in triton's CPU interpreter. "
                     "Never run on an AMD or Intel GPU")
     # Any head size works (padded to a power of two); these are the ones tested.
