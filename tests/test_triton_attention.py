@@ -383,9 +383,7 @@ def _rotary_inputs(case, rotary_dim, norm_dtype, seed):
     q, k, v, cache, batch = case
     head_size = q.shape[-1]
     gen = torch.Generator().manual_seed(seed)
-    qsl, seq_lens = batch.query_start_loc_cpu.tolist(), batch.seq_lens_cpu.tolist()
-    positions = torch.tensor([p for i, s in enumerate(seq_lens) for p in range(s - (qsl[i + 1] - qsl[i]), s)],
-                             device=DEVICE)
+    positions = testing.row_positions(batch, DEVICE)
     table = compute_cos_sin_cache(rotary_dim, 64, {"rope_theta": 100.0, "rope_type": "default"}, 64).to(DEVICE)
     weights = {}
     if norm_dtype is not None:

@@ -158,6 +158,7 @@ def test_mixed_steps_compile_nothing_beyond_start_up():
     spec = AttentionLayerSpec(32, 8, 128, 128 ** -0.5)
     impl = TritonAttentionImpl(spec)
 
+    from dovetail import testing
     from dovetail.attention.backend import RotaryInputs
     from dovetail.layers.rotary import compute_cos_sin_cache
     from dovetail.triton import kv_cache_write, rotary
@@ -174,9 +175,7 @@ def test_mixed_steps_compile_nothing_beyond_start_up():
         seqs = [(random.Random(seed + i).randint(1, 3000), 1) for i in range(decodes)] + prefill
         q, k, v, cache, batch = paged_case(seqs, 32, 8, 128, 16, torch.bfloat16, seed=seed)
         impl.forward(q, k, v, cache, batch)
-        qsl, lens = batch.query_start_loc_cpu.tolist(), batch.seq_lens_cpu.tolist()
-        positions = torch.tensor([p for i, s in enumerate(lens) for p in range(s - (qsl[i + 1] - qsl[i]), s)],
-                                 device="cuda")
+        positions = testing.row_positions(batch, "cuda")
         apply = lambda pos, q2, k2: rotary.rotary_embedding(pos, q2, k2, table, 128, 128)  # noqa: E731
         impl.forward_rotary(q, k, v, cache, batch, RotaryInputs(positions, table, 128, apply))
 

@@ -61,12 +61,19 @@ def attention_cases(head_sizes=(64, 128), block_sizes=(16,)) -> list[AttentionCa
     return cases
 
 
+def row_positions(batch: AttentionBatch, device: str | torch.device) -> torch.Tensor:
+    """The position of every query row of ``batch`` (a sequence's new tokens come last in it), on ``device``:
+    what the model runner hands the rotary embedding."""
+    qsl, seq_lens = batch.query_start_loc_cpu.tolist(), batch.seq_lens_cpu.tolist()
+    return torch.tensor([p for i, s in enumerate(seq_lens) for p in range(s - (qsl[i + 1] - qsl[i]), s)],
+                        device=device)
+
+
 def _rotary_inputs(case: AttentionCase, batch: AttentionBatch, device: str, dtype: torch.dtype) -> RotaryInputs:
     """Every row's position, a cos/sin table and (``qk_norm``) random norm weights; ``apply`` is the definition."""
     ops = FusedOps()
-    qsl, seq_lens = batch.query_start_loc_cpu.tolist(), batch.seq_lens_cpu.tolist()
-    positions = torch.tensor([p for i, s in enumerate(seq_lens) for p in range(s - (qsl[i + 1] - qsl[i]), s)],
-                             device=device)
+    seq_lens = batch.seq_lens_cpu.tolist()
+    positions = row_positions(batch, device)
     table = compute_cos_sin_cache(case.head_size, max(seq_lens) + 1, {"rope_theta": 500.0, "rope_type": "default"},
                                   max(seq_lens) + 1).to(device)
     if case.rotary != "qk_norm":
