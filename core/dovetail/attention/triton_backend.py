@@ -97,9 +97,10 @@ class TritonAttentionImpl(AttentionImpl):
         if fused or end == q.shape[0]:  # else the rotated rows would not make up the whole of q
             q_rest = self._rotate_into_cache(q[start:end], k[start:end], v[start:end], kv_cache,
                                              metadata.slot_mapping[start:end], rotary, start)
-        if q_rest is not None:
-            return self._attend(q_rest if not fused else q, k, v, kv_cache, metadata, rotary if fused else None,
-                                (q_rest, None) if fused else None, written=True)
+        if q_rest is not None and fused:
+            return self._attend(q, k, v, kv_cache, metadata, rotary, (q_rest, None), written=True)
+        if q_rest is not None:  # every row rotated, every key and value stored
+            return self._attend(q_rest, k, v, kv_cache, metadata, written=True)
         if not fused:
             return super().forward_rotary(q, k, v, kv_cache, metadata, rotary)
         q_rest, k_rest = q[n:end], k[n:end]
@@ -179,9 +180,9 @@ class TritonBackend(AttentionBackend):
     verification = ("ran on one NVIDIA H200 (triton 3.6) on 2026-11-20 and 2026-11-21 (launched with programmatic "
                     "dependent launch): the current kernels (5ac8018) against REFERENCE case by case (head sizes "
                     "64-256, block sizes, window, soft-capping, GQA, the split decode launch's own cache write and "
-                    "rotation, the rotary kernel's cache write), in whole models (greedy output against HF, CUDA-graph decode on and off, batch-1 "
-                    "decode) and in the B1/B2 benchmarks. In CI: against REFERENCE in triton's CPU interpreter. "
-                    "Never run on an AMD or Intel GPU")
+                    "rotation, the rotary kernel's cache write), in whole models (greedy output against HF, "
+                    "CUDA-graph decode on and off, batch-1 decode) and in the B1/B2 benchmarks. In CI: against "
+                    "REFERENCE in triton's CPU interpreter. Never run on an AMD or Intel GPU")
     # Any head size works (padded to a power of two); these are the ones tested.
     supported_head_sizes = (32, 64, 80, 96, 112, 128, 160, 192, 256)
     supported_dtypes = ("float16", "bfloat16", "float32")
