@@ -70,14 +70,12 @@ def main() -> None:
 
     from dovetail.bench.shapes import SHAPES
     from dovetail.bench.throughput import DEFAULTS
-    from dovetail.bench.workload import random_requests
+    from dovetail.bench.workload import parse_range, random_requests
     from dovetail_cpu.platform import CpuPlatform
 
     num, prompt_range, output_range, hf_batch = DEFAULTS["c1"]
     config = SHAPES["c1"].config()
-    low, high = (int(v) for v in prompt_range.split(":"))
-    out_low, out_high = (int(v) for v in output_range.split(":"))
-    requests = random_requests(num, (low, high), (out_low, out_high), config.vocab_size)
+    requests = random_requests(num, parse_range(prompt_range), parse_range(output_range), config.vocab_size)
     plan = steps(requests, args.chunk)
     engine_linear = CpuPlatform().fused_ops().linear
     output_tokens = sum(r.output_len for r in requests)

@@ -93,14 +93,14 @@ class TritonAttentionImpl(AttentionImpl):
             return super().forward_rotary(q, k, v, kv_cache, metadata, rotary)
         fused = self._fuses_into_decode_launch(n, q)
         start = n if fused else 0
-        q_rest = None
         if fused or end == q.shape[0]:  # else the rotated rows would not make up the whole of q
-            q_rest = self._rotate_into_cache(q[start:end], k[start:end], v[start:end], kv_cache,
-                                             metadata.slot_mapping[start:end], rotary, start)
-        if q_rest is not None and fused:
-            return self._attend(q, k, v, kv_cache, metadata, rotary, (q_rest, None), written=True)
-        if q_rest is not None:  # every row rotated, every key and value stored
-            return self._attend(q_rest, k, v, kv_cache, metadata, written=True)
+            rows = slice(start, end)
+            q_rest = self._rotate_into_cache(q[rows], k[rows], v[rows], kv_cache, metadata.slot_mapping[rows],
+                                             rotary.positions[rows], rotary)
+            if q_rest is not None and fused:
+                return self._attend(q, k, v, kv_cache, metadata, rotary, (q_rest, None), written=True)
+            if q_rest is not None:  # every row rotated, every key and value stored
+                return self._attend(q_rest, k, v, kv_cache, metadata, written=True)
         if not fused:
             return super().forward_rotary(q, k, v, kv_cache, metadata, rotary)
         q_rest, k_rest = q[n:end], k[n:end]
@@ -109,16 +109,18 @@ class TritonAttentionImpl(AttentionImpl):
             q_rest, k_rest = q_rot.view(q_rest.shape), k_rot.view(k_rest.shape)
         return self._attend(q, k, v, kv_cache, metadata, rotary, (q_rest, k_rest))
 
-    def _rotate_into_cache(self, q, k, v, kv_cache, slots, rotary: RotaryInputs, start: int):
-        """``q`` rotated (``[rows, heads, head_size]``), with the rows' rotated keys and values stored at
-        ``slots`` by the same launch; None where the rotary kernel cannot write this cache (nothing done)."""
-        rows, head_size = q.shape[0], q.shape[-1]
+    def _rotate_into_cache(self, q, k, v, kv_cache, slots, positions, rotary: RotaryInputs):
+        """``q`` rotated at ``positions`` (``[rows, heads, head_size]``), with the rows' rotated keys and values
+        stored at ``slots`` by the same launch; None where the rotary kernel cannot write this cache (nothing
+        done)."""
+        head_size = q.shape[-1]
         k2, v2 = k.flatten(1), v.flatten(1)
-        if not rows or not self._rotary.writes_cache(k2, v2, kv_cache[0], kv_cache[1], head_size, rotary.rotary_dim):
+        if not q.shape[0] or not self._rotary.writes_cache(k2, v2, kv_cache[0], kv_cache[1], head_size,
+                                                           rotary.rotary_dim):
             return None
         q_rot = self._rotary.rotary_embedding_into_cache(
-            rotary.positions[start:start + rows], q.flatten(1), k2, v2, kv_cache[0], kv_cache[1], slots,
-            rotary.cos_sin_cache, head_size, rotary.q_norm_weight, rotary.k_norm_weight, rotary.eps)
+            positions, q.flatten(1), k2, v2, kv_cache[0], kv_cache[1], slots, rotary.cos_sin_cache, head_size,
+            rotary.q_norm_weight, rotary.k_norm_weight, rotary.eps)
         return q_rot.view(q.shape)
 
     def _fuses_into_decode_launch(self, num_decodes: int, q) -> bool:
@@ -142,11 +144,9 @@ class TritonAttentionImpl(AttentionImpl):
         n, end = metadata.num_decodes, metadata.num_tokens
         fused = self._fuses_into_decode_launch(n, q)
         q_rest, k_rest = rest if rest is not None else (q[n:end], k[n:end])
-        if written:
-            pass
-        elif not fused:
+        if not written and not fused:
             self._kv_cache_write.write_kv_cache(k, v, kv_cache, metadata.slot_mapping)
-        elif n < end:
+        elif not written and n < end:
             self._kv_cache_write.write_kv_cache(k_rest, v[n:end], kv_cache, metadata.slot_mapping[n:end])
         if q.stride(-1) != 1:
             q = q.contiguous()
