@@ -104,11 +104,12 @@ class CudaPlatform(TorchDevicePlatform):
         return [torch.float16, torch.float32]
 
     def quant_kernels(self):
-        """On sm89+ (Ada, Hopper): FP8 on a Triton GEMV or ``_scaled_mm``, INT8 ``_int_mm``, Triton for 4/8-bit."""
+        """On sm89+ (Ada, Hopper): FP8 on a CUDA C++ GEMV (one token), a Triton GEMV (up to 16) or
+        ``_scaled_mm``, INT8 ``_int_mm``, Triton for 4/8-bit."""
         if self.capability() >= (8, 9):
-            from dovetail.quantization.gpu_kernels import GpuQuantKernels
+            from dovetail_cuda.quant_kernels import CudaQuantKernels
 
-            return GpuQuantKernels()
+            return CudaQuantKernels()
         return super().quant_kernels()
 
     # -- engine integration ----------------------------------------------------------------

@@ -1,0 +1,79 @@
+"""Weight-only FP8 GEMV for one token in CUDA C++ (``csrc/fp8_gemv.cu``), for Hopper's decode steps.
+
+:func:`fp8_gemv` computes ``x @ (weight * scale[:, None]).T + bias`` for one row of bfloat16 or
+float16 ``x`` and an e4m3 ``weight [N, K]``, like :func:`dovetail.triton.gemv.fp8_gemv`, whose
+result it equals up to float32 summation order. Each warp streams whole weight rows (no split-K),
+and the weight loads are issued before the kernel waits for its predecessor (programmatic
+dependent launch, as :mod:`dovetail.triton.pdl` decides for the device).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import NamedTuple
+
+import torch
+
+from dovetail_cuda import native
+
+SOURCE = "fp8_gemv.cu"
+_DTYPES = {torch.bfloat16: 0, torch.float16: 1}
+
+
+class NativeGemvConfig(NamedTuple):
+    """Launch parameters: weight rows a warp owns, 512-byte K steps in flight, how e4m3 is decoded
+    (0: conversion instructions, 1: bit placement), and whether the next kernel may launch after the main loop."""
+
+    rows: int = 2
+    unroll: int = 8
+    decode: int = 0
+    trigger: bool = True
+
+
+def supports(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether :func:`fp8_gemv` takes these operands: one contiguous 16-bit row on a CUDA device, an e4m3
+    ``[N, K]`` weight with unit stride over K, K and the row stride multiples of 16, 16-byte aligned data."""
+    k = x.shape[-1]
+    return (x.is_cuda and x.dtype in _DTYPES and x.numel() == k and x.is_contiguous()
+            and weight.dim() == 2 and weight.dtype == torch.float8_e4m3fn and weight.shape[1] == k
+            and weight.stride(1) == 1 and weight.stride(0) % 16 == 0 and k % 16 == 0 and k > 0
+            and weight.data_ptr() % 16 == 0 and x.data_ptr() % 16 == 0
+            and weight_scale.numel() == weight.shape[0] and (bias is None or bias.numel() == weight.shape[0]))
+
+
+def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None,
+             config: NativeGemvConfig | None = None, pdl: bool | None = None) -> torch.Tensor:
+    """``x @ (weight.float() * weight_scale[:, None]).T + bias`` in x's dtype, for operands :func:`supports` takes.
+
+    Raises ValueError for other operands and RuntimeError when the kernel library is unavailable or
+    the launch fails. ``pdl`` None follows :func:`dovetail.triton.pdl.use_pdl`.
+    """
+    if not supports(x, weight, weight_scale, bias):
+        raise ValueError(f"fp8_gemv (CUDA): unsupported operands x {tuple(x.shape)} {x.dtype}, weight "
+                         f"{tuple(weight.shape)} {weight.dtype} stride {weight.stride()}")
+    lib = native.library(SOURCE, x.device)
+    if lib is None:
+        raise RuntimeError(f"fp8_gemv (CUDA): {native.unavailable_reason(SOURCE, x.device)}")
+    if pdl is None:
+        from dovetail.triton.pdl import use_pdl
+
+        pdl = use_pdl(x.device)
+    cfg = config or NativeGemvConfig()
+    n, k = weight.shape
+    scale = weight_scale.reshape(n)
+    if scale.dtype != torch.float32 or not scale.is_contiguous():
+        scale = scale.float().contiguous()
+    if bias is not None:
+        bias = bias.reshape(n).to(x.dtype).contiguous()
+    out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
+    stream = torch.cuda.current_stream(x.device).cuda_stream
+    err = lib.dovetail_fp8_gemv(
+        ctypes.c_void_p(weight.data_ptr()), ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(scale.data_ptr()),
+        ctypes.c_void_p(bias.data_ptr() if bias is not None else None), ctypes.c_void_p(out.data_ptr()),
+        ctypes.c_int(n), ctypes.c_int(k), ctypes.c_longlong(weight.stride(0)), ctypes.c_int(_DTYPES[x.dtype]),
+        ctypes.c_int(cfg.rows), ctypes.c_int(cfg.unroll), ctypes.c_int(cfg.decode), ctypes.c_int(int(cfg.trigger)),
+        ctypes.c_int(int(pdl)), ctypes.c_void_p(stream))
+    if err != 0:
+        raise RuntimeError(f"fp8_gemv (CUDA): launch failed with {'no such config' if err == -1 else f'cudaError {err}'}"
+                           f" for {cfg}")
+    return out

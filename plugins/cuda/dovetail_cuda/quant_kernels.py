@@ -1,0 +1,48 @@
+"""The cuda platform's quantization kernels: the core's GPU kernels, with one-token FP8 linears in CUDA C++.
+
+``DOVETAIL_CUDA_FP8_GEMV`` chooses the one-token FP8 GEMV: ``cuda`` (the default,
+:mod:`dovetail_cuda.fp8_gemv`, where nvcc can build it) or ``triton`` (:mod:`dovetail.triton.gemv`).
+"""
+
+from __future__ import annotations
+
+import os
+
+from dovetail.errors import ConfigError
+from dovetail.quantization.gpu_kernels import GpuQuantKernels
+from dovetail_cuda import fp8_gemv as native_gemv
+from dovetail_cuda import native
+
+
+def fp8_gemv_choice() -> str:
+    """``DOVETAIL_CUDA_FP8_GEMV``: ``cuda`` (default) or ``triton``."""
+    choice = os.environ.get("DOVETAIL_CUDA_FP8_GEMV", "cuda").strip().lower()
+    if choice not in ("cuda", "triton"):
+        raise ConfigError(f"DOVETAIL_CUDA_FP8_GEMV={choice!r}: expected 'cuda' or 'triton'")
+    return choice
+
+
+def native_config(n: int, k: int) -> native_gemv.NativeGemvConfig:
+    """The CUDA GEMV's launch parameters for an ``[N, K]`` weight (``DOVETAIL_CUDA_FP8_GEMV_CONFIG``,
+    ``rows,unroll,decode``, overrides them for measurement)."""
+    override = os.environ.get("DOVETAIL_CUDA_FP8_GEMV_CONFIG")
+    if override:
+        rows, unroll, decode = (int(v) for v in override.split(","))
+        return native_gemv.NativeGemvConfig(rows, unroll, decode)
+    return native_gemv.NativeGemvConfig()
+
+
+class CudaQuantKernels(GpuQuantKernels):
+    """:class:`GpuQuantKernels` whose one-token FP8 linears run the CUDA C++ GEMV when it builds."""
+
+    name = "cuda"
+
+    def __init__(self):
+        super().__init__()
+        self._native = fp8_gemv_choice() == "cuda"
+
+    def fp8_linear(self, x, weight, weight_scale, bias=None, *, input_scale=None, block_size=None):
+        if (self._native and block_size is None and native_gemv.supports(x, weight, weight_scale, bias)
+                and native.library(native_gemv.SOURCE, x.device) is not None):
+            return native_gemv.fp8_gemv(x, weight, weight_scale, bias, native_config(*weight.shape))
+        return super().fp8_linear(x, weight, weight_scale, bias, input_scale=input_scale, block_size=block_size)

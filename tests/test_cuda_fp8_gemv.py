@@ -1,0 +1,159 @@
+"""The CUDA plugin's C++ FP8 GEMV (``dovetail_cuda.fp8_gemv``), its nvcc build and its routing.
+
+Without a GPU: the source compiles for sm_90a with the nvcc of this machine (skipped where there is
+none), the choice and config variables are validated, and CPU tensors never reach the kernel. With
+one (sm_89+ and nvcc): every e4m3 byte through both decodes, random ragged shapes against the float
+reference and against the Triton GEMV, bias and float16, CUDA graph capture, and routing in
+``CudaQuantKernels``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+
+pytest.importorskip("dovetail_cuda")
+
+from dovetail.errors import ConfigError  # noqa: E402
+from dovetail.quantization import quant_ops  # noqa: E402
+from dovetail_cuda import native, quant_kernels  # noqa: E402
+from dovetail_cuda.fp8_gemv import SOURCE, NativeGemvConfig, fp8_gemv, supports  # noqa: E402
+
+FP8 = torch.float8_e4m3fn
+CONFIGS = [NativeGemvConfig(r, u, d) for d in (0, 1) for r, u in ((1, 4), (1, 8), (2, 4), (2, 8), (4, 2), (4, 4))]
+
+
+def _gpu_ready() -> str | None:
+    if not torch.cuda.is_available():
+        return "needs an NVIDIA GPU"
+    if torch.cuda.get_device_capability(0) < (8, 9):
+        return "needs sm_89+ (FP8)"
+    return native.unavailable_reason(SOURCE, 0)
+
+
+gpu = pytest.mark.gpu
+
+
+def needs_kernel():
+    reason = _gpu_ready()
+    if reason:
+        pytest.skip(reason)
+
+
+def test_source_compiles_for_hopper_and_exports_the_launcher(tmp_path, monkeypatch):
+    nvcc = native.nvcc_path()
+    if nvcc is None:
+        pytest.skip("no nvcc on this machine")
+    monkeypatch.setenv("DOVETAIL_CACHE_DIR", str(tmp_path))
+    built = native.build(SOURCE, (9, 0), nvcc)
+    assert built.parent == tmp_path / "cuda" and "sm_90a" in built.name
+    assert native.build(SOURCE, (9, 0), nvcc) == built  # cached: same key, no rebuild
+    try:
+        lib = ctypes.CDLL(str(built))
+    except OSError as exc:  # the CUDA runtime library may be absent where only nvcc is installed
+        pytest.skip(f"cannot load the library here: {exc}")
+    assert hasattr(lib, "dovetail_fp8_gemv")
+
+
+def test_arch_flags():
+    assert native.arch_flag((9, 0)) == "sm_90a"
+    assert native.arch_flag((8, 9)) == "sm_89"
+    assert native.arch_flag((10, 0)) == "sm_100"
+
+
+def test_choice_and_config_variables(monkeypatch):
+    monkeypatch.delenv("DOVETAIL_CUDA_FP8_GEMV", raising=False)
+    assert quant_kernels.fp8_gemv_choice() == "cuda"
+    monkeypatch.setenv("DOVETAIL_CUDA_FP8_GEMV", "Triton")
+    assert quant_kernels.fp8_gemv_choice() == "triton"
+    monkeypatch.setenv("DOVETAIL_CUDA_FP8_GEMV", "cutlass")
+    with pytest.raises(ConfigError, match="DOVETAIL_CUDA_FP8_GEMV='cutlass'"):
+        quant_kernels.fp8_gemv_choice()
+    monkeypatch.setenv("DOVETAIL_CUDA_FP8_GEMV_CONFIG", "4,2,1")
+    assert quant_kernels.native_config(4096, 4096) == NativeGemvConfig(4, 2, 1)
+
+
+def test_cpu_tensors_are_not_taken():
+    q, scale = quant_ops.quantize_fp8_per_channel(torch.randn(32, 64))
+    x = torch.randn(1, 64, dtype=torch.bfloat16)
+    assert not supports(x, q, scale, None)
+    with pytest.raises(ValueError, match="unsupported operands"):
+        fp8_gemv(x, q, scale)
+
+
+def _case(n, k, dtype, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    w = torch.randn(n, k, device="cuda", generator=gen) * torch.logspace(-2, 1, n, device="cuda")[:, None]
+    q, scale = quant_ops.quantize_fp8_per_channel(w)
+    x = torch.randn(1, k, device="cuda", generator=gen).to(dtype)
+    bias = torch.randn(n, device="cuda", generator=gen).to(dtype)
+    return x, q, scale, bias
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("decode", [0, 1])
+def test_every_e4m3_byte_is_exact(dtype, decode):
+    needs_kernel()
+    codes = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8, device="cuda")
+    weight = codes[:, None].expand(-1, 16).contiguous().view(FP8)
+    out = fp8_gemv(torch.ones(1, 16, device="cuda", dtype=dtype), weight, torch.ones(len(codes), device="cuda"),
+                   config=NativeGemvConfig(1, 4, decode))
+    torch.testing.assert_close(out.float()[0], 16 * weight[:, 0].float(), rtol=0, atol=0)
+
+
+@gpu
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"r{c.rows}u{c.unroll}d{c.decode}")
+@pytest.mark.parametrize("n,k", [(37, 16), (133, 528), (301, 4112)])
+def test_matches_float_reference_and_triton(cfg, n, k):
+    needs_kernel()
+    from dovetail.triton.gemv import fp8_gemv as triton_fp8_gemv
+
+    for dtype in (torch.bfloat16, torch.float16):
+        x, q, scale, bias = _case(n, k, dtype)
+        ref = x.float() @ (q.float() * scale[:, None]).t() + bias.float()
+        out = fp8_gemv(x, q, scale, bias, config=cfg)
+        assert out.dtype == dtype and out.shape == (1, n)
+        # float32 sums in another order, then one rounding to x's dtype
+        torch.testing.assert_close(out.float(), ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item())
+        torch.testing.assert_close(out, triton_fp8_gemv(x, q, scale, bias), rtol=1e-2, atol=1e-2 * ref.abs().max().item())
+
+
+@gpu
+def test_strided_weight_rows_and_graph_replay():
+    needs_kernel()
+    x, q, scale, _ = _case(96, 256, torch.bfloat16)
+    wide = torch.zeros(96, 512, device="cuda").to(FP8)
+    wide[:, :256] = q
+    view = wide[:, :256]  # row stride 512
+    eager = fp8_gemv(x, view, scale)
+    torch.testing.assert_close(eager, fp8_gemv(x, q, scale), rtol=0, atol=0)
+    static_x = x.clone()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = fp8_gemv(static_x, q, scale)
+    static_x.copy_(x * 2)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(captured, fp8_gemv(x * 2, q, scale), rtol=0, atol=0)
+
+
+@gpu
+def test_quant_kernels_route_one_token_to_the_cuda_gemv(monkeypatch):
+    needs_kernel()
+    calls = []
+    original = quant_kernels.native_gemv.fp8_gemv
+    monkeypatch.setattr(quant_kernels.native_gemv, "fp8_gemv", lambda *a, **kw: calls.append(1) or original(*a, **kw))
+    x, q, scale, bias = _case(64, 128, torch.bfloat16)
+    kernels = quant_kernels.CudaQuantKernels()
+    one = kernels.fp8_linear(x, q, scale, bias)
+    assert calls == [1]
+    kernels.fp8_linear(torch.cat([x, x]), q, scale, bias)  # two tokens: the Triton GEMV
+    assert calls == [1]
+    monkeypatch.setenv("DOVETAIL_CUDA_FP8_GEMV", "triton")
+    torch.testing.assert_close(quant_kernels.CudaQuantKernels().fp8_linear(x, q, scale, bias), one,
+                               rtol=1e-2, atol=1e-2)
+    assert calls == [1]
