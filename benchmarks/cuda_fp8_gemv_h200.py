@@ -3,11 +3,12 @@
 For llama-3.1-8b's linear shapes (and its LM head), times from CUDA graphs (``fp8_gemv_h200.time_graph``:
 16 products a graph over weight copies larger than L2, median of 10 replays), PDL on:
 
-1. every e4m3 byte through each decode of the CUDA kernel (exact, or the script stops);
+1. every e4m3 byte through the CUDA kernel (exact, or the script stops);
 2. per shape: the Triton FP8 GEMV's default, the Triton bf16 GEMV on the bf16 weight, and each CUDA config
-   (rows a warp owns, K steps in flight, decode), with its error against the float reference;
+   (rows a warp owns, K steps in flight, when the next kernel may launch), with its error against the float reference;
 3. one decode step's layer linears back to back in one graph (qkv, o, gate_up, down for 32 layers): Triton
-   FP8, Triton bf16, CUDA with the best config per shape, and each CUDA config everywhere.
+   FP8, Triton bf16, CUDA with the best config per shape, its default per shape with each trigger, and each
+   CUDA config everywhere.
 
 Writes ``$OUT/cuda_fp8_gemv.json``. Usage: ``python3 benchmarks/cuda_fp8_gemv_h200.py``.
 """
@@ -27,11 +28,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dovetail.quantization import quant_ops  # noqa: E402
 from dovetail.triton.gemv import fp8_gemv as triton_fp8_gemv, gemv as triton_gemv  # noqa: E402
 from dovetail_cuda import native  # noqa: E402
-from dovetail_cuda.fp8_gemv import SOURCE, NativeGemvConfig, fp8_gemv  # noqa: E402
+from dovetail_cuda.fp8_gemv import SOURCE, NativeGemvConfig, default_config, fp8_gemv  # noqa: E402
 from fp8_gemv_h200 import time_graph  # noqa: E402
 from gemv_pdl_h200 import CALLS, COPY_BYTES, MODELS, rel_err  # noqa: E402
 
-CONFIGS = [NativeGemvConfig(r, u, d) for d in (0, 1) for r, u in ((1, 4), (1, 8), (2, 4), (2, 8), (4, 2), (4, 4))]
+CONFIGS = [NativeGemvConfig(r, u, t) for r in (1, 2, 4) for u in (2, 4) for t in (0, 1, 2)]
 
 
 def check_every_byte() -> None:
@@ -41,13 +42,11 @@ def check_every_byte() -> None:
     expected = 16 * weight[:, 0].float()
     ones = torch.ones(16, device="cuda")
     for dtype in (torch.bfloat16, torch.float16):
-        for decode in (0, 1):
-            out = fp8_gemv(ones.to(dtype), weight, torch.ones(len(codes), device="cuda"),
-                           config=NativeGemvConfig(1, 4, decode)).float()
-            bad = (out != expected).nonzero().flatten().tolist()
-            if bad:
-                raise SystemExit(f"decode {decode} {dtype}: bytes {[int(codes[i]) for i in bad[:8]]} wrong")
-    print("every e4m3 byte exact, both decodes, bfloat16 and float16", flush=True)
+        out = fp8_gemv(ones.to(dtype), weight, torch.ones(len(codes), device="cuda")).float()
+        bad = (out != expected).nonzero().flatten().tolist()
+        if bad:
+            raise SystemExit(f"{dtype}: bytes {[int(codes[i]) for i in bad[:8]]} wrong")
+    print("every e4m3 byte exact, bfloat16 and float16", flush=True)
 
 
 def bench_shape(name: str, n: int, k: int, gen) -> dict:
@@ -102,8 +101,11 @@ def bench_step(gen, best: dict) -> dict:
     out = {"triton_fp8_ms": time_graph(step(lambda s, i, h: triton_fp8_gemv(h, *fp8[s][i])), 1) / 1000,
            "triton_bf16_ms": time_graph(step(lambda s, i, h: triton_gemv(h, weights[s][i])), 1) / 1000,
            "cuda_best_ms": time_graph(step(lambda s, i, h: fp8_gemv(h, *fp8[s][i], config=best[s])), 1) / 1000}
+    for trigger in (0, 1, 2):
+        out[f"cuda_default_t{trigger}_ms"] = time_graph(step(lambda s, i, h, t=trigger: fp8_gemv(
+            h, *fp8[s][i], config=default_config(*spec["shapes"][s])._replace(trigger=t))), 1) / 1000
     for cfg in CONFIGS:
-        out[f"cuda_{cfg.rows}_{cfg.unroll}_{cfg.decode}_ms"] = time_graph(
+        out[f"cuda_{cfg.rows}_{cfg.unroll}_{cfg.trigger}_ms"] = time_graph(
             step(lambda s, i, h, cfg=cfg: fp8_gemv(h, *fp8[s][i], config=cfg)), 1) / 1000
     out["best"] = {s: list(c) for s, c in best.items()}
     print("llama-3.1-8b decode-step layer linears (ms): "

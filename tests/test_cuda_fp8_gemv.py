@@ -2,7 +2,7 @@
 
 Without a GPU: the source compiles for sm_90a with the nvcc of this machine (skipped where there is
 none), the choice and config variables are validated, and CPU tensors never reach the kernel. With
-one (sm_89+ and nvcc): every e4m3 byte through both decodes, random ragged shapes against the float
+one (sm_89+ and nvcc): every e4m3 byte, random ragged shapes against the float
 reference and against the Triton GEMV, bias and float16, CUDA graph capture, and routing in
 ``CudaQuantKernels``.
 """
@@ -22,7 +22,7 @@ from dovetail_cuda import native, quant_kernels  # noqa: E402
 from dovetail_cuda.fp8_gemv import SOURCE, NativeGemvConfig, fp8_gemv, supports  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
-CONFIGS = [NativeGemvConfig(r, u, d) for d in (0, 1) for r, u in ((1, 4), (1, 8), (2, 4), (2, 8), (4, 2), (4, 4))]
+CONFIGS = [NativeGemvConfig(r, u, t) for r in (1, 2, 4) for u in (2, 4) for t in (0, 1, 2)]
 
 
 def _gpu_ready() -> str | None:
@@ -71,8 +71,15 @@ def test_choice_and_config_variables(monkeypatch):
     monkeypatch.setenv("DOVETAIL_CUDA_FP8_GEMV", "cutlass")
     with pytest.raises(ConfigError, match="DOVETAIL_CUDA_FP8_GEMV='cutlass'"):
         quant_kernels.fp8_gemv_choice()
-    monkeypatch.setenv("DOVETAIL_CUDA_FP8_GEMV_CONFIG", "4,2,1")
-    assert quant_kernels.native_config(4096, 4096) == NativeGemvConfig(4, 2, 1)
+    monkeypatch.delenv("DOVETAIL_CUDA_FP8_GEMV_CONFIG", raising=False)
+    assert quant_kernels.native_config(4096, 4096) == NativeGemvConfig(1, 4, 2)
+    assert quant_kernels.native_config(6144, 4096) == NativeGemvConfig(4, 2, 2)
+    monkeypatch.setenv("DOVETAIL_CUDA_FP8_GEMV_CONFIG", "rows=2, trigger=1")
+    assert quant_kernels.native_config(4096, 4096) == NativeGemvConfig(2, 4, 1)
+    for bad in ("rows=two", "lanes=3", "4,2,1"):
+        monkeypatch.setenv("DOVETAIL_CUDA_FP8_GEMV_CONFIG", bad)
+        with pytest.raises(ConfigError, match="DOVETAIL_CUDA_FP8_GEMV_CONFIG"):
+            quant_kernels.native_config(4096, 4096)
 
 
 def test_cpu_tensors_are_not_taken():
@@ -94,18 +101,17 @@ def _case(n, k, dtype, seed=0):
 
 @gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("decode", [0, 1])
-def test_every_e4m3_byte_is_exact(dtype, decode):
+def test_every_e4m3_byte_is_exact(dtype):
     needs_kernel()
     codes = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8, device="cuda")
     weight = codes[:, None].expand(-1, 16).contiguous().view(FP8)
     out = fp8_gemv(torch.ones(1, 16, device="cuda", dtype=dtype), weight, torch.ones(len(codes), device="cuda"),
-                   config=NativeGemvConfig(1, 4, decode))
+                   config=NativeGemvConfig(1, 4))
     torch.testing.assert_close(out.float()[0], 16 * weight[:, 0].float(), rtol=0, atol=0)
 
 
 @gpu
-@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"r{c.rows}u{c.unroll}d{c.decode}")
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"r{c.rows}u{c.unroll}t{c.trigger}")
 @pytest.mark.parametrize("n,k", [(37, 16), (133, 528), (301, 4112)])
 def test_matches_float_reference_and_triton(cfg, n, k):
     needs_kernel()

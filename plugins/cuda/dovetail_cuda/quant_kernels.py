@@ -23,13 +23,19 @@ def fp8_gemv_choice() -> str:
 
 
 def native_config(n: int, k: int) -> native_gemv.NativeGemvConfig:
-    """The CUDA GEMV's launch parameters for an ``[N, K]`` weight (``DOVETAIL_CUDA_FP8_GEMV_CONFIG``,
-    ``rows,unroll,decode``, overrides them for measurement)."""
-    override = os.environ.get("DOVETAIL_CUDA_FP8_GEMV_CONFIG")
+    """The CUDA GEMV's launch parameters for an ``[N, K]`` weight: :func:`default_config
+    <dovetail_cuda.fp8_gemv.default_config>` with the fields ``DOVETAIL_CUDA_FP8_GEMV_CONFIG`` sets
+    (``rows=1,trigger=1``), for measurement."""
+    config = native_gemv.default_config(n, k)
+    override = os.environ.get("DOVETAIL_CUDA_FP8_GEMV_CONFIG", "").strip()
     if override:
-        rows, unroll, decode = (int(v) for v in override.split(","))
-        return native_gemv.NativeGemvConfig(rows, unroll, decode)
-    return native_gemv.NativeGemvConfig()
+        try:
+            fields = {name.strip(): int(value) for name, value in (item.split("=") for item in override.split(","))}
+            config = config._replace(**fields)
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(f"DOVETAIL_CUDA_FP8_GEMV_CONFIG={override!r}: expected NAME=INT pairs of "
+                              f"{native_gemv.NativeGemvConfig._fields} ({exc})") from None
+    return config
 
 
 class CudaQuantKernels(GpuQuantKernels):

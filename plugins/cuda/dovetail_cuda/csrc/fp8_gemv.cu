@@ -7,10 +7,11 @@
 // griddepcontrol.wait; x (the previous kernel's output) is read after it. Products and sums are in
 // float32; the warp's lanes are summed with shuffles; no split-K, no scratch memory, no atomics.
 //
-// DECODE selects how e4m3 becomes float: 0 with the hardware conversion (cvt e4m3x2 -> f16x2, then
-// f16 -> f32); 1 by placing the bits into a float16 (sign, then exponent and mantissa one bit lower),
-// which is the value times 2^-8 for every finite e4m3, subnormals included; the 2^8 goes into the
-// final scale.
+// e4m3 becomes float through the hardware conversion (cvt e4m3x2 -> f16x2, then f16 -> f32); placing the
+// bits into a float16 instead (the value times 2^-8) was slower on every llama-3.1-8b shape on the H200.
+// TRIGGER says when the next kernel on the stream may launch (programmatic dependent launch): 0 when this
+// grid completes, 1 at once (its programs then load their first weights while this grid still runs), 2
+// after the main loop.
 //
 // Compiled by dovetail_cuda.native with nvcc into a shared library loaded through ctypes; the C entry
 // point at the end launches on the caller's stream (so CUDA graph capture records it).
@@ -65,42 +66,24 @@ struct Activation<__half> {
   __device__ __forceinline__ static float to_float(__half v) { return __half2float(v); }
 };
 
-__device__ __forceinline__ float2 half2_bits_to_float2(uint32_t bits) {
-  return __half22float2(*reinterpret_cast<const __half2*>(&bits));
-}
-
 // Sum of 4 products: the e4m3 bytes of `word` (elements 0..3) times the 4 activations in x01, x23.
-template <int DECODE>
 __device__ __forceinline__ float dot4(uint32_t word, float2 x01, float2 x23, float acc) {
-  if (DECODE == 0) {
-    __half2_raw lo = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(word & 0xffffu), __NV_E4M3);
-    __half2_raw hi = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(word >> 16), __NV_E4M3);
-    float2 w01 = __half22float2(*reinterpret_cast<__half2*>(&lo));
-    float2 w23 = __half22float2(*reinterpret_cast<__half2*>(&hi));
-    acc = fmaf(w01.x, x01.x, acc);
-    acc = fmaf(w01.y, x01.y, acc);
-    acc = fmaf(w23.x, x23.x, acc);
-    acc = fmaf(w23.y, x23.y, acc);
-  } else {
-    // Bytes 1 and 3 already sit in the high byte of each half; bytes 0 and 2 are shifted there.
-    const uint32_t odd = (word & 0x80008000u) | ((word >> 1) & 0x3f803f80u);
-    const uint32_t shifted = word << 8;
-    const uint32_t even = (shifted & 0x80008000u) | ((shifted >> 1) & 0x3f803f80u);
-    float2 w02 = half2_bits_to_float2(even);  // elements 0 and 2, times 2^-8
-    float2 w13 = half2_bits_to_float2(odd);   // elements 1 and 3, times 2^-8
-    acc = fmaf(w02.x, x01.x, acc);
-    acc = fmaf(w13.x, x01.y, acc);
-    acc = fmaf(w02.y, x23.x, acc);
-    acc = fmaf(w13.y, x23.y, acc);
-  }
-  return acc;
+  __half2_raw lo = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(word & 0xffffu), __NV_E4M3);
+  __half2_raw hi = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(word >> 16), __NV_E4M3);
+  const float2 w01 = __half22float2(*reinterpret_cast<__half2*>(&lo));
+  const float2 w23 = __half22float2(*reinterpret_cast<__half2*>(&hi));
+  acc = fmaf(w01.x, x01.x, acc);
+  acc = fmaf(w01.y, x01.y, acc);
+  acc = fmaf(w23.x, x23.x, acc);
+  return fmaf(w23.y, x23.y, acc);
 }
 
-template <typename T, int ROWS, int UNROLL, int DECODE, bool PDL_TRIGGER>
+template <typename T, int ROWS, int UNROLL, int TRIGGER>
 __global__ void __launch_bounds__(128) fp8_gemv_kernel(const uint8_t* __restrict__ w, const T* __restrict__ x,
                                                        const float* __restrict__ scale, const T* __restrict__ bias,
                                                        T* __restrict__ y, int n, int k, long long ldw) {
   constexpr int STEP = 512;  // bytes of K a warp reads per step: 32 lanes x 16
+  if (TRIGGER == 1) launch_dependents();
   const int lane = threadIdx.x & 31;
   const int row0 = (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * ROWS;
   const uint8_t* rows[ROWS];
@@ -135,24 +118,23 @@ __global__ void __launch_bounds__(128) fp8_gemv_kernel(const uint8_t* __restrict
         const uint32_t words[4] = {wv[u][r].x, wv[u][r].y, wv[u][r].z, wv[u][r].w};
 #pragma unroll
         for (int j = 0; j < 4; ++j)
-          acc[r] = dot4<DECODE>(words[j], Activation<T>::unpack(xw[2 * j]), Activation<T>::unpack(xw[2 * j + 1]),
+          acc[r] = dot4(words[j], Activation<T>::unpack(xw[2 * j]), Activation<T>::unpack(xw[2 * j + 1]),
                                 acc[r]);
       }
     }
   }
-  if (PDL_TRIGGER) launch_dependents();
+  if (TRIGGER == 2) launch_dependents();
 #pragma unroll
   for (int r = 0; r < ROWS; ++r) {
 #pragma unroll
     for (int offset = 16; offset > 0; offset >>= 1) acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], offset);
   }
   if (lane == 0) {
-    const float post = DECODE == 1 ? 256.f : 1.f;
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
       const int row = row0 + r;
       if (row < n) {
-        float v = acc[r] * post * scale[row];
+        float v = acc[r] * scale[row];
         if (bias != nullptr) v += Activation<T>::to_float(bias[row]);
         y[row] = Activation<T>::from_float(v);
       }
@@ -160,7 +142,7 @@ __global__ void __launch_bounds__(128) fp8_gemv_kernel(const uint8_t* __restrict
   }
 }
 
-template <typename T, int ROWS, int UNROLL, int DECODE, bool TRIGGER>
+template <typename T, int ROWS, int UNROLL, int TRIGGER>
 cudaError_t launch(const void* w, const void* x, const void* scale, const void* bias, void* y, int n, int k,
                    long long ldw, int pdl, cudaStream_t stream) {
   constexpr int WARPS = 4;
@@ -173,7 +155,7 @@ cudaError_t launch(const void* w, const void* x, const void* scale, const void* 
   attribute[0].val.programmaticStreamSerializationAllowed = pdl ? 1 : 0;
   config.attrs = attribute;
   config.numAttrs = 1;
-  return cudaLaunchKernelEx(&config, fp8_gemv_kernel<T, ROWS, UNROLL, DECODE, TRIGGER>,
+  return cudaLaunchKernelEx(&config, fp8_gemv_kernel<T, ROWS, UNROLL, TRIGGER>,
                             static_cast<const uint8_t*>(w), static_cast<const T*>(x),
                             static_cast<const float*>(scale), static_cast<const T*>(bias), static_cast<T*>(y), n, k,
                             ldw);
@@ -183,22 +165,16 @@ using Launcher = cudaError_t (*)(const void*, const void*, const void*, const vo
                                  cudaStream_t);
 
 template <typename T>
-Launcher pick(int rows, int unroll, int decode, int trigger) {
-#define DOVETAIL_FP8_GEMV_CASE(R, U, D)                                                   \
-  if (rows == R && unroll == U && decode == D)                                            \
-    return trigger ? launch<T, R, U, D, true> : launch<T, R, U, D, false>;
-  DOVETAIL_FP8_GEMV_CASE(1, 4, 0)
-  DOVETAIL_FP8_GEMV_CASE(1, 8, 0)
-  DOVETAIL_FP8_GEMV_CASE(2, 4, 0)
-  DOVETAIL_FP8_GEMV_CASE(2, 8, 0)
-  DOVETAIL_FP8_GEMV_CASE(4, 2, 0)
-  DOVETAIL_FP8_GEMV_CASE(4, 4, 0)
-  DOVETAIL_FP8_GEMV_CASE(1, 4, 1)
-  DOVETAIL_FP8_GEMV_CASE(1, 8, 1)
-  DOVETAIL_FP8_GEMV_CASE(2, 4, 1)
-  DOVETAIL_FP8_GEMV_CASE(2, 8, 1)
-  DOVETAIL_FP8_GEMV_CASE(4, 2, 1)
-  DOVETAIL_FP8_GEMV_CASE(4, 4, 1)
+Launcher pick(int rows, int unroll, int trigger) {
+#define DOVETAIL_FP8_GEMV_CASE(R, U)                                                                       \
+  if (rows == R && unroll == U)                                                                            \
+    return trigger == 0 ? launch<T, R, U, 0> : trigger == 1 ? launch<T, R, U, 1> : launch<T, R, U, 2>;
+  DOVETAIL_FP8_GEMV_CASE(1, 2)
+  DOVETAIL_FP8_GEMV_CASE(1, 4)
+  DOVETAIL_FP8_GEMV_CASE(2, 2)
+  DOVETAIL_FP8_GEMV_CASE(2, 4)
+  DOVETAIL_FP8_GEMV_CASE(4, 2)
+  DOVETAIL_FP8_GEMV_CASE(4, 4)
 #undef DOVETAIL_FP8_GEMV_CASE
   return nullptr;
 }
@@ -208,10 +184,10 @@ Launcher pick(int rows, int unroll, int decode, int trigger) {
 // Launches the GEMV on `stream`. dtype: 0 bfloat16, 1 float16 (x, bias, y). Requires k % 16 == 0, ldw % 16 == 0
 // and 16-byte aligned w and x (the caller checks). Returns a cudaError_t; -1 for a configuration not compiled.
 extern "C" int dovetail_fp8_gemv(const void* w, const void* x, const void* scale, const void* bias, void* y, int n,
-                                 int k, long long ldw, int dtype, int rows, int unroll, int decode, int trigger,
-                                 int pdl, void* stream) {
-  Launcher launcher = dtype == 0 ? pick<__nv_bfloat16>(rows, unroll, decode, trigger)
-                                 : pick<__half>(rows, unroll, decode, trigger);
+                                 int k, long long ldw, int dtype, int rows, int unroll, int trigger, int pdl,
+                                 void* stream) {
+  if (trigger < 0 || trigger > 2) return -1;
+  Launcher launcher = dtype == 0 ? pick<__nv_bfloat16>(rows, unroll, trigger) : pick<__half>(rows, unroll, trigger);
   if (launcher == nullptr) return -1;
   return static_cast<int>(launcher(w, x, scale, bias, y, n, k, ldw, pdl, static_cast<cudaStream_t>(stream)));
 }
