@@ -7,8 +7,7 @@ For llama-3.1-8b's linear shapes (and its LM head), times from CUDA graphs (``fp
 2. per shape: the Triton FP8 GEMV's default, the Triton bf16 GEMV on the bf16 weight, and each CUDA config
    (rows a warp owns, K steps in flight, when the next kernel may launch), with its error against the float reference;
 3. one decode step's layer linears back to back in one graph (qkv, o, gate_up, down for 32 layers): Triton
-   FP8, Triton bf16, CUDA with the best config per shape, its default per shape with each trigger, and each
-   CUDA config everywhere.
+   FP8, Triton bf16, CUDA with the best config per shape, and each CUDA config everywhere.
 
 Writes ``$OUT/cuda_fp8_gemv.json``. Usage: ``python3 benchmarks/cuda_fp8_gemv_h200.py``.
 """
@@ -28,11 +27,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dovetail.quantization import quant_ops  # noqa: E402
 from dovetail.triton.gemv import fp8_gemv as triton_fp8_gemv, gemv as triton_gemv  # noqa: E402
 from dovetail_cuda import native  # noqa: E402
-from dovetail_cuda.fp8_gemv import SOURCE, NativeGemvConfig, default_config, fp8_gemv  # noqa: E402
+from dovetail_cuda.fp8_gemv import SOURCE, NativeGemvConfig, fp8_gemv  # noqa: E402
 from fp8_gemv_h200 import time_graph  # noqa: E402
 from gemv_pdl_h200 import CALLS, COPY_BYTES, MODELS, rel_err  # noqa: E402
 
-CONFIGS = [NativeGemvConfig(r, u, t) for r in (1, 2, 4) for u in (2, 4) for t in (0, 1, 2)]
+CONFIGS = [NativeGemvConfig(r, u, t, p) for r in (1, 2) for u in (1, 2, 4) for t in (0, 2, 3) for p in (0, 1)]
+CONFIGS.append(NativeGemvConfig(4, 2, 2, 0))
 
 
 def check_every_byte() -> None:
@@ -101,11 +101,8 @@ def bench_step(gen, best: dict) -> dict:
     out = {"triton_fp8_ms": time_graph(step(lambda s, i, h: triton_fp8_gemv(h, *fp8[s][i])), 1) / 1000,
            "triton_bf16_ms": time_graph(step(lambda s, i, h: triton_gemv(h, weights[s][i])), 1) / 1000,
            "cuda_best_ms": time_graph(step(lambda s, i, h: fp8_gemv(h, *fp8[s][i], config=best[s])), 1) / 1000}
-    for trigger in (0, 1, 2):
-        out[f"cuda_default_t{trigger}_ms"] = time_graph(step(lambda s, i, h, t=trigger: fp8_gemv(
-            h, *fp8[s][i], config=default_config(*spec["shapes"][s])._replace(trigger=t))), 1) / 1000
     for cfg in CONFIGS:
-        out[f"cuda_{cfg.rows}_{cfg.unroll}_{cfg.trigger}_ms"] = time_graph(
+        out["cuda_" + "_".join(map(str, cfg)) + "_ms"] = time_graph(
             step(lambda s, i, h, cfg=cfg: fp8_gemv(h, *fp8[s][i], config=cfg)), 1) / 1000
     out["best"] = {s: list(c) for s, c in best.items()}
     print("llama-3.1-8b decode-step layer linears (ms): "

@@ -22,7 +22,10 @@ from dovetail_cuda import native, quant_kernels  # noqa: E402
 from dovetail_cuda.fp8_gemv import SOURCE, NativeGemvConfig, fp8_gemv, supports  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
-CONFIGS = [NativeGemvConfig(r, u, t) for r in (1, 2, 4) for u in (2, 4) for t in (0, 1, 2)]
+#: Every compiled row count, step count, trigger and both loop orders, each at least once.
+CONFIGS = [NativeGemvConfig(1, 1, 0, 0), NativeGemvConfig(1, 2, 2, 1), NativeGemvConfig(2, 2, 3, 1),
+           NativeGemvConfig(2, 1, 1, 0), NativeGemvConfig(4, 2, 3, 0), NativeGemvConfig(1, 4, 2, 1),
+           NativeGemvConfig(2, 1, 0, 1), NativeGemvConfig(1, 4, 1, 0)]
 
 
 def _gpu_ready() -> str | None:
@@ -72,10 +75,9 @@ def test_choice_and_config_variables(monkeypatch):
     with pytest.raises(ConfigError, match="DOVETAIL_CUDA_FP8_GEMV='cutlass'"):
         quant_kernels.fp8_gemv_choice()
     monkeypatch.delenv("DOVETAIL_CUDA_FP8_GEMV_CONFIG", raising=False)
-    assert quant_kernels.native_config(4096, 4096) == NativeGemvConfig(1, 4, 2)
-    assert quant_kernels.native_config(6144, 4096) == NativeGemvConfig(4, 2, 2)
+    assert quant_kernels.native_config(4096, 4096) == NativeGemvConfig()
     monkeypatch.setenv("DOVETAIL_CUDA_FP8_GEMV_CONFIG", "rows=2, trigger=1")
-    assert quant_kernels.native_config(4096, 4096) == NativeGemvConfig(2, 4, 1)
+    assert quant_kernels.native_config(4096, 4096) == NativeGemvConfig()._replace(rows=2, trigger=1)
     for bad in ("rows=two", "lanes=3", "4,2,1"):
         monkeypatch.setenv("DOVETAIL_CUDA_FP8_GEMV_CONFIG", bad)
         with pytest.raises(ConfigError, match="DOVETAIL_CUDA_FP8_GEMV_CONFIG"):
@@ -106,12 +108,12 @@ def test_every_e4m3_byte_is_exact(dtype):
     codes = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8, device="cuda")
     weight = codes[:, None].expand(-1, 16).contiguous().view(FP8)
     out = fp8_gemv(torch.ones(1, 16, device="cuda", dtype=dtype), weight, torch.ones(len(codes), device="cuda"),
-                   config=NativeGemvConfig(1, 4))
+                   config=NativeGemvConfig(1, 1))
     torch.testing.assert_close(out.float()[0], 16 * weight[:, 0].float(), rtol=0, atol=0)
 
 
 @gpu
-@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"r{c.rows}u{c.unroll}t{c.trigger}")
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"r{c.rows}u{c.unroll}t{c.trigger}p{c.pipe}")
 @pytest.mark.parametrize("n,k", [(37, 16), (133, 528), (301, 4112)])
 def test_matches_float_reference_and_triton(cfg, n, k):
     needs_kernel()

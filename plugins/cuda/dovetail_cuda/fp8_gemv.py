@@ -21,17 +21,19 @@ _DTYPES = {torch.bfloat16: 0, torch.float16: 1}
 
 
 class NativeGemvConfig(NamedTuple):
-    """Launch parameters: weight rows a warp owns (1, 2 or 4), 512-byte K steps in flight (2 or 4), and when
-    the next kernel may launch (0: at completion, 1: at once, 2: after the main loop)."""
+    """Launch parameters: weight rows a warp owns, 512-byte K steps loaded at a time, when the next kernel may
+    launch (0: at completion, 1: at once, 2: after the main loop, 3: once the last loads are issued), and
+    whether the next steps' loads go out before the current ones are summed (``pipe``)."""
 
     rows: int = 1
-    unroll: int = 4
+    unroll: int = 2
     trigger: int = 2
+    pipe: int = 0
 
 
 def default_config(n: int, k: int) -> NativeGemvConfig:
-    """Four rows a warp (two K steps in flight) where that still gives 1,536 warps or more; else one row."""
-    return NativeGemvConfig(4, 2) if n >= 4 * 1536 else NativeGemvConfig(1, 4)
+    """One row a warp, two K steps at a time (H200, one decode step's llama-3.1-8b layer linears)."""
+    return NativeGemvConfig()
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -75,7 +77,7 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
         ctypes.c_void_p(weight.data_ptr()), ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(scale.data_ptr()),
         ctypes.c_void_p(bias.data_ptr() if bias is not None else None), ctypes.c_void_p(out.data_ptr()),
         ctypes.c_int(n), ctypes.c_int(k), ctypes.c_longlong(weight.stride(0)), ctypes.c_int(_DTYPES[x.dtype]),
-        ctypes.c_int(cfg.rows), ctypes.c_int(cfg.unroll), ctypes.c_int(cfg.trigger),
+        ctypes.c_int(cfg.rows), ctypes.c_int(cfg.unroll), ctypes.c_int(cfg.trigger), ctypes.c_int(cfg.pipe),
         ctypes.c_int(int(pdl)), ctypes.c_void_p(stream))
     if err != 0:
         raise RuntimeError(f"fp8_gemv (CUDA): launch failed with {'no such config' if err == -1 else f'cudaError {err}'}"

@@ -11,7 +11,8 @@
 // bits into a float16 instead (the value times 2^-8) was slower on every llama-3.1-8b shape on the H200.
 // TRIGGER says when the next kernel on the stream may launch (programmatic dependent launch): 0 when this
 // grid completes, 1 at once (its programs then load their first weights while this grid still runs), 2
-// after the main loop.
+// after the main loop, 3 once the last weight loads are issued. PIPE issues the next UNROLL steps' loads
+// before summing the current ones (double buffering) instead of after.
 //
 // Compiled by dovetail_cuda.native with nvcc into a shared library loaded through ctypes; the C entry
 // point at the end launches on the caller's stream (so CUDA graph capture records it).
@@ -78,11 +79,12 @@ __device__ __forceinline__ float dot4(uint32_t word, float2 x01, float2 x23, flo
   return fmaf(w23.y, x23.y, acc);
 }
 
-template <typename T, int ROWS, int UNROLL, int TRIGGER>
+template <typename T, int ROWS, int UNROLL, int TRIGGER, bool PIPE>
 __global__ void __launch_bounds__(128) fp8_gemv_kernel(const uint8_t* __restrict__ w, const T* __restrict__ x,
                                                        const float* __restrict__ scale, const T* __restrict__ bias,
                                                        T* __restrict__ y, int n, int k, long long ldw) {
   constexpr int STEP = 512;  // bytes of K a warp reads per step: 32 lanes x 16
+  constexpr int BATCH = UNROLL * STEP;
   if (TRIGGER == 1) launch_dependents();
   const int lane = threadIdx.x & 31;
   const int row0 = (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * ROWS;
@@ -94,19 +96,17 @@ __global__ void __launch_bounds__(128) fp8_gemv_kernel(const uint8_t* __restrict
 #pragma unroll
   for (int r = 0; r < ROWS; ++r) acc[r] = 0.f;
 
-  bool waited = false;
-  for (int base = 0; base < k; base += UNROLL * STEP) {
-    uint4 wv[UNROLL][ROWS];
+  auto load_batch = [&](uint4 (&wv)[UNROLL][ROWS], int base) {
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
       const bool inside = base + u * STEP + lane * 16 < k;
 #pragma unroll
-      for (int r = 0; r < ROWS; ++r) wv[u][r] = inside ? load_streaming(rows[r] + base + u * STEP) : make_uint4(0, 0, 0, 0);
+      for (int r = 0; r < ROWS; ++r)
+        wv[u][r] = inside ? load_streaming(rows[r] + base + u * STEP) : make_uint4(0, 0, 0, 0);
     }
-    if (!waited) {
-      grid_dependency_wait();
-      waited = true;
-    }
+    if (TRIGGER == 3 && base + BATCH >= k) launch_dependents();  // the last weights are on their way
+  };
+  auto add_batch = [&](const uint4 (&wv)[UNROLL][ROWS], int base) {
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
       if (base + u * STEP + lane * 16 >= k) continue;
@@ -118,9 +118,29 @@ __global__ void __launch_bounds__(128) fp8_gemv_kernel(const uint8_t* __restrict
         const uint32_t words[4] = {wv[u][r].x, wv[u][r].y, wv[u][r].z, wv[u][r].w};
 #pragma unroll
         for (int j = 0; j < 4; ++j)
-          acc[r] = dot4(words[j], Activation<T>::unpack(xw[2 * j]), Activation<T>::unpack(xw[2 * j + 1]),
-                                acc[r]);
+          acc[r] = dot4(words[j], Activation<T>::unpack(xw[2 * j]), Activation<T>::unpack(xw[2 * j + 1]), acc[r]);
       }
+    }
+  };
+
+  uint4 current[UNROLL][ROWS];
+  load_batch(current, 0);
+  grid_dependency_wait();  // x is the previous kernel's output
+  for (int base = 0; base < k; base += BATCH) {
+    if (PIPE) {  // the next batch's loads are issued before this batch is summed
+      uint4 next[UNROLL][ROWS];
+      const bool more = base + BATCH < k;
+      if (more) load_batch(next, base + BATCH);
+      add_batch(current, base);
+      if (more) {
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u)
+#pragma unroll
+          for (int r = 0; r < ROWS; ++r) current[u][r] = next[u][r];
+      }
+    } else {
+      add_batch(current, base);
+      if (base + BATCH < k) load_batch(current, base + BATCH);
     }
   }
   if (TRIGGER == 2) launch_dependents();
@@ -142,7 +162,7 @@ __global__ void __launch_bounds__(128) fp8_gemv_kernel(const uint8_t* __restrict
   }
 }
 
-template <typename T, int ROWS, int UNROLL, int TRIGGER>
+template <typename T, int ROWS, int UNROLL, int TRIGGER, bool PIPE>
 cudaError_t launch(const void* w, const void* x, const void* scale, const void* bias, void* y, int n, int k,
                    long long ldw, int pdl, cudaStream_t stream) {
   constexpr int WARPS = 4;
@@ -155,7 +175,7 @@ cudaError_t launch(const void* w, const void* x, const void* scale, const void* 
   attribute[0].val.programmaticStreamSerializationAllowed = pdl ? 1 : 0;
   config.attrs = attribute;
   config.numAttrs = 1;
-  return cudaLaunchKernelEx(&config, fp8_gemv_kernel<T, ROWS, UNROLL, TRIGGER>,
+  return cudaLaunchKernelEx(&config, fp8_gemv_kernel<T, ROWS, UNROLL, TRIGGER, PIPE>,
                             static_cast<const uint8_t*>(w), static_cast<const T*>(x),
                             static_cast<const float*>(scale), static_cast<const T*>(bias), static_cast<T*>(y), n, k,
                             ldw);
@@ -164,17 +184,27 @@ cudaError_t launch(const void* w, const void* x, const void* scale, const void* 
 using Launcher = cudaError_t (*)(const void*, const void*, const void*, const void*, void*, int, int, long long, int,
                                  cudaStream_t);
 
+template <typename T, int R, int U, bool P>
+Launcher by_trigger(int trigger) {
+  switch (trigger) {
+    case 0: return launch<T, R, U, 0, P>;
+    case 1: return launch<T, R, U, 1, P>;
+    case 2: return launch<T, R, U, 2, P>;
+    case 3: return launch<T, R, U, 3, P>;
+    default: return nullptr;
+  }
+}
+
 template <typename T>
-Launcher pick(int rows, int unroll, int trigger) {
-#define DOVETAIL_FP8_GEMV_CASE(R, U)                                                                       \
-  if (rows == R && unroll == U)                                                                            \
-    return trigger == 0 ? launch<T, R, U, 0> : trigger == 1 ? launch<T, R, U, 1> : launch<T, R, U, 2>;
+Launcher pick(int rows, int unroll, int trigger, int pipe) {
+#define DOVETAIL_FP8_GEMV_CASE(R, U) \
+  if (rows == R && unroll == U) return pipe ? by_trigger<T, R, U, true>(trigger) : by_trigger<T, R, U, false>(trigger);
+  DOVETAIL_FP8_GEMV_CASE(1, 1)
   DOVETAIL_FP8_GEMV_CASE(1, 2)
   DOVETAIL_FP8_GEMV_CASE(1, 4)
+  DOVETAIL_FP8_GEMV_CASE(2, 1)
   DOVETAIL_FP8_GEMV_CASE(2, 2)
-  DOVETAIL_FP8_GEMV_CASE(2, 4)
   DOVETAIL_FP8_GEMV_CASE(4, 2)
-  DOVETAIL_FP8_GEMV_CASE(4, 4)
 #undef DOVETAIL_FP8_GEMV_CASE
   return nullptr;
 }
@@ -184,10 +214,10 @@ Launcher pick(int rows, int unroll, int trigger) {
 // Launches the GEMV on `stream`. dtype: 0 bfloat16, 1 float16 (x, bias, y). Requires k % 16 == 0, ldw % 16 == 0
 // and 16-byte aligned w and x (the caller checks). Returns a cudaError_t; -1 for a configuration not compiled.
 extern "C" int dovetail_fp8_gemv(const void* w, const void* x, const void* scale, const void* bias, void* y, int n,
-                                 int k, long long ldw, int dtype, int rows, int unroll, int trigger, int pdl,
-                                 void* stream) {
-  if (trigger < 0 || trigger > 2) return -1;
-  Launcher launcher = dtype == 0 ? pick<__nv_bfloat16>(rows, unroll, trigger) : pick<__half>(rows, unroll, trigger);
+                                 int k, long long ldw, int dtype, int rows, int unroll, int trigger, int pipe,
+                                 int pdl, void* stream) {
+  Launcher launcher = dtype == 0 ? pick<__nv_bfloat16>(rows, unroll, trigger, pipe)
+                                 : pick<__half>(rows, unroll, trigger, pipe);
   if (launcher == nullptr) return -1;
   return static_cast<int>(launcher(w, x, scale, bias, y, n, k, ldw, pdl, static_cast<cudaStream_t>(stream)));
 }
