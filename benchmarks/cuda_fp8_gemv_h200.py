@@ -7,7 +7,8 @@ For llama-3.1-8b's linear shapes (and its LM head), times from CUDA graphs (``fp
 2. per shape: the Triton FP8 GEMV's default, the Triton bf16 GEMV on the bf16 weight, and each CUDA config
    (rows a warp owns, K steps in flight, when the next kernel may launch), with its error against the float reference;
 3. one decode step's layer linears back to back in one graph (qkv, o, gate_up, down for 32 layers): Triton
-   FP8, Triton bf16, CUDA with the best config per shape, and each CUDA config everywhere.
+   FP8, Triton bf16, CUDA with the best config per shape, and each CUDA config everywhere; and the CUDA
+   default with the SiLU-and-mul kernel after gate_up against the gate_up GEMV with SiLU-and-mul fused.
 
 Writes ``$OUT/cuda_fp8_gemv.json``. Usage: ``python3 benchmarks/cuda_fp8_gemv_h200.py``.
 """
@@ -25,14 +26,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from dovetail.quantization import quant_ops  # noqa: E402
+from dovetail.triton.activation import act_and_mul  # noqa: E402
 from dovetail.triton.gemv import fp8_gemv as triton_fp8_gemv, gemv as triton_gemv  # noqa: E402
 from dovetail_cuda import native  # noqa: E402
 from dovetail_cuda.fp8_gemv import SOURCE, NativeGemvConfig, fp8_gemv  # noqa: E402
 from fp8_gemv_h200 import time_graph  # noqa: E402
 from gemv_pdl_h200 import CALLS, COPY_BYTES, MODELS, rel_err  # noqa: E402
 
-CONFIGS = [NativeGemvConfig(r, u, t, p) for r, u in ((1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (4, 2))
-           for t in (0, 2, 3) for p in (0, 1)]
+CONFIGS = [NativeGemvConfig(r, u, t) for r, u in ((1, 1), (1, 2), (2, 1), (2, 2)) for t in (0, 2, 3)]
 
 
 def check_every_byte() -> None:
@@ -87,20 +88,24 @@ def bench_step(gen, best: dict) -> dict:
     x = torch.randn(1, spec["shapes"]["o"][0], device="cuda", generator=gen).bfloat16()
     o_in, inter = spec["shapes"]["o"][1], spec["shapes"]["down"][1]
 
-    def step(linear):
+    def step(linear, gate_up=None):
+        """gate_up(i, h) -> the down projection's input; None: the first half of ``linear``'s gate_up product."""
         def run(_):
             h = x
             for i in range(layers):
                 qkv = linear("qkv", i, h)
                 o = linear("o", i, qkv[:, :o_in])
-                gu = linear("gate_up", i, o)
-                h = linear("down", i, gu[:, :inter])
+                h = linear("down", i, gate_up(i, o) if gate_up else linear("gate_up", i, o)[:, :inter])
             return h
         return run
 
     out = {"triton_fp8_ms": time_graph(step(lambda s, i, h: triton_fp8_gemv(h, *fp8[s][i])), 1) / 1000,
            "triton_bf16_ms": time_graph(step(lambda s, i, h: triton_gemv(h, weights[s][i])), 1) / 1000,
-           "cuda_best_ms": time_graph(step(lambda s, i, h: fp8_gemv(h, *fp8[s][i], config=best[s])), 1) / 1000}
+           "cuda_best_ms": time_graph(step(lambda s, i, h: fp8_gemv(h, *fp8[s][i], config=best[s])), 1) / 1000,
+           "cuda_default_silu_ms": time_graph(step(lambda s, i, h: fp8_gemv(h, *fp8[s][i]), lambda i, h: act_and_mul(
+               fp8_gemv(h, *fp8["gate_up"][i]), gelu_tanh=False)), 1) / 1000,
+           "cuda_default_gated_ms": time_graph(step(lambda s, i, h: fp8_gemv(h, *fp8[s][i]), lambda i, h: fp8_gemv(
+               h, *fp8["gate_up"][i], gated=True)), 1) / 1000}
     for cfg in CONFIGS:
         out["cuda_" + "_".join(map(str, cfg)) + "_ms"] = time_graph(
             step(lambda s, i, h, cfg=cfg: fp8_gemv(h, *fp8[s][i], config=cfg)), 1) / 1000

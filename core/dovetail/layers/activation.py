@@ -11,6 +11,9 @@ from dovetail.model_interface import ModelContext
 class SiluAndMul(nn.Module):
     """``silu(gate) * up`` over a merged ``[gate | up]`` input."""
 
+    #: What a fused projection-and-activation kernel is asked for (``QuantKernels.fp8_linear_gated``).
+    name = "silu"
+
     def __init__(self, ctx: ModelContext):
         super().__init__()
         self.ops = ctx.ops
@@ -22,6 +25,8 @@ class SiluAndMul(nn.Module):
 class GeluTanhAndMul(nn.Module):
     """``gelu_tanh(gate) * up`` over a merged ``[gate | up]`` input (Gemma)."""
 
+    name = "gelu_tanh"
+
     def __init__(self, ctx: ModelContext):
         super().__init__()
         self.ops = ctx.ops
@@ -32,6 +37,8 @@ class GeluTanhAndMul(nn.Module):
 
 class GeluAndMul(nn.Module):
     """Exact (erf) ``gelu(gate) * up`` over a merged ``[gate | up]`` input."""
+
+    name = "gelu"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         d = x.shape[-1] // 2

@@ -43,6 +43,13 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.method.apply(self, x, self.bias)
 
+    def forward_gated(self, x: torch.Tensor, activation: nn.Module) -> torch.Tensor:
+        """``activation(self(x))`` for a gated activation over this merged ``[gate | up]`` layer: one kernel
+        where the quantization method has one for the activation's ``name``, else the two steps."""
+        name = getattr(activation, "name", None)
+        fused = self.method.apply_gated(self, x, self.bias, name) if name else None
+        return activation(self.forward(x)) if fused is None else fused
+
     def load_shard(self, param: nn.Parameter, tensor: torch.Tensor, shard: int | None, name: str) -> None:
         """Copy checkpoint ``tensor`` into ``param``: whole (``shard=None``) or as output shard ``shard``."""
         loader = getattr(param, "weight_loader", None)

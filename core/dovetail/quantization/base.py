@@ -82,5 +82,11 @@ class QuantMethod(ABC):
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """Compute ``x @ W.T + bias`` for ``x`` of shape ``[tokens, input_size]``."""
 
+    def apply_gated(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
+                    activation: str) -> torch.Tensor | None:
+        """``act(y[:, :N/2]) * y[:, N/2:]`` for ``y = apply(layer, x, bias)`` in one kernel, or None where the
+        method has none (the layer then runs :meth:`apply` and its activation module)."""
+        return None
+
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         """Repack or quantize the loaded weights (once, after every tensor is loaded)."""

@@ -78,6 +78,11 @@ class Fp8Scheme:
         return layer.quant_kernels.fp8_linear(x, layer.weight, getattr(layer, self.scale_name), bias,
                                               input_scale=input_scale, block_size=self.block_size)
 
+    def apply_gated(self, layer, x: torch.Tensor, bias: torch.Tensor | None, activation: str) -> torch.Tensor | None:
+        input_scale = getattr(layer, self.input_scale_name) if self.static else None
+        return layer.quant_kernels.fp8_linear_gated(x, layer.weight, getattr(layer, self.scale_name), bias,
+                                                    activation, input_scale=input_scale, block_size=self.block_size)
+
 
 def fp8_reasons(method: QuantMethod, platform) -> list[str]:
     """Why FP8 tensors cannot be used on ``platform``'s device (empty when they can)."""
@@ -146,3 +151,6 @@ class Fp8Method(QuantMethod):
 
     def apply(self, layer, x, bias):
         return self.scheme.apply(layer, x, bias)
+
+    def apply_gated(self, layer, x, bias, activation):
+        return self.scheme.apply_gated(layer, x, bias, activation)

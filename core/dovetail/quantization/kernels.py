@@ -49,6 +49,18 @@ class QuantKernels:
         out = F.linear(xd, quant_ops.dequantize_fp8_weight(weight, weight_scale, block_size))
         return _finish(out, bias, x)
 
+    def fp8_linear_gated(self, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                         bias: torch.Tensor | None, activation: str, *, input_scale: torch.Tensor | None = None,
+                         block_size: tuple[int, int] | None = None) -> torch.Tensor | None:
+        """``act(y[..., :N/2]) * y[..., N/2:]`` for ``y`` = :meth:`fp8_linear` (a merged gate/up projection)
+        in one kernel, or None where there is none for these operands (the caller then runs :meth:`fp8_linear`
+        and the activation). ``activation`` is a :mod:`dovetail.layers.activation` name (``"silu"``, ...).
+
+        An override computes the activation from the product before rounding it to x's dtype, so it
+        may differ from the two-step result by that rounding. The definition here has no fused kernel.
+        """
+        return None
+
     def int8_linear(self, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                     bias: torch.Tensor | None = None, *, input_scale: torch.Tensor | None = None) -> torch.Tensor:
         """``int8(x) @ (weight * weight_scale).T + bias`` (W8A8 INT8, symmetric).

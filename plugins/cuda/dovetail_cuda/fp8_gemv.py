@@ -2,9 +2,10 @@
 
 :func:`fp8_gemv` computes ``x @ (weight * scale[:, None]).T + bias`` for one row of bfloat16 or
 float16 ``x`` and an e4m3 ``weight [N, K]``, like :func:`dovetail.triton.gemv.fp8_gemv`, whose
-result it equals up to float32 summation order. Each warp streams whole weight rows (no split-K),
-and the weight loads are issued before the kernel waits for its predecessor (programmatic
-dependent launch, as :mod:`dovetail.triton.pdl` decides for the device).
+result it equals up to float32 summation order; with ``gated=True`` it also applies SiLU-and-mul
+to the two halves of that product (an MLP's merged gate/up projection) before rounding. Each warp
+streams whole weight rows (no split-K), and the weight loads are issued before the kernel waits
+for its predecessor (programmatic dependent launch, as :mod:`dovetail.triton.pdl` decides).
 """
 
 from __future__ import annotations
@@ -21,14 +22,12 @@ _DTYPES = {torch.bfloat16: 0, torch.float16: 1}
 
 
 class NativeGemvConfig(NamedTuple):
-    """Launch parameters: weight rows a warp owns, 512-byte K steps loaded at a time, when the next kernel may
-    launch (0: at completion, 1: at once, 2: after the main loop, 3: once the last loads are issued), and
-    whether the next steps' loads go out before the current ones are summed (``pipe``)."""
+    """Launch parameters: outputs a warp owns (1 or 2), 512-byte K steps loaded at a time (1 or 2), and when the
+    next kernel may launch (0: at completion, 2: after the main loop, 3: once the last loads are issued)."""
 
     rows: int = 1
     unroll: int = 2
     trigger: int = 2
-    pipe: int = 0
 
 
 def default_config(n: int, k: int) -> NativeGemvConfig:
@@ -36,25 +35,28 @@ def default_config(n: int, k: int) -> NativeGemvConfig:
     return NativeGemvConfig()
 
 
-def supports(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None) -> bool:
+def supports(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
+             gated: bool = False) -> bool:
     """Whether :func:`fp8_gemv` takes these operands: one contiguous 16-bit row on a CUDA device, an e4m3
-    ``[N, K]`` weight with unit stride over K, K and the row stride multiples of 16, 16-byte aligned data."""
+    ``[N, K]`` weight with unit stride over K, K and the row stride multiples of 16, 16-byte aligned data
+    (and N even when ``gated``)."""
     k = x.shape[-1]
     return (x.is_cuda and x.dtype in _DTYPES and x.numel() == k and x.is_contiguous()
-            and weight.dim() == 2 and weight.dtype == torch.float8_e4m3fn and weight.shape[1] == k
+            and weight.dim() == 2 and not (gated and weight.shape[0] % 2) and weight.dtype == torch.float8_e4m3fn and weight.shape[1] == k
             and weight.stride(1) == 1 and weight.stride(0) % 16 == 0 and k % 16 == 0 and k > 0
             and weight.data_ptr() % 16 == 0 and x.data_ptr() % 16 == 0
             and weight_scale.numel() == weight.shape[0] and (bias is None or bias.numel() == weight.shape[0]))
 
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None,
-             config: NativeGemvConfig | None = None, pdl: bool | None = None) -> torch.Tensor:
-    """``x @ (weight.float() * weight_scale[:, None]).T + bias`` in x's dtype, for operands :func:`supports` takes.
+             config: NativeGemvConfig | None = None, pdl: bool | None = None, gated: bool = False) -> torch.Tensor:
+    """``x @ (weight.float() * weight_scale[:, None]).T + bias`` in x's dtype, for operands :func:`supports` takes;
+    with ``gated``, ``silu(y[..., :N/2]) * y[..., N/2:]`` of that product ``y`` (computed in float32).
 
     Raises ValueError for other operands and RuntimeError when the kernel library is unavailable or
     the launch fails. ``pdl`` None follows :func:`dovetail.triton.pdl.use_pdl`.
     """
-    if not supports(x, weight, weight_scale, bias):
+    if not supports(x, weight, weight_scale, bias, gated):
         raise ValueError(f"fp8_gemv (CUDA): unsupported operands x {tuple(x.shape)} {x.dtype}, weight "
                          f"{tuple(weight.shape)} {weight.dtype} stride {weight.stride()}")
     lib = native.library(SOURCE, x.device)
@@ -71,13 +73,14 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
         scale = scale.float().contiguous()
     if bias is not None:
         bias = bias.reshape(n).to(x.dtype).contiguous()
-    out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
+    outputs = n // 2 if gated else n
+    out = torch.empty((*x.shape[:-1], outputs), dtype=x.dtype, device=x.device)
     stream = torch.cuda.current_stream(x.device).cuda_stream
     err = lib.dovetail_fp8_gemv(
         ctypes.c_void_p(weight.data_ptr()), ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(scale.data_ptr()),
         ctypes.c_void_p(bias.data_ptr() if bias is not None else None), ctypes.c_void_p(out.data_ptr()),
-        ctypes.c_int(n), ctypes.c_int(k), ctypes.c_longlong(weight.stride(0)), ctypes.c_int(_DTYPES[x.dtype]),
-        ctypes.c_int(cfg.rows), ctypes.c_int(cfg.unroll), ctypes.c_int(cfg.trigger), ctypes.c_int(cfg.pipe),
+        ctypes.c_int(outputs), ctypes.c_int(k), ctypes.c_longlong(weight.stride(0)), ctypes.c_int(_DTYPES[x.dtype]),
+        ctypes.c_int(cfg.rows), ctypes.c_int(cfg.unroll), ctypes.c_int(cfg.trigger), ctypes.c_int(int(gated)),
         ctypes.c_int(int(pdl)), ctypes.c_void_p(stream))
     if err != 0:
         raise RuntimeError(f"fp8_gemv (CUDA): launch failed with {'no such config' if err == -1 else f'cudaError {err}'}"

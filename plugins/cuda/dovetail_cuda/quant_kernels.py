@@ -1,4 +1,5 @@
-"""The cuda platform's quantization kernels: the core's GPU kernels, with one-token FP8 linears in CUDA C++.
+"""The cuda platform's quantization kernels: the core's GPU kernels, with one-token FP8 linears in CUDA C++
+(and an MLP's gate/up projection with its SiLU-and-mul in the same kernel).
 
 ``DOVETAIL_CUDA_FP8_GEMV`` chooses the one-token FP8 GEMV: ``cuda`` (the default,
 :mod:`dovetail_cuda.fp8_gemv`, where nvcc can build it) or ``triton`` (:mod:`dovetail.triton.gemv`).
@@ -48,7 +49,16 @@ class CudaQuantKernels(GpuQuantKernels):
         self._native = fp8_gemv_choice() == "cuda"
 
     def fp8_linear(self, x, weight, weight_scale, bias=None, *, input_scale=None, block_size=None):
-        if (self._native and block_size is None and native_gemv.supports(x, weight, weight_scale, bias)
-                and native.library(native_gemv.SOURCE, x.device) is not None):
+        if self._takes(x, weight, weight_scale, bias, block_size, gated=False):
             return native_gemv.fp8_gemv(x, weight, weight_scale, bias, native_config(*weight.shape))
         return super().fp8_linear(x, weight, weight_scale, bias, input_scale=input_scale, block_size=block_size)
+
+    def fp8_linear_gated(self, x, weight, weight_scale, bias, activation, *, input_scale=None, block_size=None):
+        """SiLU-and-mul fused into the one-token CUDA GEMV (weight-only, like :meth:`fp8_linear` there)."""
+        if activation == "silu" and self._takes(x, weight, weight_scale, bias, block_size, gated=True):
+            return native_gemv.fp8_gemv(x, weight, weight_scale, bias, native_config(*weight.shape), gated=True)
+        return None
+
+    def _takes(self, x, weight, weight_scale, bias, block_size, gated: bool) -> bool:
+        return (self._native and block_size is None and native_gemv.supports(x, weight, weight_scale, bias, gated)
+                and native.library(native_gemv.SOURCE, x.device) is not None)

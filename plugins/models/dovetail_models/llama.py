@@ -94,7 +94,7 @@ class LlamaMLP(nn.Module):
         self.act_fn = gated_activation(hidden_act or config.hidden_act, ctx)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj.forward_gated(x, self.act_fn))
 
 
 class LlamaDecoderLayer(nn.Module):

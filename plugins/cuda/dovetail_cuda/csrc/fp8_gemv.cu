@@ -1,18 +1,18 @@
-// Weight-only FP8 GEMV for one token: y[n] = scale[n] * sum_k W[n, k] * x[k] (+ bias[n]).
+// Weight-only FP8 GEMV for one token: y[n] = scale[n] * sum_k W[n, k] * x[k] (+ bias[n]), optionally with
+// SiLU-and-mul fused: y[j] = silu(g[j]) * u[j] where g and u are the first and second halves of that product.
 //
 // W is e4m3, row-major with K contiguous; x, bias and y are bfloat16 or float16; scale is float32.
-// Each warp owns ROWS output rows and streams them over K in 512-byte steps (16 bytes a lane), with
-// UNROLL steps of loads in flight before any is used. The weight loads do not depend on the previous
-// kernel, so under programmatic dependent launch the first UNROLL steps are issued before
-// griddepcontrol.wait; x (the previous kernel's output) is read after it. Products and sums are in
-// float32; the warp's lanes are summed with shuffles; no split-K, no scratch memory, no atomics.
+// Each warp owns ROWS outputs (with GATED, the gate row j and the up row N + j of each) and streams their
+// weight rows over K in 512-byte steps (16 bytes a lane), UNROLL steps of loads at a time. The weight
+// loads do not depend on the previous kernel, so under programmatic dependent launch the first UNROLL
+// steps are issued before griddepcontrol.wait; x (the previous kernel's output) is read after it.
+// Products and sums are in float32; the warp's lanes are summed with shuffles; no split-K, no scratch
+// memory, no atomics.
 //
-// e4m3 becomes float through the hardware conversion (cvt e4m3x2 -> f16x2, then f16 -> f32); placing the
-// bits into a float16 instead (the value times 2^-8) was slower on every llama-3.1-8b shape on the H200.
-// TRIGGER says when the next kernel on the stream may launch (programmatic dependent launch): 0 when this
-// grid completes, 1 at once (its programs then load their first weights while this grid still runs), 2
-// after the main loop, 3 once the last weight loads are issued. PIPE issues the next UNROLL steps' loads
-// before summing the current ones (double buffering) instead of after.
+// Measured on the H200 and left out: placing the e4m3 bits into a float16 instead of the conversion
+// instructions, double-buffered loads, 4 steps at a time, 4 rows a warp, and letting the next kernel
+// launch at this one's start (benchmarks/RESULTS.md). TRIGGER says when the next kernel on the stream may
+// launch: 0 when this grid completes, 2 after the main loop, 3 once the last weight loads are issued.
 //
 // Compiled by dovetail_cuda.native with nvcc into a shared library loaded through ctypes; the C entry
 // point at the end launches on the caller's stream (so CUDA graph capture records it).
@@ -79,34 +79,40 @@ __device__ __forceinline__ float dot4(uint32_t word, float2 x01, float2 x23, flo
   return fmaf(w23.y, x23.y, acc);
 }
 
-template <typename T, int ROWS, int UNROLL, int TRIGGER, bool PIPE>
+template <typename T, int ROWS, int UNROLL, int TRIGGER, bool GATED>
 __global__ void __launch_bounds__(128) fp8_gemv_kernel(const uint8_t* __restrict__ w, const T* __restrict__ x,
                                                        const float* __restrict__ scale, const T* __restrict__ bias,
                                                        T* __restrict__ y, int n, int k, long long ldw) {
   constexpr int STEP = 512;  // bytes of K a warp reads per step: 32 lanes x 16
   constexpr int BATCH = UNROLL * STEP;
-  if (TRIGGER == 1) launch_dependents();
+  constexpr int LOADED = GATED ? 2 * ROWS : ROWS;  // weight rows a warp reads
   const int lane = threadIdx.x & 31;
-  const int row0 = (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * ROWS;
-  const uint8_t* rows[ROWS];
+  const int out0 = (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * ROWS;
+  const uint8_t* rows[LOADED];
 #pragma unroll
-  for (int r = 0; r < ROWS; ++r) rows[r] = w + static_cast<long long>(min(row0 + r, n - 1)) * ldw + lane * 16;
+  for (int r = 0; r < LOADED; ++r) {
+    const long long row = min(out0 + r % ROWS, n - 1) + (r >= ROWS ? n : 0);
+    rows[r] = w + row * ldw + lane * 16;
+  }
   const uint4* xs = reinterpret_cast<const uint4*>(x) + lane * 2;  // 16 activations = 2 x 16 bytes a lane-step
-  float acc[ROWS];
+  float acc[LOADED];
 #pragma unroll
-  for (int r = 0; r < ROWS; ++r) acc[r] = 0.f;
+  for (int r = 0; r < LOADED; ++r) acc[r] = 0.f;
 
-  auto load_batch = [&](uint4 (&wv)[UNROLL][ROWS], int base) {
+  uint4 wv[UNROLL][LOADED];
+  auto load_batch = [&](int base) {
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
       const bool inside = base + u * STEP + lane * 16 < k;
 #pragma unroll
-      for (int r = 0; r < ROWS; ++r)
+      for (int r = 0; r < LOADED; ++r)
         wv[u][r] = inside ? load_streaming(rows[r] + base + u * STEP) : make_uint4(0, 0, 0, 0);
     }
     if (TRIGGER == 3 && base + BATCH >= k) launch_dependents();  // the last weights are on their way
   };
-  auto add_batch = [&](const uint4 (&wv)[UNROLL][ROWS], int base) {
+  load_batch(0);
+  grid_dependency_wait();  // x is the previous kernel's output
+  for (int base = 0; base < k; base += BATCH) {
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
       if (base + u * STEP + lane * 16 >= k) continue;
@@ -114,55 +120,39 @@ __global__ void __launch_bounds__(128) fp8_gemv_kernel(const uint8_t* __restrict
       const uint4 xa = xp[0], xb = xp[1];
       const uint32_t xw[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
 #pragma unroll
-      for (int r = 0; r < ROWS; ++r) {
+      for (int r = 0; r < LOADED; ++r) {
         const uint32_t words[4] = {wv[u][r].x, wv[u][r].y, wv[u][r].z, wv[u][r].w};
 #pragma unroll
         for (int j = 0; j < 4; ++j)
           acc[r] = dot4(words[j], Activation<T>::unpack(xw[2 * j]), Activation<T>::unpack(xw[2 * j + 1]), acc[r]);
       }
     }
-  };
-
-  uint4 current[UNROLL][ROWS];
-  load_batch(current, 0);
-  grid_dependency_wait();  // x is the previous kernel's output
-  for (int base = 0; base < k; base += BATCH) {
-    if (PIPE) {  // the next batch's loads are issued before this batch is summed
-      uint4 next[UNROLL][ROWS];
-      const bool more = base + BATCH < k;
-      if (more) load_batch(next, base + BATCH);
-      add_batch(current, base);
-      if (more) {
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u)
-#pragma unroll
-          for (int r = 0; r < ROWS; ++r) current[u][r] = next[u][r];
-      }
-    } else {
-      add_batch(current, base);
-      if (base + BATCH < k) load_batch(current, base + BATCH);
-    }
+    if (base + BATCH < k) load_batch(base + BATCH);
   }
   if (TRIGGER == 2) launch_dependents();
 #pragma unroll
-  for (int r = 0; r < ROWS; ++r) {
+  for (int r = 0; r < LOADED; ++r) {
 #pragma unroll
     for (int offset = 16; offset > 0; offset >>= 1) acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], offset);
   }
   if (lane == 0) {
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
-      const int row = row0 + r;
-      if (row < n) {
-        float v = acc[r] * scale[row];
-        if (bias != nullptr) v += Activation<T>::to_float(bias[row]);
-        y[row] = Activation<T>::from_float(v);
+      const int out = out0 + r;
+      if (out >= n) continue;
+      float v = acc[r] * scale[out];
+      if (bias != nullptr) v += Activation<T>::to_float(bias[out]);
+      if (GATED) {
+        float up = acc[ROWS + r] * scale[n + out];
+        if (bias != nullptr) up += Activation<T>::to_float(bias[n + out]);
+        v = v / (1.f + __expf(-v)) * up;
       }
+      y[out] = Activation<T>::from_float(v);
     }
   }
 }
 
-template <typename T, int ROWS, int UNROLL, int TRIGGER, bool PIPE>
+template <typename T, int ROWS, int UNROLL, int TRIGGER, bool GATED>
 cudaError_t launch(const void* w, const void* x, const void* scale, const void* bias, void* y, int n, int k,
                    long long ldw, int pdl, cudaStream_t stream) {
   constexpr int WARPS = 4;
@@ -175,7 +165,7 @@ cudaError_t launch(const void* w, const void* x, const void* scale, const void* 
   attribute[0].val.programmaticStreamSerializationAllowed = pdl ? 1 : 0;
   config.attrs = attribute;
   config.numAttrs = 1;
-  return cudaLaunchKernelEx(&config, fp8_gemv_kernel<T, ROWS, UNROLL, TRIGGER, PIPE>,
+  return cudaLaunchKernelEx(&config, fp8_gemv_kernel<T, ROWS, UNROLL, TRIGGER, GATED>,
                             static_cast<const uint8_t*>(w), static_cast<const T*>(x),
                             static_cast<const float*>(scale), static_cast<const T*>(bias), static_cast<T*>(y), n, k,
                             ldw);
@@ -184,40 +174,38 @@ cudaError_t launch(const void* w, const void* x, const void* scale, const void* 
 using Launcher = cudaError_t (*)(const void*, const void*, const void*, const void*, void*, int, int, long long, int,
                                  cudaStream_t);
 
-template <typename T, int R, int U, bool P>
+template <typename T, int R, int U, bool G>
 Launcher by_trigger(int trigger) {
   switch (trigger) {
-    case 0: return launch<T, R, U, 0, P>;
-    case 1: return launch<T, R, U, 1, P>;
-    case 2: return launch<T, R, U, 2, P>;
-    case 3: return launch<T, R, U, 3, P>;
+    case 0: return launch<T, R, U, 0, G>;
+    case 2: return launch<T, R, U, 2, G>;
+    case 3: return launch<T, R, U, 3, G>;
     default: return nullptr;
   }
 }
 
 template <typename T>
-Launcher pick(int rows, int unroll, int trigger, int pipe) {
+Launcher pick(int rows, int unroll, int trigger, int gated) {
 #define DOVETAIL_FP8_GEMV_CASE(R, U) \
-  if (rows == R && unroll == U) return pipe ? by_trigger<T, R, U, true>(trigger) : by_trigger<T, R, U, false>(trigger);
+  if (rows == R && unroll == U) return gated ? by_trigger<T, R, U, true>(trigger) : by_trigger<T, R, U, false>(trigger);
   DOVETAIL_FP8_GEMV_CASE(1, 1)
   DOVETAIL_FP8_GEMV_CASE(1, 2)
-  DOVETAIL_FP8_GEMV_CASE(1, 4)
   DOVETAIL_FP8_GEMV_CASE(2, 1)
   DOVETAIL_FP8_GEMV_CASE(2, 2)
-  DOVETAIL_FP8_GEMV_CASE(4, 2)
 #undef DOVETAIL_FP8_GEMV_CASE
   return nullptr;
 }
 
 }  // namespace
 
-// Launches the GEMV on `stream`. dtype: 0 bfloat16, 1 float16 (x, bias, y). Requires k % 16 == 0, ldw % 16 == 0
-// and 16-byte aligned w and x (the caller checks). Returns a cudaError_t; -1 for a configuration not compiled.
+// Launches the GEMV on `stream`. n is the number of outputs (with gated, the weight has 2n rows and scale and
+// bias 2n entries). dtype: 0 bfloat16, 1 float16 (x, bias, y). Requires k % 16 == 0, ldw % 16 == 0 and 16-byte
+// aligned w and x (the caller checks). Returns a cudaError_t; -1 for a configuration not compiled.
 extern "C" int dovetail_fp8_gemv(const void* w, const void* x, const void* scale, const void* bias, void* y, int n,
-                                 int k, long long ldw, int dtype, int rows, int unroll, int trigger, int pipe,
+                                 int k, long long ldw, int dtype, int rows, int unroll, int trigger, int gated,
                                  int pdl, void* stream) {
-  Launcher launcher = dtype == 0 ? pick<__nv_bfloat16>(rows, unroll, trigger, pipe)
-                                 : pick<__half>(rows, unroll, trigger, pipe);
+  Launcher launcher = dtype == 0 ? pick<__nv_bfloat16>(rows, unroll, trigger, gated)
+                                 : pick<__half>(rows, unroll, trigger, gated);
   if (launcher == nullptr) return -1;
   return static_cast<int>(launcher(w, x, scale, bias, y, n, k, ldw, pdl, static_cast<cudaStream_t>(stream)));
 }
