@@ -30,9 +30,13 @@ class NativeGemvConfig(NamedTuple):
     trigger: int = 2
 
 
-def default_config(n: int, k: int) -> NativeGemvConfig:
+#: The gated (gate/up with SiLU-and-mul) launch: each output reads two weight rows.
+GATED_DEFAULT = NativeGemvConfig(1, 2, 2)
+
+
+def default_config(n: int, k: int, gated: bool = False) -> NativeGemvConfig:
     """One row a warp, two K steps at a time (H200, one decode step's llama-3.1-8b layer linears)."""
-    return NativeGemvConfig()
+    return GATED_DEFAULT if gated else NativeGemvConfig()
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
@@ -67,7 +71,7 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
 
         pdl = use_pdl(x.device)
     n, k = weight.shape
-    cfg = config or default_config(n, k)
+    cfg = config or default_config(n, k, gated)
     scale = weight_scale.reshape(n)
     if scale.dtype != torch.float32 or not scale.is_contiguous():
         scale = scale.float().contiguous()

@@ -23,11 +23,11 @@ def fp8_gemv_choice() -> str:
     return choice
 
 
-def native_config(n: int, k: int) -> native_gemv.NativeGemvConfig:
+def native_config(n: int, k: int, gated: bool = False) -> native_gemv.NativeGemvConfig:
     """The CUDA GEMV's launch parameters for an ``[N, K]`` weight: :func:`default_config
     <dovetail_cuda.fp8_gemv.default_config>` with the fields ``DOVETAIL_CUDA_FP8_GEMV_CONFIG`` sets
     (``rows=1,trigger=1``), for measurement."""
-    config = native_gemv.default_config(n, k)
+    config = native_gemv.default_config(n, k, gated)
     override = os.environ.get("DOVETAIL_CUDA_FP8_GEMV_CONFIG", "").strip()
     if override:
         try:
@@ -56,7 +56,8 @@ class CudaQuantKernels(GpuQuantKernels):
     def fp8_linear_gated(self, x, weight, weight_scale, bias, activation, *, input_scale=None, block_size=None):
         """SiLU-and-mul fused into the one-token CUDA GEMV (weight-only, like :meth:`fp8_linear` there)."""
         if activation == "silu" and self._takes(x, weight, weight_scale, bias, block_size, gated=True):
-            return native_gemv.fp8_gemv(x, weight, weight_scale, bias, native_config(*weight.shape), gated=True)
+            return native_gemv.fp8_gemv(x, weight, weight_scale, bias, native_config(*weight.shape, gated=True),
+                                         gated=True)
         return None
 
     def _takes(self, x, weight, weight_scale, bias, block_size, gated: bool) -> bool:
