@@ -197,3 +197,31 @@ def test_empty_inputs_use_the_torch_definition():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_conformance_kit(dtype):
     testing.check_fused_ops(TRITON, DEVICE, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,vocab", [(1, 50), (3, 9000), (2, 128256)])
+def test_argmax_finds_the_first_maximum_of_each_row(dtype, rows, vocab):
+    """The Triton argmax (what TritonFusedOps.argmax runs on a GPU) against torch's, with planted ties: within one
+    chunk of the first launch, across chunks, and a row whose maximum sits in its last, partial chunk."""
+    from dovetail.triton import argmax
+
+    logits = rand(rows, vocab, dtype=dtype, seed=rows)
+    top = logits.float().max() + 4
+    logits[0, vocab // 3] = logits[0, 2 * vocab // 3] = top
+    if rows > 1:
+        logits[1, vocab - 1] = top
+        logits[1, 7] = logits[1, 9] = top - 1
+    if rows > 2:
+        logits[2, 11] = logits[2, 12] = top
+    got = argmax.argmax(logits)
+    assert got.dtype == torch.int64
+    assert torch.equal(got.cpu(), logits.argmax(dim=-1).cpu())
+    assert int(got[0]) == vocab // 3
+
+
+def test_argmax_leaves_other_inputs_to_torch():
+    from dovetail.triton import argmax
+
+    assert not argmax.supports(rand(65, 100)) and not argmax.supports(rand(2, 100).t())
+    assert torch.equal(TRITON.argmax(rand(65, 100)), rand(65, 100).argmax(dim=-1))

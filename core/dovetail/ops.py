@@ -66,6 +66,11 @@ class FusedOps:
         k = self.rms_norm(k.unflatten(-1, (-1, head_size)), k_norm_weight, eps).flatten(-2)
         return self.rotary_embedding(positions, q, k, cos_sin_cache, head_size, rotary_dim)
 
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """Greedy sampling's ``logits.argmax(dim=-1)`` (int64) over ``[rows, vocab]`` logits: the first maximal
+        index of each row."""
+        return logits.argmax(dim=-1)
+
     def fused_moe(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, activation: str = "silu") -> torch.Tensor:
         """Mixture-of-experts MLPs of ``x`` ``[tokens, hidden]``: each token through its ``top_k`` experts.

@@ -170,8 +170,9 @@ class LLMEngine:
                 f"({self.max_model_len}); without chunked prefill a whole prompt must fit in one step")
 
     def _build_model(self):
+        self.ops = self.platform.fused_ops()
         ctx = ModelContext(dtype=self.dtype, device=self.device, quant=self.quant_method,
-                           attention_backend=self.attention_backend, ops=self.platform.fused_ops(),
+                           attention_backend=self.attention_backend, ops=self.ops,
                            quant_kernels=self.platform.quant_kernels())
         with torch.device(self.device):
             model = self.model_choice.cls(self.hf_config, "", ctx=ctx)
@@ -361,7 +362,7 @@ class LLMEngine:
         requests = logits.sample_requests
         if not requests:
             return None
-        pending = launch_sample(logits.sample_logits, requests, self.vocab_size)
+        pending = launch_sample(logits.sample_logits, requests, self.vocab_size, self.ops.argmax)
         pending.start_transfer(self.platform)
         for row, req in enumerate(requests):
             req.num_pending += 1

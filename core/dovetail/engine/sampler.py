@@ -216,12 +216,16 @@ class PendingSample:
         return self.decode(host.tolist())
 
 
-def launch_sample(logits: torch.Tensor, requests: list[Request], vocab_size: int | None = None) -> PendingSample:
-    """Queue the sampling of one token per row of ``logits`` (``[rows, vocab]``); nothing waits for the device."""
+def launch_sample(logits: torch.Tensor, requests: list[Request], vocab_size: int | None = None,
+                  argmax=None) -> PendingSample:
+    """Queue the sampling of one token per row of ``logits`` (``[rows, vocab]``); nothing waits for the device.
+
+    ``argmax`` (the platform's ``FusedOps.argmax``; None: torch's) picks the tokens of a step whose rows are
+    all plain greedy."""
     n = len(requests)
     if all(_plain_greedy(r.params, r) for r in requests):
         top = logits[:, :vocab_size] if vocab_size is not None else logits
-        sampled = top.argmax(dim=-1)
+        sampled = argmax(top) if argmax is not None else top.argmax(dim=-1)
         return PendingSample(sampled, sampled, lambda host: SampleResult(host, [None] * n))
     logits = logits.float()
     if vocab_size is not None and logits.shape[1] > vocab_size:

@@ -87,3 +87,8 @@ def check_fused_ops(ops: FusedOps, device: torch.device | str = "cpu", dtype: to
         want_q, want_k = ref.qk_norm_rotary_embedding(positions, q, k, q_w, k_w, 1e-6, cache, head_size, rotary_dim)
         close(got_q, want_q, "qk_norm_rotary_embedding (q)")
         close(got_k, want_k, "qk_norm_rotary_embedding (k)")
+    for rows, vocab in ((1, 50), (3, 9000)):
+        logits = rand(rows, vocab)
+        logits[:, vocab // 3] = logits[:, 2 * vocab // 3] = logits.float().max() + 4  # a tie: the first index wins
+        assert torch.equal(ops.argmax(logits).cpu(), ref.argmax(logits).cpu()), \
+            f"{type(ops).__name__}.argmax differs from the first maximal index of each row"

@@ -14,7 +14,7 @@ import functools
 import torch
 
 from dovetail.ops import FusedOps
-from dovetail.triton import activation, gemv, norm, rotary
+from dovetail.triton import activation, argmax, gemv, norm, rotary
 
 #: Most tokens for which a 16-bit unquantized linear on an NVIDIA GPU runs the Triton GEMV, and most
 #: output features (vocabulary-sized LM heads stay on cuBLAS). At one token the GEMV beat cuBLAS on 7 of
@@ -41,8 +41,8 @@ def _is_hopper(index: int | None) -> bool:
 
 
 class TritonFusedOps(FusedOps):
-    """RMSNorm (with the residual add), NeoX rotary (with per-head q/k norms), SiLU-and-mul and
-    GELU-tanh-and-mul in Triton; batch-1 linears on the Triton GEMV."""
+    """RMSNorm (with the residual add), NeoX rotary (with per-head q/k norms), SiLU-and-mul,
+    GELU-tanh-and-mul and greedy sampling's argmax in Triton; batch-1 linears on the Triton GEMV."""
 
     name = "triton"
 
@@ -60,6 +60,11 @@ class TritonFusedOps(FusedOps):
         if not norm.supports(x, weight) or residual.shape != x.shape or residual.dtype != x.dtype:
             return super().add_rms_norm(x, residual, weight, eps)
         return norm.rms_norm(x, weight, eps, residual=residual)
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        if logits.device.type != "cuda" or not argmax.supports(logits):
+            return super().argmax(logits)
+        return argmax.argmax(logits)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() == 0:
