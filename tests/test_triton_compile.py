@@ -75,6 +75,7 @@ def variants(pdl: bool = False):
 
 def _variants():
     from dovetail.triton.activation import _act_and_mul_kernel
+    from dovetail.triton.argmax import _chunk_max_kernel, _row_max_kernel
     from dovetail.triton.kv_cache_write import _kv_cache_write_kernel
     from dovetail.triton.norm import _rms_norm_kernel
     from dovetail.triton.paged_attention import _reduce_splits_kernel
@@ -109,6 +110,10 @@ def _variants():
         "gelu tanh and mul": (_act_and_mul_kernel, dict(x_ptr="*fp16", out_ptr="*fp16"),
                               dict(GELU_TANH=True, BLOCK=1024), dict(num_warps=4)),
         "rotary": (_rotary_kernel, ROTARY_TYPES, ROTARY_LLAMA, dict(num_warps=4)),
+        "argmax chunks": (_chunk_max_kernel, dict(x_ptr="*bf16", value_ptr="*fp32", index_ptr="*i32"),
+                          dict(BLOCK=4096), dict(num_warps=8)),
+        "argmax rows": (_row_max_kernel, dict(value_ptr="*fp32", index_ptr="*i32", out_ptr="*i64"), dict(CHUNKS=32),
+                        dict(num_warps=1)),
         "q/k norm and rotary": (_rotary_kernel, ROTARY_TYPES,
                                 dict(ROTARY_LLAMA, NUM_HEADS=16, HEADS_PAD=16, NORM=True), dict(num_warps=4)),
         "q/k norm and rotary into the KV cache": (
