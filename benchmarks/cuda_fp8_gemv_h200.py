@@ -33,7 +33,8 @@ from dovetail_cuda.fp8_gemv import SOURCE, NativeGemvConfig, fp8_gemv  # noqa: E
 from fp8_gemv_h200 import time_graph  # noqa: E402
 from gemv_pdl_h200 import CALLS, COPY_BYTES, MODELS, rel_err  # noqa: E402
 
-CONFIGS = [NativeGemvConfig(r, u, t) for r, u in ((1, 1), (1, 2), (2, 1), (2, 2)) for t in (0, 2, 3)]
+CONFIGS = ([NativeGemvConfig(r, u, t) for r, u in ((1, 1), (1, 2), (2, 1), (2, 2)) for t in (0, 2, 3)]
+           + [NativeGemvConfig(1, u, t, w) for u, t in ((1, 3), (2, 2)) for w in (1, 2, 8, 16)])
 
 
 def check_every_byte() -> None:

@@ -22,9 +22,9 @@ from dovetail_cuda import native, quant_kernels  # noqa: E402
 from dovetail_cuda.fp8_gemv import SOURCE, NativeGemvConfig, fp8_gemv, supports  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
-#: Every compiled row count, step count and trigger, each at least once.
-CONFIGS = [NativeGemvConfig(1, 1, 0), NativeGemvConfig(1, 2, 2), NativeGemvConfig(2, 2, 3), NativeGemvConfig(2, 1, 2),
-           NativeGemvConfig(1, 2, 3), NativeGemvConfig(2, 2, 0)]
+#: Every compiled row count, step count and trigger, each at least once, and blocks of 1 to 16 warps.
+CONFIGS = [NativeGemvConfig(1, 1, 0), NativeGemvConfig(1, 2, 2), NativeGemvConfig(2, 2, 3, 16), NativeGemvConfig(2, 1, 2),
+           NativeGemvConfig(1, 2, 3, 1), NativeGemvConfig(2, 2, 0, 8)]
 
 
 def _gpu_ready() -> str | None:
@@ -112,7 +112,7 @@ def test_every_e4m3_byte_is_exact(dtype):
 
 
 @gpu
-@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"r{c.rows}u{c.unroll}t{c.trigger}")
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"r{c.rows}u{c.unroll}t{c.trigger}w{c.warps}")
 @pytest.mark.parametrize("n,k", [(37, 16), (133, 528), (301, 4112)])
 def test_matches_float_reference_and_triton(cfg, n, k):
     needs_kernel()
@@ -129,7 +129,7 @@ def test_matches_float_reference_and_triton(cfg, n, k):
 
 
 @gpu
-@pytest.mark.parametrize("cfg", CONFIGS[:3], ids=lambda c: f"r{c.rows}u{c.unroll}t{c.trigger}")
+@pytest.mark.parametrize("cfg", CONFIGS[:3], ids=lambda c: f"r{c.rows}u{c.unroll}t{c.trigger}w{c.warps}")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gated_applies_silu_and_mul_to_the_product(cfg, dtype):
     needs_kernel()

@@ -22,18 +22,20 @@ _DTYPES = {torch.bfloat16: 0, torch.float16: 1}
 
 
 class NativeGemvConfig(NamedTuple):
-    """Launch parameters: outputs a warp owns (1 or 2), 512-byte K steps loaded at a time (1 or 2), and when the
-    next kernel may launch (0: at completion, 2: after the main loop, 3: once the last loads are issued)."""
+    """Launch parameters: outputs a warp owns (1 or 2), 512-byte K steps loaded at a time (1 or 2), when the
+    next kernel may launch (0: at completion, 2: after the main loop, 3: once the last loads are issued), and
+    warps a block (1, 2, 4, 8 or 16)."""
 
     rows: int = 1
     unroll: int = 2
     trigger: int = 2
+    warps: int = 4
 
 
 #: The gated launch (gate/up with SiLU-and-mul; each output reads two weight rows): one output a warp, one K step
 #: at a time, the next kernel launched once the last loads are out. llama-3.1-8b fp8 B2 on the H200: 2.537 ms,
 #: against 2.551 with the ungated default and 2.608-2.627 with two outputs a warp (benchmarks/RESULTS.md).
-GATED_DEFAULT = NativeGemvConfig(1, 1, 3)
+GATED_DEFAULT = NativeGemvConfig(1, 1, 3, 4)
 
 
 def default_config(n: int, k: int, gated: bool = False) -> NativeGemvConfig:
@@ -87,7 +89,7 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
         ctypes.c_void_p(bias.data_ptr() if bias is not None else None), ctypes.c_void_p(out.data_ptr()),
         ctypes.c_int(outputs), ctypes.c_int(k), ctypes.c_longlong(weight.stride(0)), ctypes.c_int(_DTYPES[x.dtype]),
         ctypes.c_int(cfg.rows), ctypes.c_int(cfg.unroll), ctypes.c_int(cfg.trigger), ctypes.c_int(int(gated)),
-        ctypes.c_int(int(pdl)), ctypes.c_void_p(stream))
+        ctypes.c_int(cfg.warps), ctypes.c_int(int(pdl)), ctypes.c_void_p(stream))
     if err != 0:
         raise RuntimeError(f"fp8_gemv (CUDA): launch failed with {'no such config' if err == -1 else f'cudaError {err}'}"
                            f" for {cfg}")

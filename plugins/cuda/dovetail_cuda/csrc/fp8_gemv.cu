@@ -2,7 +2,7 @@
 // SiLU-and-mul fused: y[j] = silu(g[j]) * u[j] where g and u are the first and second halves of that product.
 //
 // W is e4m3, row-major with K contiguous; x, bias and y are bfloat16 or float16; scale is float32.
-// Each warp owns ROWS outputs (with GATED, the gate row j and the up row N + j of each) and streams their
+// Each warp (of blocks of 1-16 warps) owns ROWS outputs (with GATED, the gate row j and the up row N + j of each) and streams their
 // weight rows over K in 512-byte steps (16 bytes a lane), UNROLL steps of loads at a time. The weight
 // loads do not depend on the previous kernel, so under programmatic dependent launch the first UNROLL
 // steps are issued before griddepcontrol.wait; x (the previous kernel's output) is read after it.
@@ -80,7 +80,7 @@ __device__ __forceinline__ float dot4(uint32_t word, float2 x01, float2 x23, flo
 }
 
 template <typename T, int ROWS, int UNROLL, int TRIGGER, bool GATED>
-__global__ void __launch_bounds__(128) fp8_gemv_kernel(const uint8_t* __restrict__ w, const T* __restrict__ x,
+__global__ void __launch_bounds__(512) fp8_gemv_kernel(const uint8_t* __restrict__ w, const T* __restrict__ x,
                                                        const float* __restrict__ scale, const T* __restrict__ bias,
                                                        T* __restrict__ y, int n, int k, long long ldw) {
   constexpr int STEP = 512;  // bytes of K a warp reads per step: 32 lanes x 16
@@ -154,11 +154,10 @@ __global__ void __launch_bounds__(128) fp8_gemv_kernel(const uint8_t* __restrict
 
 template <typename T, int ROWS, int UNROLL, int TRIGGER, bool GATED>
 cudaError_t launch(const void* w, const void* x, const void* scale, const void* bias, void* y, int n, int k,
-                   long long ldw, int pdl, cudaStream_t stream) {
-  constexpr int WARPS = 4;
+                   long long ldw, int warps, int pdl, cudaStream_t stream) {
   cudaLaunchConfig_t config = {};
-  config.gridDim = dim3((n + ROWS * WARPS - 1) / (ROWS * WARPS));
-  config.blockDim = dim3(32 * WARPS);
+  config.gridDim = dim3((n + ROWS * warps - 1) / (ROWS * warps));
+  config.blockDim = dim3(32 * warps);
   config.stream = stream;
   cudaLaunchAttribute attribute[1];
   attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
@@ -172,7 +171,7 @@ cudaError_t launch(const void* w, const void* x, const void* scale, const void* 
 }
 
 using Launcher = cudaError_t (*)(const void*, const void*, const void*, const void*, void*, int, int, long long, int,
-                                 cudaStream_t);
+                                 int, cudaStream_t);
 
 template <typename T, int R, int U, bool G>
 Launcher by_trigger(int trigger) {
@@ -203,9 +202,10 @@ Launcher pick(int rows, int unroll, int trigger, int gated) {
 // aligned w and x (the caller checks). Returns a cudaError_t; -1 for a configuration not compiled.
 extern "C" int dovetail_fp8_gemv(const void* w, const void* x, const void* scale, const void* bias, void* y, int n,
                                  int k, long long ldw, int dtype, int rows, int unroll, int trigger, int gated,
-                                 int pdl, void* stream) {
+                                 int warps, int pdl, void* stream) {
+  if (warps != 1 && warps != 2 && warps != 4 && warps != 8 && warps != 16) return -1;
   Launcher launcher = dtype == 0 ? pick<__nv_bfloat16>(rows, unroll, trigger, gated)
                                  : pick<__half>(rows, unroll, trigger, gated);
   if (launcher == nullptr) return -1;
-  return static_cast<int>(launcher(w, x, scale, bias, y, n, k, ldw, pdl, static_cast<cudaStream_t>(stream)));
+  return static_cast<int>(launcher(w, x, scale, bias, y, n, k, ldw, warps, pdl, static_cast<cudaStream_t>(stream)));
 }
