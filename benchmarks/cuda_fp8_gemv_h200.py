@@ -31,7 +31,7 @@ from dovetail.triton.gemv import fp8_gemv as triton_fp8_gemv, gemv as triton_gem
 from dovetail_cuda import native  # noqa: E402
 from dovetail_cuda.fp8_gemv import SOURCE, NativeGemvConfig, fp8_gemv  # noqa: E402
 from fp8_gemv_h200 import time_graph  # noqa: E402
-from gemv_pdl_h200 import CALLS, COPY_BYTES, MODELS, rel_err  # noqa: E402
+from gemv_pdl_h200 import CALLS, COPY_BYTES, MODELS, rel_err, step_operands  # noqa: E402
 
 CONFIGS = ([NativeGemvConfig(r, u, t) for r, u in ((1, 1), (1, 2), (2, 1), (2, 2)) for t in (0, 2, 3)]
            + [NativeGemvConfig(1, u, t, w) for u, t in ((1, 3), (2, 2)) for w in (1, 2, 8, 16)])
@@ -81,13 +81,8 @@ def bench_shape(name: str, n: int, k: int, gen) -> dict:
 
 
 def bench_step(gen, best: dict) -> dict:
-    spec = MODELS["llama-3.1-8b"]
-    layers = spec["layers"]
-    weights = {s: [torch.randn(n, k, device="cuda", generator=gen).bfloat16().mul_(0.02) for _ in range(layers)]
-               for s, (n, k) in spec["shapes"].items()}
-    fp8 = {s: [quant_ops.quantize_fp8_per_channel(w.float()) for w in ws] for s, ws in weights.items()}
-    x = torch.randn(1, spec["shapes"]["o"][0], device="cuda", generator=gen).bfloat16()
-    o_in, inter = spec["shapes"]["o"][1], spec["shapes"]["down"][1]
+    layers = MODELS["llama-3.1-8b"]["layers"]
+    weights, fp8, x, o_in, inter = step_operands("llama-3.1-8b", gen)
 
     def step(linear, gate_up=None):
         """gate_up(i, h) -> the down projection's input; None: the first half of ``linear``'s gate_up product."""

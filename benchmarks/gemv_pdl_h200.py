@@ -118,17 +118,24 @@ def bench_shape(name, n, k, gen) -> dict:
 
 
 
+def step_operands(model: str, gen):
+    """A decode step's layer weights (bf16, and FP8 with scales: shape -> one per layer), its one-token input,
+    and the widths of the o projection's input and the down projection's input."""
+    spec = MODELS[model]
+    weights = {s: [torch.randn(n, k, device="cuda", generator=gen).bfloat16().mul_(0.02) for _ in range(spec["layers"])]
+               for s, (n, k) in spec["shapes"].items()}
+    fp8 = {s: [quant_ops.quantize_fp8_per_channel(w.float()) for w in ws] for s, ws in weights.items()}
+    x = torch.randn(1, spec["shapes"]["o"][0], device="cuda", generator=gen).bfloat16()
+    return weights, fp8, x, spec["shapes"]["o"][1], spec["shapes"]["down"][1]
+
+
 def bench_step(model: str, gen, fp8_best: dict) -> dict:
     """One decode step's layer linears back to back in one graph (distinct weights per layer), per path and
     PDL trigger (0: at completion, 2: after the main loop); FP8 also with ``fp8_best`` (shape -> the fastest
     FP8 config at one token in :func:`bench_shape`)."""
     spec = MODELS[model]
     layers = spec["layers"]
-    weights = {s: [torch.randn(n, k, device="cuda", generator=gen).bfloat16().mul_(0.02) for _ in range(layers)]
-               for s, (n, k) in spec["shapes"].items()}
-    fp8 = {s: [quant_ops.quantize_fp8_per_channel(w.float()) for w in ws] for s, ws in weights.items()}
-    x = torch.randn(1, spec["shapes"]["o"][0], device="cuda", generator=gen).bfloat16()
-    o_in, inter = spec["shapes"]["o"][1], spec["shapes"]["down"][1]
+    weights, fp8, x, o_in, inter = step_operands(model, gen)
 
     def step(linear):
         def run(_):
