@@ -25,8 +25,9 @@ logger = logging.getLogger("dovetail")
 VERIFICATION = (
     "verified on one NVIDIA H200 (sm_90, driver 580.159, torch 2.11.0+cu130) on 2026-11-20: the NVML probe, "
     "KV-cache sizing from gpu_memory_utilization, CUDA graphs (greedy tokens identical on and off), one host "
-    "synchronisation per step, greedy output against HF with FLASHINFER, TRITON and REFERENCE. Never exercised: "
-    "NCCL through torch.distributed (the engine runs one device), GPUs other than Hopper"
+    "synchronisation per step, greedy output against HF with FLASHINFER, TRITON and REFERENCE; on 2026-11-21 the "
+    "CUDA C++ FP8 GEMV (nvcc 13.0, sm_90a). Never exercised: NCCL through torch.distributed (the engine runs one "
+    "device), GPUs other than Hopper (the FP8 GEMV's sm_89 build included)"
 )
 
 
