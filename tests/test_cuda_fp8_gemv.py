@@ -1,6 +1,6 @@
 """The CUDA plugin's C++ FP8 GEMV (``dovetail_cuda.fp8_gemv``), its nvcc build and its routing.
 
-Without a GPU: the source compiles for sm_90a with the nvcc of this machine (skipped where there is
+Without a GPU: the source compiles for sm_90a and sm_89 with the nvcc of this machine (skipped where there is
 none), the choice and config variables are validated, and CPU tensors never reach the kernel. With
 one (sm_89+ and nvcc): every e4m3 byte, random ragged shapes against the float
 reference and against the Triton GEMV, bias and float16, SiLU-and-mul fused (``gated``), CUDA graph
@@ -44,14 +44,16 @@ def needs_kernel():
         pytest.skip(reason)
 
 
-def test_source_compiles_for_hopper_and_exports_the_launcher(tmp_path, monkeypatch):
+@pytest.mark.parametrize("capability", [(9, 0), (8, 9)], ids=["hopper", "ada"])
+def test_source_compiles_and_exports_the_launcher(capability, tmp_path, monkeypatch):
+    """The cuda platform routes FP8 to this kernel from sm_89 on; the build for each is checked here."""
     nvcc = native.nvcc_path()
     if nvcc is None:
         pytest.skip("no nvcc on this machine")
     monkeypatch.setenv("DOVETAIL_CACHE_DIR", str(tmp_path))
-    built = native.build(SOURCE, (9, 0), nvcc)
-    assert built.parent == tmp_path / "cuda" and "sm_90a" in built.name
-    assert native.build(SOURCE, (9, 0), nvcc) == built  # cached: same key, no rebuild
+    built = native.build(SOURCE, capability, nvcc)
+    assert built.parent == tmp_path / "cuda" and native.arch_flag(capability) in built.name
+    assert native.build(SOURCE, capability, nvcc) == built  # cached: same key, no rebuild
     try:
         lib = ctypes.CDLL(str(built))
     except OSError as exc:  # the CUDA runtime library may be absent where only nvcc is installed
