@@ -77,9 +77,9 @@ def test_choice_and_config_variables(monkeypatch):
         quant_kernels.fp8_gemv_choice()
     monkeypatch.delenv("DOVETAIL_CUDA_FP8_GEMV_CONFIG", raising=False)
     assert quant_kernels.native_config(4096, 4096) == NativeGemvConfig()
-    monkeypatch.setenv("DOVETAIL_CUDA_FP8_GEMV_CONFIG", "rows=2, trigger=1")
-    assert quant_kernels.native_config(4096, 4096) == NativeGemvConfig()._replace(rows=2, trigger=1)
-    for bad in ("rows=two", "lanes=3", "4,2,1"):
+    monkeypatch.setenv("DOVETAIL_CUDA_FP8_GEMV_CONFIG", "rows=2, trigger=3")
+    assert quant_kernels.native_config(4096, 4096) == NativeGemvConfig()._replace(rows=2, trigger=3)
+    for bad in ("rows=two", "lanes=3", "4,2,1", "trigger=1", "rows=4"):
         monkeypatch.setenv("DOVETAIL_CUDA_FP8_GEMV_CONFIG", bad)
         with pytest.raises(ConfigError, match="DOVETAIL_CUDA_FP8_GEMV_CONFIG"):
             quant_kernels.native_config(4096, 4096)

@@ -32,6 +32,9 @@ class NativeGemvConfig(NamedTuple):
     warps: int = 4
 
 
+#: The values each field of :class:`NativeGemvConfig` may take (the instantiations ``csrc/fp8_gemv.cu`` compiles).
+CHOICES = {"rows": (1, 2), "unroll": (1, 2), "trigger": (0, 2, 3), "warps": (1, 2, 4, 8, 16)}
+
 #: The gated launch (gate/up with SiLU-and-mul; each output reads two weight rows): one output a warp, one K step
 #: at a time, the next kernel launched once the last loads are out. llama-3.1-8b fp8 B2 on the H200: 2.537 ms,
 #: against 2.551 with the ungated default and 2.608-2.627 with two outputs a warp (benchmarks/RESULTS.md).

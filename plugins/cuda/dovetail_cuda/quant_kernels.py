@@ -26,7 +26,7 @@ def fp8_gemv_choice() -> str:
 def native_config(n: int, k: int, gated: bool = False) -> native_gemv.NativeGemvConfig:
     """The CUDA GEMV's launch parameters for an ``[N, K]`` weight: :func:`default_config
     <dovetail_cuda.fp8_gemv.default_config>` with the fields ``DOVETAIL_CUDA_FP8_GEMV_CONFIG`` sets
-    (``rows=1,trigger=1``), for measurement."""
+    (``rows=2,trigger=3``), for measurement."""
     config = native_gemv.default_config(n, k, gated)
     override = os.environ.get("DOVETAIL_CUDA_FP8_GEMV_CONFIG", "").strip()
     if override:
@@ -36,6 +36,9 @@ def native_config(n: int, k: int, gated: bool = False) -> native_gemv.NativeGemv
         except (ValueError, TypeError) as exc:
             raise ConfigError(f"DOVETAIL_CUDA_FP8_GEMV_CONFIG={override!r}: expected NAME=INT pairs of "
                               f"{native_gemv.NativeGemvConfig._fields} ({exc})") from None
+        for name, allowed in native_gemv.CHOICES.items():
+            if getattr(config, name) not in allowed:
+                raise ConfigError(f"DOVETAIL_CUDA_FP8_GEMV_CONFIG={override!r}: {name} must be one of {allowed}")
     return config
 
 
