@@ -76,13 +76,13 @@ def test_choice_and_config_variables(monkeypatch):
     with pytest.raises(ConfigError, match="DOVETAIL_CUDA_FP8_GEMV='cutlass'"):
         quant_kernels.fp8_gemv_choice()
     monkeypatch.delenv("DOVETAIL_CUDA_FP8_GEMV_CONFIG", raising=False)
-    assert quant_kernels.native_config(4096, 4096) == NativeGemvConfig()
+    assert quant_kernels.native_config() == NativeGemvConfig()
     monkeypatch.setenv("DOVETAIL_CUDA_FP8_GEMV_CONFIG", "rows=2, trigger=3")
-    assert quant_kernels.native_config(4096, 4096) == NativeGemvConfig()._replace(rows=2, trigger=3)
+    assert quant_kernels.native_config() == NativeGemvConfig()._replace(rows=2, trigger=3)
     for bad in ("rows=two", "lanes=3", "4,2,1", "trigger=1", "rows=4"):
         monkeypatch.setenv("DOVETAIL_CUDA_FP8_GEMV_CONFIG", bad)
         with pytest.raises(ConfigError, match="DOVETAIL_CUDA_FP8_GEMV_CONFIG"):
-            quant_kernels.native_config(4096, 4096)
+            quant_kernels.native_config()
 
 
 def test_cpu_tensors_are_not_taken():
@@ -168,8 +168,8 @@ def test_strided_weight_rows_and_graph_replay():
 def test_quant_kernels_route_one_token_to_the_cuda_gemv(monkeypatch):
     needs_kernel()
     calls = []
-    original = quant_kernels.native_gemv.fp8_gemv
-    monkeypatch.setattr(quant_kernels.native_gemv, "fp8_gemv", lambda *a, **kw: calls.append(1) or original(*a, **kw))
+    original = quant_kernels.native_gemv.launch
+    monkeypatch.setattr(quant_kernels.native_gemv, "launch", lambda *a: calls.append(1) or original(*a))
     x, q, scale, bias = _case(64, 128, torch.bfloat16)
     kernels = quant_kernels.CudaQuantKernels()
     one = kernels.fp8_linear(x, q, scale, bias)
@@ -205,15 +205,15 @@ def test_fp8_engine_greedy_tokens_match_the_triton_gemv(tmp_path, monkeypatch):
     for choice in ("triton", "cuda"):
         monkeypatch.setenv("DOVETAIL_CUDA_FP8_GEMV", choice)
         calls = []
-        original = quant_kernels.native_gemv.fp8_gemv
-        monkeypatch.setattr(quant_kernels.native_gemv, "fp8_gemv",
-                            lambda *a, **kw: calls.append(kw.get("gated", False)) or original(*a, **kw))
+        original = quant_kernels.native_gemv.launch
+        monkeypatch.setattr(quant_kernels.native_gemv, "launch",  # launch(..., gated) is called positionally
+                            lambda *a: calls.append(a[-1]) or original(*a))
         llm = LLM(str(model_dir), device="cuda", dtype="bfloat16", quantization="fp8", attention_backend="TRITON",
                   gpu_memory_utilization=0.1, max_num_seqs=1, enforce_eager=True)
         runs[choice] = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
                                                            use_tqdm=False)]
         assert (choice == "cuda") == bool(calls) and (choice != "cuda" or (True in calls and False in calls))
-        monkeypatch.setattr(quant_kernels.native_gemv, "fp8_gemv", original)
+        monkeypatch.setattr(quant_kernels.native_gemv, "launch", original)
         del llm
         gc.collect()
     for reference, ours in zip(runs["triton"], runs["cuda"]):

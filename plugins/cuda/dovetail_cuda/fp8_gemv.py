@@ -41,8 +41,9 @@ CHOICES = {"rows": (1, 2), "unroll": (1, 2), "trigger": (0, 2, 3), "warps": (1, 
 GATED_DEFAULT = NativeGemvConfig(1, 1, 3, 4)
 
 
-def default_config(n: int, k: int, gated: bool = False) -> NativeGemvConfig:
-    """One row a warp, two K steps at a time (H200, one decode step's llama-3.1-8b layer linears)."""
+def default_config(gated: bool = False) -> NativeGemvConfig:
+    """:data:`GATED_DEFAULT`, else one row a warp, two K steps at a time (H200, one decode step's llama-3.1-8b
+    layer linears); the same for every shape measured."""
     return GATED_DEFAULT if gated else NativeGemvConfig()
 
 
@@ -77,8 +78,13 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
         from dovetail.triton.pdl import use_pdl
 
         pdl = use_pdl(x.device)
+    return launch(lib, x, weight, weight_scale, bias, config or default_config(gated), pdl, gated)
+
+
+def launch(lib, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
+           cfg: NativeGemvConfig, pdl: bool, gated: bool) -> torch.Tensor:
+    """:func:`fp8_gemv` for operands already checked by :func:`supports`, with the loaded library ``lib``."""
     n, k = weight.shape
-    cfg = config or default_config(n, k, gated)
     scale = weight_scale.reshape(n)
     if scale.dtype != torch.float32 or not scale.is_contiguous():
         scale = scale.float().contiguous()

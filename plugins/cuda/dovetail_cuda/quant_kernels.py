@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 
+import torch
+
 from dovetail.errors import ConfigError
 from dovetail.quantization.gpu_kernels import GpuQuantKernels
 from dovetail_cuda import fp8_gemv as native_gemv
@@ -23,11 +25,10 @@ def fp8_gemv_choice() -> str:
     return choice
 
 
-def native_config(n: int, k: int, gated: bool = False) -> native_gemv.NativeGemvConfig:
-    """The CUDA GEMV's launch parameters for an ``[N, K]`` weight: :func:`default_config
-    <dovetail_cuda.fp8_gemv.default_config>` with the fields ``DOVETAIL_CUDA_FP8_GEMV_CONFIG`` sets
-    (``rows=2,trigger=3``), for measurement."""
-    config = native_gemv.default_config(n, k, gated)
+def native_config(gated: bool = False) -> native_gemv.NativeGemvConfig:
+    """The CUDA GEMV's launch parameters: :func:`default_config <dovetail_cuda.fp8_gemv.default_config>` with the
+    fields ``DOVETAIL_CUDA_FP8_GEMV_CONFIG`` sets (``rows=2,trigger=3``), for measurement."""
+    config = native_gemv.default_config(gated)
     override = os.environ.get("DOVETAIL_CUDA_FP8_GEMV_CONFIG", "").strip()
     if override:
         try:
@@ -43,26 +44,38 @@ def native_config(n: int, k: int, gated: bool = False) -> native_gemv.NativeGemv
 
 
 class CudaQuantKernels(GpuQuantKernels):
-    """:class:`GpuQuantKernels` whose one-token FP8 linears run the CUDA C++ GEMV when it builds."""
+    """:class:`GpuQuantKernels` whose one-token FP8 linears run the CUDA C++ GEMV when it builds.
+
+    The choice and the launch configs (environment) are read once, at construction; the library and the PDL
+    decision once per device."""
 
     name = "cuda"
 
     def __init__(self):
         super().__init__()
         self._native = fp8_gemv_choice() == "cuda"
+        self._configs = {gated: native_config(gated) for gated in (False, True)} if self._native else {}
+        self._devices: dict[torch.device, tuple] = {}
 
     def fp8_linear(self, x, weight, weight_scale, bias=None, *, input_scale=None, block_size=None):
-        if self._takes(x, weight, weight_scale, bias, block_size, gated=False):
-            return native_gemv.fp8_gemv(x, weight, weight_scale, bias, native_config(*weight.shape))
+        out = self._run(x, weight, weight_scale, bias, block_size, gated=False)
+        if out is not None:
+            return out
         return super().fp8_linear(x, weight, weight_scale, bias, input_scale=input_scale, block_size=block_size)
 
     def fp8_linear_gated(self, x, weight, weight_scale, bias, activation, *, input_scale=None, block_size=None):
         """SiLU-and-mul fused into the one-token CUDA GEMV (weight-only, like :meth:`fp8_linear` there)."""
-        if activation == "silu" and self._takes(x, weight, weight_scale, bias, block_size, gated=True):
-            return native_gemv.fp8_gemv(x, weight, weight_scale, bias, native_config(*weight.shape, gated=True),
-                                         gated=True)
-        return None
+        return self._run(x, weight, weight_scale, bias, block_size, gated=True) if activation == "silu" else None
 
-    def _takes(self, x, weight, weight_scale, bias, block_size, gated: bool) -> bool:
-        return (self._native and block_size is None and native_gemv.supports(x, weight, weight_scale, bias, gated)
-                and native.library(native_gemv.SOURCE, x.device) is not None)
+    def _run(self, x, weight, weight_scale, bias, block_size, gated: bool):
+        """The CUDA GEMV's result, or None where it does not take these operands or cannot be built."""
+        if not (self._native and block_size is None and native_gemv.supports(x, weight, weight_scale, bias, gated)):
+            return None
+        if x.device not in self._devices:
+            from dovetail.triton.pdl import use_pdl
+
+            self._devices[x.device] = (native.library(native_gemv.SOURCE, x.device), use_pdl(x.device))
+        lib, pdl = self._devices[x.device]
+        if lib is None:
+            return None
+        return native_gemv.launch(lib, x, weight, weight_scale, bias, self._configs[gated], pdl, gated)
