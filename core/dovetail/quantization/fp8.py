@@ -74,14 +74,15 @@ class Fp8Scheme:
             replace_param(layer, self.scale_name, scale)
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        input_scale = getattr(layer, self.input_scale_name) if self.static else None
         return layer.quant_kernels.fp8_linear(x, layer.weight, getattr(layer, self.scale_name), bias,
-                                              input_scale=input_scale, block_size=self.block_size)
+                                              input_scale=self._input_scale(layer), block_size=self.block_size)
 
     def apply_gated(self, layer, x: torch.Tensor, bias: torch.Tensor | None, activation: str) -> torch.Tensor | None:
-        input_scale = getattr(layer, self.input_scale_name) if self.static else None
-        return layer.quant_kernels.fp8_linear_gated(x, layer.weight, getattr(layer, self.scale_name), bias,
-                                                    activation, input_scale=input_scale, block_size=self.block_size)
+        return layer.quant_kernels.fp8_linear_gated(x, layer.weight, getattr(layer, self.scale_name), bias, activation,
+                                                    input_scale=self._input_scale(layer), block_size=self.block_size)
+
+    def _input_scale(self, layer) -> torch.Tensor | None:
+        return getattr(layer, self.input_scale_name) if self.static else None
 
 
 def fp8_reasons(method: QuantMethod, platform) -> list[str]:
