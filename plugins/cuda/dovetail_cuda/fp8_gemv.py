@@ -5,8 +5,7 @@ float16 ``x`` and an e4m3 ``weight [N, K]``, like :func:`dovetail.triton.gemv.fp
 result it equals up to float32 summation order; with ``gated=True`` it also applies SiLU-and-mul
 to the two halves of that product (an MLP's merged gate/up projection) before rounding. Each warp
 streams whole weight rows (no split-K), and the weight loads are issued before the kernel waits
-for its predecessor (programmatic dependent launch, as :mod:`dovetail.triton.pdl` decides). A
-:class:`Prefetch` names bytes (the next linear's weights) the kernel asks L2 to fetch once its own loads are out.
+for its predecessor (programmatic dependent launch, as :mod:`dovetail.triton.pdl` decides).
 """
 
 from __future__ import annotations
@@ -42,31 +41,6 @@ CHOICES = {"rows": (1, 2), "unroll": (1, 2), "trigger": (0, 2, 3), "warps": (1, 
 GATED_DEFAULT = NativeGemvConfig(1, 1, 3, 4)
 
 
-class Prefetch(NamedTuple):
-    """Device bytes a GEMV asks L2 to prefetch after its own weight loads: ``size`` bytes from the address ``first``
-    and as many from ``second`` (0: none); ``evict_last`` marks the lines to be kept over others."""
-
-    first: int
-    second: int
-    size: int
-    evict_last: bool = False
-
-
-def prefetch_of(weight: torch.Tensor, gated: bool, limit: int, evict_last: bool = False) -> Prefetch:
-    """At most ``limit`` bytes of what a GEMV over ``weight`` reads first: its leading rows, or with ``gated`` the
-    leading rows of each half (the gate and up rows read together)."""
-    rows, k = weight.shape
-    pitch = weight.stride(0)
-    if gated:
-        half = rows // 2
-        return Prefetch(weight.data_ptr(), weight.data_ptr() + half * pitch,
-                        min((half - 1) * pitch + k, limit // 2), evict_last)
-    return Prefetch(weight.data_ptr(), 0, min((rows - 1) * pitch + k, limit), evict_last)
-
-
-_NO_PREFETCH = Prefetch(0, 0, 0)
-
-
 def default_config(gated: bool = False) -> NativeGemvConfig:
     """:data:`GATED_DEFAULT`, else one row a warp, two K steps at a time (H200, one decode step's llama-3.1-8b
     layer linears); the same for every shape measured."""
@@ -87,11 +61,9 @@ def supports(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
 
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None,
-             config: NativeGemvConfig | None = None, pdl: bool | None = None, gated: bool = False,
-             prefetch: Prefetch | None = None) -> torch.Tensor:
+             config: NativeGemvConfig | None = None, pdl: bool | None = None, gated: bool = False) -> torch.Tensor:
     """``x @ (weight.float() * weight_scale[:, None]).T + bias`` in x's dtype, for operands :func:`supports` takes;
-    with ``gated``, ``silu(y[..., :N/2]) * y[..., N/2:]`` of that product ``y`` (computed in float32); with
-    ``prefetch``, those bytes asked of L2 (they must be device memory that stays allocated).
+    with ``gated``, ``silu(y[..., :N/2]) * y[..., N/2:]`` of that product ``y`` (computed in float32).
 
     Raises ValueError for other operands and RuntimeError when the kernel library is unavailable or
     the launch fails. ``pdl`` None follows :func:`dovetail.triton.pdl.use_pdl`.
@@ -106,11 +78,11 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
         from dovetail.triton.pdl import use_pdl
 
         pdl = use_pdl(x.device)
-    return launch(lib, x, weight, weight_scale, bias, config or default_config(gated), pdl, gated, prefetch)
+    return launch(lib, x, weight, weight_scale, bias, config or default_config(gated), pdl, gated)
 
 
 def launch(lib, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
-           cfg: NativeGemvConfig, pdl: bool, gated: bool, prefetch: Prefetch | None = None) -> torch.Tensor:
+           cfg: NativeGemvConfig, pdl: bool, gated: bool) -> torch.Tensor:
     """:func:`fp8_gemv` for operands already checked by :func:`supports`, with the loaded library ``lib``."""
     n, k = weight.shape
     scale = weight_scale.reshape(n)
@@ -121,15 +93,12 @@ def launch(lib, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
     outputs = n // 2 if gated else n
     out = torch.empty((*x.shape[:-1], outputs), dtype=x.dtype, device=x.device)
     stream = torch.cuda.current_stream(x.device).cuda_stream
-    ahead = prefetch or _NO_PREFETCH
     err = lib.dovetail_fp8_gemv(
         ctypes.c_void_p(weight.data_ptr()), ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(scale.data_ptr()),
         ctypes.c_void_p(bias.data_ptr() if bias is not None else None), ctypes.c_void_p(out.data_ptr()),
         ctypes.c_int(outputs), ctypes.c_int(k), ctypes.c_longlong(weight.stride(0)), ctypes.c_int(_DTYPES[x.dtype]),
         ctypes.c_int(cfg.rows), ctypes.c_int(cfg.unroll), ctypes.c_int(cfg.trigger), ctypes.c_int(int(gated)),
-        ctypes.c_int(cfg.warps), ctypes.c_int(int(pdl)), ctypes.c_void_p(ahead.first or None),
-        ctypes.c_void_p(ahead.second or None), ctypes.c_longlong(ahead.size), ctypes.c_int(int(ahead.evict_last)),
-        ctypes.c_void_p(stream))
+        ctypes.c_int(cfg.warps), ctypes.c_int(int(pdl)), ctypes.c_void_p(stream))
     if err != 0:
         raise RuntimeError(f"fp8_gemv (CUDA): launch failed with {'no such config' if err == -1 else f'cudaError {err}'}"
                            f" for {cfg}")

@@ -2,8 +2,7 @@
 (and an MLP's gate/up projection with its SiLU-and-mul in the same kernel).
 
 ``DOVETAIL_CUDA_FP8_GEMV`` chooses the one-token FP8 GEMV: ``cuda`` (the default,
-:mod:`dovetail_cuda.fp8_gemv`, where nvcc can build it) or ``triton`` (:mod:`dovetail.triton.gemv`). Each CUDA
-GEMV prefetches into L2 the leading bytes of the next one's weights (:mod:`dovetail_cuda.prefetch_chain`).
+:mod:`dovetail_cuda.fp8_gemv`, where nvcc can build it) or ``triton`` (:mod:`dovetail.triton.gemv`).
 """
 
 from __future__ import annotations
@@ -16,7 +15,6 @@ from dovetail.errors import ConfigError
 from dovetail.quantization.gpu_kernels import GpuQuantKernels
 from dovetail_cuda import fp8_gemv as native_gemv
 from dovetail_cuda import native
-from dovetail_cuda.prefetch_chain import PrefetchChain, prefetch_settings
 
 
 def fp8_gemv_choice() -> str:
@@ -48,8 +46,8 @@ def native_config(gated: bool = False) -> native_gemv.NativeGemvConfig:
 class CudaQuantKernels(GpuQuantKernels):
     """:class:`GpuQuantKernels` whose one-token FP8 linears run the CUDA C++ GEMV when it builds.
 
-    The choice, the launch configs and the prefetch settings (environment) are read once, at construction; the
-    library and the PDL decision once per device."""
+    The choice and the launch configs (environment) are read once, at construction; the library and the PDL
+    decision once per device."""
 
     name = "cuda"
 
@@ -58,7 +56,6 @@ class CudaQuantKernels(GpuQuantKernels):
         self._native = fp8_gemv_choice() == "cuda"
         self._configs = {gated: native_config(gated) for gated in (False, True)} if self._native else {}
         self._devices: dict[torch.device, tuple] = {}
-        self._chain = PrefetchChain(*prefetch_settings()) if self._native else None
 
     def fp8_linear(self, x, weight, weight_scale, bias=None, *, input_scale=None, block_size=None):
         out = self._run(x, weight, weight_scale, bias, block_size, gated=False)
@@ -81,5 +78,4 @@ class CudaQuantKernels(GpuQuantKernels):
         lib, pdl = self._devices[x.device]
         if lib is None:
             return None
-        return native_gemv.launch(lib, x, weight, weight_scale, bias, self._configs[gated], pdl, gated,
-                                  self._chain.next_for(weight, gated))
+        return native_gemv.launch(lib, x, weight, weight_scale, bias, self._configs[gated], pdl, gated)

@@ -14,10 +14,6 @@
 // launch at this one's start (benchmarks/RESULTS.md). TRIGGER says when the next kernel on the stream may
 // launch: 0 when this grid completes, 2 after the main loop, 3 once the last weight loads are issued.
 //
-// Optionally, once its own weight loads are done, each block asks L2 to prefetch its share of up to two byte
-// ranges (the next linear's weights, which the caller names): the kernels between two GEMVs (attention, norms)
-// leave HBM idle, and the next GEMV then reads from L2. Policy 1 marks the prefetched lines evict-last.
-//
 // Compiled by dovetail_cuda.native with nvcc into a shared library loaded through ctypes; the C entry
 // point at the end launches on the caller's stream (so CUDA graph capture records it).
 
@@ -39,24 +35,6 @@ __device__ __forceinline__ void launch_dependents() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
-}
-
-__device__ __forceinline__ void prefetch_l2(const uint8_t* ptr, int policy) {
-  if (policy == 1)
-    asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(ptr));
-  else
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(ptr));
-}
-
-// This block's share of `bytes` bytes from `base` (and as many from `second` when not null), a 128-byte line a thread.
-__device__ __forceinline__ void prefetch_share(const uint8_t* base, const uint8_t* second, long long bytes,
-                                               int policy) {
-  const long long share = ((bytes + gridDim.x - 1) / gridDim.x + 127) & ~127LL;
-  const long long begin = blockIdx.x * share, end = min(begin + share, bytes);
-  for (long long offset = begin + threadIdx.x * 128LL; offset < end; offset += blockDim.x * 128LL) {
-    prefetch_l2(base + offset, policy);
-    if (second != nullptr) prefetch_l2(second + offset, policy);
-  }
 }
 
 __device__ __forceinline__ uint4 load_streaming(const uint8_t* ptr) {
@@ -104,9 +82,7 @@ __device__ __forceinline__ float dot4(uint32_t word, float2 x01, float2 x23, flo
 template <typename T, int ROWS, int UNROLL, int TRIGGER, bool GATED>
 __global__ void __launch_bounds__(512) fp8_gemv_kernel(const uint8_t* __restrict__ w, const T* __restrict__ x,
                                                        const float* __restrict__ scale, const T* __restrict__ bias,
-                                                       T* __restrict__ y, int n, int k, long long ldw,
-                                                       const uint8_t* prefetch, const uint8_t* prefetch_second,
-                                                       long long prefetch_bytes, int prefetch_policy) {
+                                                       T* __restrict__ y, int n, int k, long long ldw) {
   constexpr int STEP = 512;  // bytes of K a warp reads per step: 32 lanes x 16
   constexpr int BATCH = UNROLL * STEP;
   constexpr int LOADED = GATED ? 2 * ROWS : ROWS;  // weight rows a warp reads
@@ -154,7 +130,6 @@ __global__ void __launch_bounds__(512) fp8_gemv_kernel(const uint8_t* __restrict
     if (base + BATCH < k) load_batch(base + BATCH);
   }
   if (TRIGGER == 2) launch_dependents();
-  if (prefetch != nullptr) prefetch_share(prefetch, prefetch_second, prefetch_bytes, prefetch_policy);
 #pragma unroll
   for (int r = 0; r < LOADED; ++r) {
 #pragma unroll
@@ -179,8 +154,7 @@ __global__ void __launch_bounds__(512) fp8_gemv_kernel(const uint8_t* __restrict
 
 template <typename T, int ROWS, int UNROLL, int TRIGGER, bool GATED>
 cudaError_t launch(const void* w, const void* x, const void* scale, const void* bias, void* y, int n, int k,
-                   long long ldw, int warps, int pdl, const void* prefetch, const void* prefetch_second,
-                   long long prefetch_bytes, int prefetch_policy, cudaStream_t stream) {
+                   long long ldw, int warps, int pdl, cudaStream_t stream) {
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3((n + ROWS * warps - 1) / (ROWS * warps));
   config.blockDim = dim3(32 * warps);
@@ -193,12 +167,11 @@ cudaError_t launch(const void* w, const void* x, const void* scale, const void* 
   return cudaLaunchKernelEx(&config, fp8_gemv_kernel<T, ROWS, UNROLL, TRIGGER, GATED>,
                             static_cast<const uint8_t*>(w), static_cast<const T*>(x),
                             static_cast<const float*>(scale), static_cast<const T*>(bias), static_cast<T*>(y), n, k,
-                            ldw, static_cast<const uint8_t*>(prefetch), static_cast<const uint8_t*>(prefetch_second),
-                            prefetch_bytes, prefetch_policy);
+                            ldw);
 }
 
 using Launcher = cudaError_t (*)(const void*, const void*, const void*, const void*, void*, int, int, long long, int,
-                                 int, const void*, const void*, long long, int, cudaStream_t);
+                                 int, cudaStream_t);
 
 template <typename T, int R, int U, bool G>
 Launcher by_trigger(int trigger) {
@@ -226,18 +199,13 @@ Launcher pick(int rows, int unroll, int trigger, int gated) {
 
 // Launches the GEMV on `stream`. n is the number of outputs (with gated, the weight has 2n rows and scale and
 // bias 2n entries). dtype: 0 bfloat16, 1 float16 (x, bias, y). Requires k % 16 == 0, ldw % 16 == 0 and 16-byte
-// aligned w and x (the caller checks). prefetch (may be null): prefetch_bytes from it, and as many from
-// prefetch_second when that is not null, asked of L2 (policy 0 normal, 1 evict-last). Returns a cudaError_t; -1 for
-// a configuration not compiled.
+// aligned w and x (the caller checks). Returns a cudaError_t; -1 for a configuration not compiled.
 extern "C" int dovetail_fp8_gemv(const void* w, const void* x, const void* scale, const void* bias, void* y, int n,
                                  int k, long long ldw, int dtype, int rows, int unroll, int trigger, int gated,
-                                 int warps, int pdl, const void* prefetch, const void* prefetch_second,
-                                 long long prefetch_bytes, int prefetch_policy, void* stream) {
+                                 int warps, int pdl, void* stream) {
   if (warps != 1 && warps != 2 && warps != 4 && warps != 8 && warps != 16) return -1;
   Launcher launcher = dtype == 0 ? pick<__nv_bfloat16>(rows, unroll, trigger, gated)
                                  : pick<__half>(rows, unroll, trigger, gated);
   if (launcher == nullptr) return -1;
-  if (prefetch_policy != 0 && prefetch_policy != 1) return -1;
-  return static_cast<int>(launcher(w, x, scale, bias, y, n, k, ldw, warps, pdl, prefetch, prefetch_second,
-                                   prefetch_bytes, prefetch_policy, static_cast<cudaStream_t>(stream)));
+  return static_cast<int>(launcher(w, x, scale, bias, y, n, k, ldw, warps, pdl, static_cast<cudaStream_t>(stream)));
 }
