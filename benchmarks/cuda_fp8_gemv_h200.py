@@ -1,14 +1,16 @@
 """One-token FP8 linears on the GPU: the CUDA C++ GEMV (``dovetail_cuda.fp8_gemv``) against the Triton one.
 
-For llama-3.1-8b's linear shapes (and its LM head), times from CUDA graphs (``fp8_gemv_h200.time_graph``:
+For llama-3.1-8b's layer linear shapes, times from CUDA graphs (``fp8_gemv_h200.time_graph``:
 16 products a graph over weight copies larger than L2, median of 10 replays), PDL on:
 
 1. every e4m3 byte through the CUDA kernel (exact, or the script stops);
 2. per shape: the Triton FP8 GEMV's default, the Triton bf16 GEMV on the bf16 weight, and each CUDA config
-   (rows a warp owns, K steps in flight, when the next kernel may launch), with its error against the float reference;
+   (rows a warp group owns, K steps in flight, when the next kernel may launch, warps a block, warps a group), with
+   its error against the float reference; for gate_up, each config also with SiLU-and-mul fused (``gated``);
 3. one decode step's layer linears back to back in one graph (qkv, o, gate_up, down for 32 layers): Triton
    FP8, Triton bf16, CUDA with the best config per shape, and each CUDA config everywhere; and the CUDA
-   default with the SiLU-and-mul kernel after gate_up against the gate_up GEMV with SiLU-and-mul fused.
+   default with the SiLU-and-mul kernel after gate_up against the gate_up GEMV with SiLU-and-mul fused, and the
+   best config per shape with gate_up's best gated config.
 
 Writes ``$OUT/cuda_fp8_gemv.json``. Usage: ``python3 benchmarks/cuda_fp8_gemv_h200.py``.
 """
@@ -33,8 +35,11 @@ from dovetail_cuda.fp8_gemv import SOURCE, NativeGemvConfig, fp8_gemv  # noqa: E
 from fp8_gemv_h200 import time_graph  # noqa: E402
 from gemv_pdl_h200 import CALLS, COPY_BYTES, MODELS, rel_err, step_operands  # noqa: E402
 
-CONFIGS = ([NativeGemvConfig(r, u, t) for r, u in ((1, 1), (1, 2), (2, 1), (2, 2)) for t in (0, 2, 3)]
-           + [NativeGemvConfig(1, u, t, w) for u, t in ((1, 3), (2, 2)) for w in (1, 2, 8, 16)])
+#: The ninth session's defaults and neighbours, then warps sharing each output's K (split).
+CONFIGS = ([NativeGemvConfig(1, 2, 2), NativeGemvConfig(1, 1, 3), NativeGemvConfig(2, 2, 2), NativeGemvConfig(1, 2, 2, 8),
+            NativeGemvConfig(1, 1, 3, 8)]
+           + [NativeGemvConfig(r, u, t, w, s) for r, u, t in ((1, 2, 2), (1, 1, 3), (2, 2, 2))
+              for w, s in ((4, 2), (4, 4), (8, 2), (8, 4), (8, 8), (16, 4), (16, 8))])
 
 
 def check_every_byte() -> None:
@@ -69,6 +74,11 @@ def bench_shape(name: str, n: int, k: int, gen) -> dict:
         us = time_graph(lambda i, cfg=cfg: fp8_gemv(x, qs[i % len(qs)], scale, config=cfg), CALLS)
         row["cuda"].append({"config": list(cfg), "us": us, "rel_err": err})
     row["cuda"].sort(key=lambda c: c["us"])
+    if name == "gate_up":
+        row["cuda_gated"] = sorted(({"config": list(cfg), "us": time_graph(
+            lambda i, cfg=cfg: fp8_gemv(x, qs[i % len(qs)], scale, config=cfg, gated=True), CALLS)} for cfg in CONFIGS),
+            key=lambda c: c["us"])
+        print("   gated: " + ", ".join(f"{tuple(c['config'])} {c['us']:.1f}" for c in row["cuda_gated"]), flush=True)
     best = row["cuda"][0]
     row["cuda_best_no_pdl_us"] = time_graph(
         lambda i: fp8_gemv(x, qs[i % len(qs)], scale, config=NativeGemvConfig(*best["config"]), pdl=False), CALLS)
@@ -80,7 +90,7 @@ def bench_shape(name: str, n: int, k: int, gen) -> dict:
     return row
 
 
-def bench_step(gen, best: dict) -> dict:
+def bench_step(gen, best: dict, best_gated: NativeGemvConfig) -> dict:
     layers = MODELS["llama-3.1-8b"]["layers"]
     weights, fp8, x, o_in, inter = step_operands("llama-3.1-8b", gen)
 
@@ -101,7 +111,9 @@ def bench_step(gen, best: dict) -> dict:
            "cuda_default_silu_ms": time_graph(step(lambda s, i, h: fp8_gemv(h, *fp8[s][i]), lambda i, h: act_and_mul(
                fp8_gemv(h, *fp8["gate_up"][i]), gelu_tanh=False)), 1) / 1000,
            "cuda_default_gated_ms": time_graph(step(lambda s, i, h: fp8_gemv(h, *fp8[s][i]), lambda i, h: fp8_gemv(
-               h, *fp8["gate_up"][i], gated=True)), 1) / 1000}
+               h, *fp8["gate_up"][i], gated=True)), 1) / 1000,
+           "cuda_best_gated_ms": time_graph(step(lambda s, i, h: fp8_gemv(h, *fp8[s][i], config=best[s]), lambda i, h: fp8_gemv(
+               h, *fp8["gate_up"][i], gated=True, config=best_gated)), 1) / 1000}
     for cfg in CONFIGS:
         out["cuda_" + "_".join(map(str, cfg)) + "_ms"] = time_graph(
             step(lambda s, i, h, cfg=cfg: fp8_gemv(h, *fp8[s][i], config=cfg)), 1) / 1000
@@ -124,11 +136,11 @@ def main() -> None:
     check_every_byte()
     gen = torch.Generator(device="cuda").manual_seed(0)
     spec = MODELS["llama-3.1-8b"]
-    shapes = dict(spec["shapes"], lm_head=spec["lm_head"])
+    shapes = dict(spec["shapes"])
     report["shapes"] = {s: bench_shape(s, n, k, gen) for s, (n, k) in shapes.items()}
     torch.cuda.empty_cache()
     best = {s: NativeGemvConfig(*report["shapes"][s]["cuda"][0]["config"]) for s in spec["shapes"]}
-    report["step"] = bench_step(gen, best)
+    report["step"] = bench_step(gen, best, NativeGemvConfig(*report["shapes"]["gate_up"]["cuda_gated"][0]["config"]))
     report["seconds"] = round(time.time() - started, 1)
     (out_dir / "cuda_fp8_gemv.json").write_text(json.dumps(report, indent=1))
     print(f"wrote {out_dir / 'cuda_fp8_gemv.json'} ({report['seconds']}s)")

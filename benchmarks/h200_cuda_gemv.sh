@@ -14,7 +14,7 @@ fi
 best=$(python3 -c "
 import json; s = json.load(open('$OUT/cuda_fp8_gemv.json'))['step']
 k = min((k for k in s if k.startswith('cuda_') and k[5].isdigit()), key=s.get)[5:-3].split('_')
-print(','.join(f'{n}={v}' for n, v in zip(('rows', 'unroll', 'trigger', 'warps'), k)))" 2>/dev/null || echo rows=1)
+print(','.join(f'{n}={v}' for n, v in zip(('rows', 'unroll', 'trigger', 'warps', 'split'), k)))" 2>/dev/null || echo rows=1)
 log "B2 (the step's fastest uniform config: $best)"
 KIND=latency ROUNDS=${ROUNDS:-1} VARIANTS="head --quantization fp8|DOVETAIL_CUDA_FP8_GEMV_CONFIG=$best --quantization fp8|DOVETAIL_CUDA_FP8_GEMV=triton --quantization fp8|head${B2_VARIANTS:+|$B2_VARIANTS}" \
   bash benchmarks/h200_variants.sh

@@ -19,12 +19,14 @@ pytest.importorskip("dovetail_cuda")
 from dovetail.errors import ConfigError  # noqa: E402
 from dovetail.quantization import quant_ops  # noqa: E402
 from dovetail_cuda import native, quant_kernels  # noqa: E402
-from dovetail_cuda.fp8_gemv import SOURCE, NativeGemvConfig, fp8_gemv, supports  # noqa: E402
+from dovetail_cuda.fp8_gemv import GATED_DEFAULT, SOURCE, NativeGemvConfig, fp8_gemv, supports  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
-#: Every compiled row count, step count and trigger, each at least once, and blocks of 1 to 16 warps.
-CONFIGS = [NativeGemvConfig(1, 1, 0), NativeGemvConfig(1, 2, 2), NativeGemvConfig(2, 2, 3, 16), NativeGemvConfig(2, 1, 2),
-           NativeGemvConfig(1, 2, 3, 1), NativeGemvConfig(2, 2, 0, 8)]
+#: Every compiled row count, step count and trigger, each at least once, blocks of 1 to 16 warps, and K shared by
+#: groups of 1 to 8 warps.
+CONFIGS = [NativeGemvConfig(1, 1, 0), NativeGemvConfig(1, 2, 2, 8, 4), NativeGemvConfig(2, 2, 3, 16, 2),
+           NativeGemvConfig(2, 1, 2), NativeGemvConfig(1, 2, 3, 1), NativeGemvConfig(2, 2, 0, 8, 8),
+           NativeGemvConfig(1, 1, 3, 4, 2)]
 
 
 def _gpu_ready() -> str | None:
@@ -79,7 +81,13 @@ def test_choice_and_config_variables(monkeypatch):
     assert quant_kernels.native_config() == NativeGemvConfig()
     monkeypatch.setenv("DOVETAIL_CUDA_FP8_GEMV_CONFIG", "rows=2, trigger=3")
     assert quant_kernels.native_config() == NativeGemvConfig()._replace(rows=2, trigger=3)
-    for bad in ("rows=two", "lanes=3", "4,2,1", "trigger=1", "rows=4"):
+    assert quant_kernels.native_config(gated=True) == GATED_DEFAULT, "the gated GEMV has its own variable"
+    monkeypatch.setenv("DOVETAIL_CUDA_FP8_GEMV_GATED_CONFIG", "warps=8,split=2")
+    assert quant_kernels.native_config(gated=True) == GATED_DEFAULT._replace(warps=8, split=2)
+    monkeypatch.setenv("DOVETAIL_CUDA_FP8_GEMV_GATED_CONFIG", "split=8")
+    with pytest.raises(ConfigError, match="DOVETAIL_CUDA_FP8_GEMV_GATED_CONFIG='split=8': split \\(8\\) must divide"):
+        quant_kernels.native_config(gated=True)
+    for bad in ("rows=two", "lanes=3", "4,2,1", "trigger=1", "rows=4", "split=3", "warps=2,split=4"):
         monkeypatch.setenv("DOVETAIL_CUDA_FP8_GEMV_CONFIG", bad)
         with pytest.raises(ConfigError, match="DOVETAIL_CUDA_FP8_GEMV_CONFIG"):
             quant_kernels.native_config()
@@ -114,7 +122,7 @@ def test_every_e4m3_byte_is_exact(dtype):
 
 
 @gpu
-@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"r{c.rows}u{c.unroll}t{c.trigger}w{c.warps}")
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"r{c.rows}u{c.unroll}t{c.trigger}w{c.warps}s{c.split}")
 @pytest.mark.parametrize("n,k", [(37, 16), (133, 528), (301, 4112)])
 def test_matches_float_reference_and_triton(cfg, n, k):
     needs_kernel()
@@ -131,7 +139,7 @@ def test_matches_float_reference_and_triton(cfg, n, k):
 
 
 @gpu
-@pytest.mark.parametrize("cfg", CONFIGS[:3], ids=lambda c: f"r{c.rows}u{c.unroll}t{c.trigger}w{c.warps}")
+@pytest.mark.parametrize("cfg", CONFIGS[:3], ids=lambda c: f"r{c.rows}u{c.unroll}t{c.trigger}w{c.warps}s{c.split}")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gated_applies_silu_and_mul_to_the_product(cfg, dtype):
     needs_kernel()

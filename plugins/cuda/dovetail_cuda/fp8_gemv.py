@@ -22,18 +22,19 @@ _DTYPES = {torch.bfloat16: 0, torch.float16: 1}
 
 
 class NativeGemvConfig(NamedTuple):
-    """Launch parameters: outputs a warp owns (1 or 2), 512-byte K steps loaded at a time (1 or 2), when the
-    next kernel may launch (0: at completion, 2: after the main loop, 3: once the last loads are issued), and
-    warps a block (1, 2, 4, 8 or 16)."""
+    """Launch parameters: outputs a warp group owns (1 or 2), 512-byte K steps loaded at a time (1 or 2), when the
+    next kernel may launch (0: at completion, 2: after the main loop, 3: once the last loads are issued), warps a
+    block (1, 2, 4, 8 or 16), and warps a group (1, 2, 4 or 8, dividing ``warps``), which share its outputs' K."""
 
     rows: int = 1
     unroll: int = 2
     trigger: int = 2
     warps: int = 4
+    split: int = 1
 
 
 #: The values each field of :class:`NativeGemvConfig` may take (the instantiations ``csrc/fp8_gemv.cu`` compiles).
-CHOICES = {"rows": (1, 2), "unroll": (1, 2), "trigger": (0, 2, 3), "warps": (1, 2, 4, 8, 16)}
+CHOICES = {"rows": (1, 2), "unroll": (1, 2), "trigger": (0, 2, 3), "warps": (1, 2, 4, 8, 16), "split": (1, 2, 4, 8)}
 
 #: The gated launch (gate/up with SiLU-and-mul; each output reads two weight rows): one output a warp, one K step
 #: at a time, the next kernel launched once the last loads are out. llama-3.1-8b fp8 B2 on the H200: 2.537 ms,
@@ -98,7 +99,7 @@ def launch(lib, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
         ctypes.c_void_p(bias.data_ptr() if bias is not None else None), ctypes.c_void_p(out.data_ptr()),
         ctypes.c_int(outputs), ctypes.c_int(k), ctypes.c_longlong(weight.stride(0)), ctypes.c_int(_DTYPES[x.dtype]),
         ctypes.c_int(cfg.rows), ctypes.c_int(cfg.unroll), ctypes.c_int(cfg.trigger), ctypes.c_int(int(gated)),
-        ctypes.c_int(cfg.warps), ctypes.c_int(int(pdl)), ctypes.c_void_p(stream))
+        ctypes.c_int(cfg.warps), ctypes.c_int(cfg.split), ctypes.c_int(int(pdl)), ctypes.c_void_p(stream))
     if err != 0:
         raise RuntimeError(f"fp8_gemv (CUDA): launch failed with {'no such config' if err == -1 else f'cudaError {err}'}"
                            f" for {cfg}")

@@ -27,19 +27,24 @@ def fp8_gemv_choice() -> str:
 
 def native_config(gated: bool = False) -> native_gemv.NativeGemvConfig:
     """The CUDA GEMV's launch parameters: :func:`default_config <dovetail_cuda.fp8_gemv.default_config>` with the
-    fields ``DOVETAIL_CUDA_FP8_GEMV_CONFIG`` sets (``rows=2,trigger=3``), for measurement."""
+    fields ``DOVETAIL_CUDA_FP8_GEMV_CONFIG`` (``DOVETAIL_CUDA_FP8_GEMV_GATED_CONFIG`` for the gated GEMV) sets
+    (``rows=2,trigger=3``), for measurement."""
     config = native_gemv.default_config(gated)
-    override = os.environ.get("DOVETAIL_CUDA_FP8_GEMV_CONFIG", "").strip()
+    variable = "DOVETAIL_CUDA_FP8_GEMV_GATED_CONFIG" if gated else "DOVETAIL_CUDA_FP8_GEMV_CONFIG"
+    override = os.environ.get(variable, "").strip()
     if override:
         try:
             fields = {name.strip(): int(value) for name, value in (item.split("=") for item in override.split(","))}
             config = config._replace(**fields)
         except (ValueError, TypeError) as exc:
-            raise ConfigError(f"DOVETAIL_CUDA_FP8_GEMV_CONFIG={override!r}: expected NAME=INT pairs of "
+            raise ConfigError(f"{variable}={override!r}: expected NAME=INT pairs of "
                               f"{native_gemv.NativeGemvConfig._fields} ({exc})") from None
         for name, allowed in native_gemv.CHOICES.items():
             if getattr(config, name) not in allowed:
-                raise ConfigError(f"DOVETAIL_CUDA_FP8_GEMV_CONFIG={override!r}: {name} must be one of {allowed}")
+                raise ConfigError(f"{variable}={override!r}: {name} must be one of {allowed}")
+        if config.warps % config.split:
+            raise ConfigError(f"{variable}={override!r}: split ({config.split}) must divide "
+                              f"warps ({config.warps})")
     return config
 
 
