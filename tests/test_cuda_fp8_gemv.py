@@ -25,7 +25,7 @@ FP8 = torch.float8_e4m3fn
 #: Every compiled row count, step count and trigger, each at least once, blocks of 1 to 16 warps, and K shared by
 #: groups of 1 to 8 warps.
 CONFIGS = [NativeGemvConfig(1, 1, 0), NativeGemvConfig(1, 2, 2, 8, 4), NativeGemvConfig(2, 2, 3, 16, 2),
-           NativeGemvConfig(2, 1, 2), NativeGemvConfig(1, 2, 3, 1), NativeGemvConfig(2, 2, 0, 8, 8),
+           NativeGemvConfig(2, 1, 2), NativeGemvConfig(1, 2, 3, 1), NativeGemvConfig(2, 2, 0, 8, 4),
            NativeGemvConfig(1, 1, 3, 4, 2)]
 
 
@@ -84,13 +84,28 @@ def test_choice_and_config_variables(monkeypatch):
     assert quant_kernels.native_config(gated=True) == GATED_DEFAULT, "the gated GEMV has its own variable"
     monkeypatch.setenv("DOVETAIL_CUDA_FP8_GEMV_GATED_CONFIG", "warps=8,split=2")
     assert quant_kernels.native_config(gated=True) == GATED_DEFAULT._replace(warps=8, split=2)
-    monkeypatch.setenv("DOVETAIL_CUDA_FP8_GEMV_GATED_CONFIG", "split=8")
-    with pytest.raises(ConfigError, match="DOVETAIL_CUDA_FP8_GEMV_GATED_CONFIG='split=8': split \\(8\\) must divide"):
+    monkeypatch.setenv("DOVETAIL_CUDA_FP8_GEMV_GATED_CONFIG", "warps=2,split=4")
+    with pytest.raises(ConfigError, match="GATED_CONFIG='warps=2,split=4': split \\(4\\) must divide"):
         quant_kernels.native_config(gated=True)
-    for bad in ("rows=two", "lanes=3", "4,2,1", "trigger=1", "rows=4", "split=3", "warps=2,split=4"):
+    for bad in ("rows=two", "lanes=3", "4,2,1", "trigger=1", "rows=4", "split=8", "warps=2,split=4"):
         monkeypatch.setenv("DOVETAIL_CUDA_FP8_GEMV_CONFIG", bad)
         with pytest.raises(ConfigError, match="DOVETAIL_CUDA_FP8_GEMV_CONFIG"):
             quant_kernels.native_config()
+
+
+def test_default_config_shares_k_when_outputs_are_few_for_the_gpu(monkeypatch):
+    from dovetail_cuda.fp8_gemv import SHARED_K_BELOW, SHARED_K_DEFAULT, default_config
+
+    h200 = 132
+    assert default_config(False, 4096, h200) == SHARED_K_DEFAULT  # llama-3.1-8b's o and down projections
+    assert default_config(False, SHARED_K_BELOW * h200, h200) == NativeGemvConfig()
+    assert default_config(False, 6144, h200) == NativeGemvConfig()  # its qkv
+    assert default_config(True, 1024, h200) == GATED_DEFAULT
+    assert default_config(False) == NativeGemvConfig()
+    assert SHARED_K_DEFAULT.warps % SHARED_K_DEFAULT.split == 0
+    monkeypatch.setenv("DOVETAIL_CUDA_FP8_GEMV_CONFIG", "warps=16")
+    assert quant_kernels.native_config(False, 4096, h200) == SHARED_K_DEFAULT._replace(warps=16)
+    assert quant_kernels.native_config(False, 6144, h200) == NativeGemvConfig(warps=16)
 
 
 def test_cpu_tensors_are_not_taken():

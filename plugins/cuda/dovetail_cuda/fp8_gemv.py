@@ -4,7 +4,7 @@
 float16 ``x`` and an e4m3 ``weight [N, K]``, like :func:`dovetail.triton.gemv.fp8_gemv`, whose
 result it equals up to float32 summation order; with ``gated=True`` it also applies SiLU-and-mul
 to the two halves of that product (an MLP's merged gate/up projection) before rounding. Each warp
-streams whole weight rows (no split-K), and the weight loads are issued before the kernel waits
+streams whole weight rows (or a share of their K, summed in the block), and the weight loads are issued before the kernel waits
 for its predecessor (programmatic dependent launch, as :mod:`dovetail.triton.pdl` decides).
 """
 
@@ -24,7 +24,7 @@ _DTYPES = {torch.bfloat16: 0, torch.float16: 1}
 class NativeGemvConfig(NamedTuple):
     """Launch parameters: outputs a warp group owns (1 or 2), 512-byte K steps loaded at a time (1 or 2), when the
     next kernel may launch (0: at completion, 2: after the main loop, 3: once the last loads are issued), warps a
-    block (1, 2, 4, 8 or 16), and warps a group (1, 2, 4 or 8, dividing ``warps``), which share its outputs' K."""
+    block (1, 2, 4, 8 or 16), and warps a group (1, 2 or 4, dividing ``warps``), which share its outputs' K."""
 
     rows: int = 1
     unroll: int = 2
@@ -34,18 +34,29 @@ class NativeGemvConfig(NamedTuple):
 
 
 #: The values each field of :class:`NativeGemvConfig` may take (the instantiations ``csrc/fp8_gemv.cu`` compiles).
-CHOICES = {"rows": (1, 2), "unroll": (1, 2), "trigger": (0, 2, 3), "warps": (1, 2, 4, 8, 16), "split": (1, 2, 4, 8)}
+CHOICES = {"rows": (1, 2), "unroll": (1, 2), "trigger": (0, 2, 3), "warps": (1, 2, 4, 8, 16), "split": (1, 2, 4)}
 
 #: The gated launch (gate/up with SiLU-and-mul; each output reads two weight rows): one output a warp, one K step
 #: at a time, the next kernel launched once the last loads are out. llama-3.1-8b fp8 B2 on the H200: 2.537 ms,
 #: against 2.551 with the ungated default and 2.608-2.627 with two outputs a warp (benchmarks/RESULTS.md).
 GATED_DEFAULT = NativeGemvConfig(1, 1, 3, 4)
 
+#: Plain GEMVs with few outputs for the GPU (:data:`SHARED_K_BELOW` warps a multiprocessor or fewer): two warps share
+#: each output's K, in blocks of 8 warps, one K step at a time, the next kernel launched once the last loads are out.
+#: H200, llama-3.1-8b: o 6.9 -> 5.9 us and down 18.1 -> 16.2 against one warp an output (benchmarks/RESULTS.md).
+SHARED_K_DEFAULT = NativeGemvConfig(1, 1, 3, 8, 2)
+SHARED_K_BELOW = 40
 
-def default_config(gated: bool = False) -> NativeGemvConfig:
-    """:data:`GATED_DEFAULT`, else one row a warp, two K steps at a time (H200, one decode step's llama-3.1-8b
-    layer linears); the same for every shape measured."""
-    return GATED_DEFAULT if gated else NativeGemvConfig()
+
+def default_config(gated: bool = False, outputs: int | None = None, multiprocessors: int | None = None
+                   ) -> NativeGemvConfig:
+    """:data:`GATED_DEFAULT`; :data:`SHARED_K_DEFAULT` for fewer ``outputs`` than :data:`SHARED_K_BELOW` warps on each
+    of the GPU's ``multiprocessors``; else one warp an output, two K steps at a time."""
+    if gated:
+        return GATED_DEFAULT
+    if outputs is not None and multiprocessors and outputs < SHARED_K_BELOW * multiprocessors:
+        return SHARED_K_DEFAULT
+    return NativeGemvConfig()
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,

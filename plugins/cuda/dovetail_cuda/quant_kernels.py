@@ -25,11 +25,12 @@ def fp8_gemv_choice() -> str:
     return choice
 
 
-def native_config(gated: bool = False) -> native_gemv.NativeGemvConfig:
+def native_config(gated: bool = False, outputs: int | None = None,
+                  multiprocessors: int | None = None) -> native_gemv.NativeGemvConfig:
     """The CUDA GEMV's launch parameters: :func:`default_config <dovetail_cuda.fp8_gemv.default_config>` with the
     fields ``DOVETAIL_CUDA_FP8_GEMV_CONFIG`` (``DOVETAIL_CUDA_FP8_GEMV_GATED_CONFIG`` for the gated GEMV) sets
     (``rows=2,trigger=3``), for measurement."""
-    config = native_gemv.default_config(gated)
+    config = native_gemv.default_config(gated, outputs, multiprocessors)
     variable = "DOVETAIL_CUDA_FP8_GEMV_GATED_CONFIG" if gated else "DOVETAIL_CUDA_FP8_GEMV_CONFIG"
     override = os.environ.get(variable, "").strip()
     if override:
@@ -51,15 +52,17 @@ def native_config(gated: bool = False) -> native_gemv.NativeGemvConfig:
 class CudaQuantKernels(GpuQuantKernels):
     """:class:`GpuQuantKernels` whose one-token FP8 linears run the CUDA C++ GEMV when it builds.
 
-    The choice and the launch configs (environment) are read once, at construction; the library and the PDL
-    decision once per device."""
+    The choice is read at construction, and the config variables checked; the library, the PDL decision and the
+    multiprocessor count once per device; each launch config once per device, gating and output count."""
 
     name = "cuda"
 
     def __init__(self):
         super().__init__()
         self._native = fp8_gemv_choice() == "cuda"
-        self._configs = {gated: native_config(gated) for gated in (False, True)} if self._native else {}
+        if self._native:
+            native_config(False), native_config(True)  # a bad override fails here, not at the first decode
+        self._configs: dict[tuple, native_gemv.NativeGemvConfig] = {}
         self._devices: dict[torch.device, tuple] = {}
 
     def fp8_linear(self, x, weight, weight_scale, bias=None, *, input_scale=None, block_size=None):
@@ -79,8 +82,14 @@ class CudaQuantKernels(GpuQuantKernels):
         if x.device not in self._devices:
             from dovetail.triton.pdl import use_pdl
 
-            self._devices[x.device] = (native.library(native_gemv.SOURCE, x.device), use_pdl(x.device))
-        lib, pdl = self._devices[x.device]
+            self._devices[x.device] = (native.library(native_gemv.SOURCE, x.device), use_pdl(x.device),
+                                       torch.cuda.get_device_properties(x.device).multi_processor_count)
+        lib, pdl, multiprocessors = self._devices[x.device]
         if lib is None:
             return None
-        return native_gemv.launch(lib, x, weight, weight_scale, bias, self._configs[gated], pdl, gated)
+        key = (x.device, gated, weight.shape[0])
+        config = self._configs.get(key)
+        if config is None:
+            config = self._configs[key] = native_config(gated, weight.shape[0] // 2 if gated else weight.shape[0],
+                                                        multiprocessors)
+        return native_gemv.launch(lib, x, weight, weight_scale, bias, config, pdl, gated)

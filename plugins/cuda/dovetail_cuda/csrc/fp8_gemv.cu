@@ -2,13 +2,13 @@
 // SiLU-and-mul fused: y[j] = silu(g[j]) * u[j] where g and u are the first and second halves of that product.
 //
 // W is e4m3, row-major with K contiguous; x, bias and y are bfloat16 or float16; scale is float32.
-// Each group of `split` warps (of blocks of 1-16 warps) owns ROWS outputs (with GATED, the gate row j and the up row
-// N + j of each); its warps stream every split-th 512-byte step of those weight rows over K (16 bytes a lane),
+// Each group of SPLIT warps (of blocks of 1-16 warps) owns ROWS outputs (with GATED, the gate row j and the up row
+// N + j of each); its warps stream every SPLIT-th 512-byte step of those weight rows over K (16 bytes a lane),
 // UNROLL steps of loads at a time, and sum their parts through shared memory. The weight
 // loads do not depend on the previous kernel, so under programmatic dependent launch the first UNROLL
 // steps are issued before griddepcontrol.wait; x (the previous kernel's output) is read after it.
-// Products and sums are in float32; the warp's lanes are summed with shuffles; no split-K, no scratch
-// memory, no atomics.
+// Products and sums are in float32; the warp's lanes are summed with shuffles, a group's warps through shared
+// memory; no split-K across blocks, no scratch memory, no atomics.
 //
 // Measured on the H200 and left out: placing the e4m3 bits into a float16 instead of the conversion
 // instructions, double-buffered loads, 4 steps at a time, 4 rows a warp, and letting the next kernel
@@ -80,17 +80,16 @@ __device__ __forceinline__ float dot4(uint32_t word, float2 x01, float2 x23, flo
   return fmaf(w23.y, x23.y, acc);
 }
 
-template <typename T, int ROWS, int UNROLL, int TRIGGER, bool GATED>
+template <typename T, int ROWS, int UNROLL, int TRIGGER, bool GATED, int SPLIT>
 __global__ void __launch_bounds__(512) fp8_gemv_kernel(const uint8_t* __restrict__ w, const T* __restrict__ x,
                                                        const float* __restrict__ scale, const T* __restrict__ bias,
-                                                       T* __restrict__ y, int n, int k, long long ldw, int split) {
+                                                       T* __restrict__ y, int n, int k, long long ldw) {
   constexpr int STEP = 512;  // bytes of K a warp reads per step: 32 lanes x 16
   constexpr int LOADED = GATED ? 2 * ROWS : ROWS;  // weight rows a warp reads
-  __shared__ float parts[16][LOADED];
+  constexpr int STRIDE = SPLIT * STEP, BATCH = UNROLL * STRIDE;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int part = warp % split;  // which of the group's warps: steps part, part + split, ...
-  const int stride = split * STEP, batch = UNROLL * stride;
-  const int out0 = (blockIdx.x * ((blockDim.x >> 5) / split) + warp / split) * ROWS;
+  const int part = warp % SPLIT;  // which of the group's warps: steps part, part + SPLIT, ...
+  const int out0 = (blockIdx.x * ((blockDim.x >> 5) / SPLIT) + warp / SPLIT) * ROWS;
   const uint8_t* rows[LOADED];
 #pragma unroll
   for (int r = 0; r < LOADED; ++r) {
@@ -106,20 +105,20 @@ __global__ void __launch_bounds__(512) fp8_gemv_kernel(const uint8_t* __restrict
   auto load_batch = [&](int base) {
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
-      const bool inside = base + u * stride + part * STEP + lane * 16 < k;
+      const bool inside = base + u * STRIDE + part * STEP + lane * 16 < k;
 #pragma unroll
       for (int r = 0; r < LOADED; ++r)
-        wv[u][r] = inside ? load_streaming(rows[r] + base + u * stride) : make_uint4(0, 0, 0, 0);
+        wv[u][r] = inside ? load_streaming(rows[r] + base + u * STRIDE) : make_uint4(0, 0, 0, 0);
     }
-    if (TRIGGER == 3 && base + batch >= k) launch_dependents();  // the last weights are on their way
+    if (TRIGGER == 3 && base + BATCH >= k) launch_dependents();  // the last weights are on their way
   };
   load_batch(0);
   grid_dependency_wait();  // x is the previous kernel's output
-  for (int base = 0; base < k; base += batch) {
+  for (int base = 0; base < k; base += BATCH) {
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
-      if (base + u * stride + part * STEP + lane * 16 >= k) continue;
-      const uint4* xp = xs + (base + u * stride) / 8;
+      if (base + u * STRIDE + part * STEP + lane * 16 >= k) continue;
+      const uint4* xp = xs + (base + u * STRIDE) / 8;
       const uint4 xa = xp[0], xb = xp[1];
       const uint32_t xw[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
 #pragma unroll
@@ -130,7 +129,7 @@ __global__ void __launch_bounds__(512) fp8_gemv_kernel(const uint8_t* __restrict
           acc[r] = dot4(words[j], Activation<T>::unpack(xw[2 * j]), Activation<T>::unpack(xw[2 * j + 1]), acc[r]);
       }
     }
-    if (base + batch < k) load_batch(base + batch);
+    if (base + BATCH < k) load_batch(base + BATCH);
   }
   if (TRIGGER == 2) launch_dependents();
 #pragma unroll
@@ -138,7 +137,8 @@ __global__ void __launch_bounds__(512) fp8_gemv_kernel(const uint8_t* __restrict
 #pragma unroll
     for (int offset = 16; offset > 0; offset >>= 1) acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], offset);
   }
-  if (split > 1) {
+  if constexpr (SPLIT > 1) {
+    __shared__ float parts[16][LOADED];
     if (lane == 0) {
 #pragma unroll
       for (int r = 0; r < LOADED; ++r) parts[warp][r] = acc[r];
@@ -148,7 +148,7 @@ __global__ void __launch_bounds__(512) fp8_gemv_kernel(const uint8_t* __restrict
     if (lane == 0) {
 #pragma unroll
       for (int r = 0; r < LOADED; ++r)
-        for (int other = 1; other < split; ++other) acc[r] += parts[warp + other][r];
+        for (int other = 1; other < SPLIT; ++other) acc[r] += parts[warp + other][r];
     }
   }
   if (lane == 0) {
@@ -168,11 +168,11 @@ __global__ void __launch_bounds__(512) fp8_gemv_kernel(const uint8_t* __restrict
   }
 }
 
-template <typename T, int ROWS, int UNROLL, int TRIGGER, bool GATED>
+template <typename T, int ROWS, int UNROLL, int TRIGGER, bool GATED, int SPLIT>
 cudaError_t launch(const void* w, const void* x, const void* scale, const void* bias, void* y, int n, int k,
-                   long long ldw, int warps, int split, int pdl, cudaStream_t stream) {
+                   long long ldw, int warps, int pdl, cudaStream_t stream) {
   cudaLaunchConfig_t config = {};
-  const int outputs = ROWS * (warps / split);  // a block's
+  const int outputs = ROWS * (warps / SPLIT);  // a block's
   config.gridDim = dim3((n + outputs - 1) / outputs);
   config.blockDim = dim3(32 * warps);
   config.stream = stream;
@@ -181,29 +181,40 @@ cudaError_t launch(const void* w, const void* x, const void* scale, const void* 
   attribute[0].val.programmaticStreamSerializationAllowed = pdl ? 1 : 0;
   config.attrs = attribute;
   config.numAttrs = 1;
-  return cudaLaunchKernelEx(&config, fp8_gemv_kernel<T, ROWS, UNROLL, TRIGGER, GATED>,
+  return cudaLaunchKernelEx(&config, fp8_gemv_kernel<T, ROWS, UNROLL, TRIGGER, GATED, SPLIT>,
                             static_cast<const uint8_t*>(w), static_cast<const T*>(x),
                             static_cast<const float*>(scale), static_cast<const T*>(bias), static_cast<T*>(y), n, k,
-                            ldw, split);
+                            ldw);
 }
 
 using Launcher = cudaError_t (*)(const void*, const void*, const void*, const void*, void*, int, int, long long, int,
-                                 int, int, cudaStream_t);
+                                 int, cudaStream_t);
+
+template <typename T, int R, int U, int TRIGGER, bool G>
+Launcher by_split(int split) {
+  switch (split) {
+    case 1: return launch<T, R, U, TRIGGER, G, 1>;
+    case 2: return launch<T, R, U, TRIGGER, G, 2>;
+    case 4: return launch<T, R, U, TRIGGER, G, 4>;
+    default: return nullptr;
+  }
+}
 
 template <typename T, int R, int U, bool G>
-Launcher by_trigger(int trigger) {
+Launcher by_trigger(int trigger, int split) {
   switch (trigger) {
-    case 0: return launch<T, R, U, 0, G>;
-    case 2: return launch<T, R, U, 2, G>;
-    case 3: return launch<T, R, U, 3, G>;
+    case 0: return by_split<T, R, U, 0, G>(split);
+    case 2: return by_split<T, R, U, 2, G>(split);
+    case 3: return by_split<T, R, U, 3, G>(split);
     default: return nullptr;
   }
 }
 
 template <typename T>
-Launcher pick(int rows, int unroll, int trigger, int gated) {
-#define DOVETAIL_FP8_GEMV_CASE(R, U) \
-  if (rows == R && unroll == U) return gated ? by_trigger<T, R, U, true>(trigger) : by_trigger<T, R, U, false>(trigger);
+Launcher pick(int rows, int unroll, int trigger, int gated, int split) {
+#define DOVETAIL_FP8_GEMV_CASE(R, U)                                                            \
+  if (rows == R && unroll == U)                                                                 \
+    return gated ? by_trigger<T, R, U, true>(trigger, split) : by_trigger<T, R, U, false>(trigger, split);
   DOVETAIL_FP8_GEMV_CASE(1, 1)
   DOVETAIL_FP8_GEMV_CASE(1, 2)
   DOVETAIL_FP8_GEMV_CASE(2, 1)
@@ -214,17 +225,18 @@ Launcher pick(int rows, int unroll, int trigger, int gated) {
 
 }  // namespace
 
-// Launches the GEMV on `stream`; `split` (1, 2, 4 or 8, dividing `warps`) warps share each output's K. n is the number of outputs (with gated, the weight has 2n rows and scale and
+// Launches the GEMV on `stream`; `split` (1, 2 or 4, dividing `warps`) warps share each output's K. n is the
+// number of outputs (with gated, the weight has 2n rows and scale and
 // bias 2n entries). dtype: 0 bfloat16, 1 float16 (x, bias, y). Requires k % 16 == 0, ldw % 16 == 0 and 16-byte
 // aligned w and x (the caller checks). Returns a cudaError_t; -1 for a configuration not compiled.
 extern "C" int dovetail_fp8_gemv(const void* w, const void* x, const void* scale, const void* bias, void* y, int n,
                                  int k, long long ldw, int dtype, int rows, int unroll, int trigger, int gated,
                                  int warps, int split, int pdl, void* stream) {
   if (warps != 1 && warps != 2 && warps != 4 && warps != 8 && warps != 16) return -1;
-  if ((split != 1 && split != 2 && split != 4 && split != 8) || warps % split != 0) return -1;
-  Launcher launcher = dtype == 0 ? pick<__nv_bfloat16>(rows, unroll, trigger, gated)
-                                 : pick<__half>(rows, unroll, trigger, gated);
+  if ((split != 1 && split != 2 && split != 4) || warps % split != 0) return -1;
+  Launcher launcher = dtype == 0 ? pick<__nv_bfloat16>(rows, unroll, trigger, gated, split)
+                                 : pick<__half>(rows, unroll, trigger, gated, split);
   if (launcher == nullptr) return -1;
   return static_cast<int>(
-      launcher(w, x, scale, bias, y, n, k, ldw, warps, split, pdl, static_cast<cudaStream_t>(stream)));
+      launcher(w, x, scale, bias, y, n, k, ldw, warps, pdl, static_cast<cudaStream_t>(stream)));
 }
