@@ -94,18 +94,21 @@ def test_choice_and_config_variables(monkeypatch):
 
 
 def test_default_config_shares_k_when_outputs_are_few_for_the_gpu(monkeypatch):
-    from dovetail_cuda.fp8_gemv import SHARED_K_BELOW, SHARED_K_DEFAULT, default_config
+    from dovetail_cuda.fp8_gemv import SHARED_K_BELOW, SHARED_K_DEFAULT, SHARED_K_MIN_K, default_config
 
     h200 = 132
-    assert default_config(False, 4096, h200) == SHARED_K_DEFAULT  # llama-3.1-8b's o and down projections
-    assert default_config(False, SHARED_K_BELOW * h200, h200) == NativeGemvConfig()
-    assert default_config(False, 6144, h200) == NativeGemvConfig()  # its qkv
-    assert default_config(True, 1024, h200) == GATED_DEFAULT
+    assert default_config(False, 4096, h200, 4096) == SHARED_K_DEFAULT  # llama-3.1-8b's o projection
+    assert default_config(False, 4096, h200, 14336) == SHARED_K_DEFAULT  # and its down projection
+    assert default_config(False, SHARED_K_BELOW * h200, h200, 4096) == NativeGemvConfig()
+    assert default_config(False, 6144, h200, 4096) == NativeGemvConfig()  # its qkv
+    assert default_config(False, 1024, h200, 3072) == NativeGemvConfig()  # qwen3-0.6b's down: rows too short
+    assert default_config(False, 1024, h200, SHARED_K_MIN_K) == SHARED_K_DEFAULT
+    assert default_config(True, 1024, h200, 8192) == GATED_DEFAULT
     assert default_config(False) == NativeGemvConfig()
     assert SHARED_K_DEFAULT.warps % SHARED_K_DEFAULT.split == 0
     monkeypatch.setenv("DOVETAIL_CUDA_FP8_GEMV_CONFIG", "warps=16")
-    assert quant_kernels.native_config(False, 4096, h200) == SHARED_K_DEFAULT._replace(warps=16)
-    assert quant_kernels.native_config(False, 6144, h200) == NativeGemvConfig(warps=16)
+    assert quant_kernels.native_config(False, 4096, h200, 4096) == SHARED_K_DEFAULT._replace(warps=16)
+    assert quant_kernels.native_config(False, 6144, h200, 4096) == NativeGemvConfig(warps=16)
 
 
 def test_cpu_tensors_are_not_taken():
@@ -203,6 +206,15 @@ def test_quant_kernels_route_one_token_to_the_cuda_gemv(monkeypatch):
     assert calls == [1, 1] and gated.shape == (1, 32)
     assert kernels.fp8_linear_gated(x, q, scale, bias, "gelu_tanh") is None
     assert kernels.fp8_linear_gated(torch.cat([x, x]), q, scale, bias, "silu") is None
+    from dovetail_cuda.fp8_gemv import SHARED_K_DEFAULT
+
+    configs = []  # launch(lib, x, weight, scale, bias, config, ...): the config for each weight shape
+    monkeypatch.setattr(quant_kernels.native_gemv, "launch", lambda *a: configs.append(a[5]) or original(*a))
+    x_long, q_long, scale_long, _ = _case(64, 4096, torch.bfloat16)
+    kernels.fp8_linear(x_long, q_long, scale_long)
+    kernels.fp8_linear(x, q, scale)
+    assert configs == [SHARED_K_DEFAULT, NativeGemvConfig()], "few outputs with long rows share K"
+    monkeypatch.setattr(quant_kernels.native_gemv, "launch", lambda *a: calls.append(1) or original(*a))
     monkeypatch.setenv("DOVETAIL_CUDA_FP8_GEMV", "triton")
     triton_kernels = quant_kernels.CudaQuantKernels()
     torch.testing.assert_close(triton_kernels.fp8_linear(x, q, scale, bias), one, rtol=1e-2, atol=1e-2)

@@ -41,20 +41,24 @@ CHOICES = {"rows": (1, 2), "unroll": (1, 2), "trigger": (0, 2, 3), "warps": (1, 
 #: against 2.551 with the ungated default and 2.608-2.627 with two outputs a warp (benchmarks/RESULTS.md).
 GATED_DEFAULT = NativeGemvConfig(1, 1, 3, 4)
 
-#: Plain GEMVs with few outputs for the GPU (:data:`SHARED_K_BELOW` warps a multiprocessor or fewer): two warps share
-#: each output's K, in blocks of 8 warps, one K step at a time, the next kernel launched once the last loads are out.
-#: H200, llama-3.1-8b: o 6.9 -> 5.9 us and down 18.1 -> 16.2 against one warp an output (benchmarks/RESULTS.md).
+#: Plain GEMVs with few outputs for the GPU (fewer than :data:`SHARED_K_BELOW` warps a multiprocessor) and long rows
+#: (K of :data:`SHARED_K_MIN_K` or more): two warps share each output's K, in blocks of 8 warps, one K step at a
+#: time, the next kernel launched once the last loads are out. H200: llama-3.1-8b's o 6.6 -> 5.7 us and down
+#: 16.9 -> 15.9, fp8 B2 2.543 -> 2.436 ms; qwen3-0.6b (K 1,024-3,072) was slower with it, fp8 B2 0.728 -> 0.758.
 SHARED_K_DEFAULT = NativeGemvConfig(1, 1, 3, 8, 2)
 SHARED_K_BELOW = 40
+SHARED_K_MIN_K = 4096
 
 
-def default_config(gated: bool = False, outputs: int | None = None, multiprocessors: int | None = None
-                   ) -> NativeGemvConfig:
+def default_config(gated: bool = False, outputs: int | None = None, multiprocessors: int | None = None,
+                   k: int | None = None) -> NativeGemvConfig:
     """:data:`GATED_DEFAULT`; :data:`SHARED_K_DEFAULT` for fewer ``outputs`` than :data:`SHARED_K_BELOW` warps on each
-    of the GPU's ``multiprocessors``; else one warp an output, two K steps at a time."""
+    of the GPU's ``multiprocessors`` and ``k`` of at least :data:`SHARED_K_MIN_K`; else one warp an output, two K
+    steps at a time."""
     if gated:
         return GATED_DEFAULT
-    if outputs is not None and multiprocessors and outputs < SHARED_K_BELOW * multiprocessors:
+    if (outputs is not None and multiprocessors and k is not None and outputs < SHARED_K_BELOW * multiprocessors
+            and k >= SHARED_K_MIN_K):
         return SHARED_K_DEFAULT
     return NativeGemvConfig()
 

@@ -25,12 +25,12 @@ def fp8_gemv_choice() -> str:
     return choice
 
 
-def native_config(gated: bool = False, outputs: int | None = None,
-                  multiprocessors: int | None = None) -> native_gemv.NativeGemvConfig:
+def native_config(gated: bool = False, outputs: int | None = None, multiprocessors: int | None = None,
+                  k: int | None = None) -> native_gemv.NativeGemvConfig:
     """The CUDA GEMV's launch parameters: :func:`default_config <dovetail_cuda.fp8_gemv.default_config>` with the
     fields ``DOVETAIL_CUDA_FP8_GEMV_CONFIG`` (``DOVETAIL_CUDA_FP8_GEMV_GATED_CONFIG`` for the gated GEMV) sets
     (``rows=2,trigger=3``), for measurement."""
-    config = native_gemv.default_config(gated, outputs, multiprocessors)
+    config = native_gemv.default_config(gated, outputs, multiprocessors, k)
     variable = "DOVETAIL_CUDA_FP8_GEMV_GATED_CONFIG" if gated else "DOVETAIL_CUDA_FP8_GEMV_CONFIG"
     override = os.environ.get(variable, "").strip()
     if override:
@@ -53,7 +53,7 @@ class CudaQuantKernels(GpuQuantKernels):
     """:class:`GpuQuantKernels` whose one-token FP8 linears run the CUDA C++ GEMV when it builds.
 
     The choice is read at construction, and the config variables checked; the library, the PDL decision and the
-    multiprocessor count once per device; each launch config once per device, gating and output count."""
+    multiprocessor count once per device; each launch config once per device, gating and weight shape."""
 
     name = "cuda"
 
@@ -87,9 +87,9 @@ class CudaQuantKernels(GpuQuantKernels):
         lib, pdl, multiprocessors = self._devices[x.device]
         if lib is None:
             return None
-        key = (x.device, gated, weight.shape[0])
+        key = (x.device, gated, *weight.shape)
         config = self._configs.get(key)
         if config is None:
-            config = self._configs[key] = native_config(gated, weight.shape[0] // 2 if gated else weight.shape[0],
-                                                        multiprocessors)
+            rows, k = weight.shape
+            config = self._configs[key] = native_config(gated, rows // 2 if gated else rows, multiprocessors, k)
         return native_gemv.launch(lib, x, weight, weight_scale, bias, config, pdl, gated)
