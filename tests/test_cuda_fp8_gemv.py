@@ -211,9 +211,11 @@ def test_quant_kernels_route_one_token_to_the_cuda_gemv(monkeypatch):
     configs = []  # launch(lib, x, weight, scale, bias, config, ...): the config for each weight shape
     monkeypatch.setattr(quant_kernels.native_gemv, "launch", lambda *a: configs.append(a[5]) or original(*a))
     x_long, q_long, scale_long, _ = _case(64, 4096, torch.bfloat16)
-    kernels.fp8_linear(x_long, q_long, scale_long)
+    shared = kernels.fp8_linear(x_long, q_long, scale_long)
     kernels.fp8_linear(x, q, scale)
     assert configs == [SHARED_K_DEFAULT, NativeGemvConfig()], "few outputs with long rows share K"
+    ref = x_long.float() @ (q_long.float() * scale_long[:, None]).t()
+    torch.testing.assert_close(shared.float(), ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item())
     monkeypatch.setattr(quant_kernels.native_gemv, "launch", lambda *a: calls.append(1) or original(*a))
     monkeypatch.setenv("DOVETAIL_CUDA_FP8_GEMV", "triton")
     triton_kernels = quant_kernels.CudaQuantKernels()
