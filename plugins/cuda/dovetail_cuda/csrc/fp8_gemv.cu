@@ -11,8 +11,8 @@
 // memory; no split-K across blocks, no scratch memory, no atomics.
 //
 // Measured on the H200 and left out: placing the e4m3 bits into a float16 instead of the conversion
-// instructions, double-buffered loads, 4 steps at a time, 4 rows a warp, and letting the next kernel
-// launch at this one's start (benchmarks/RESULTS.md). TRIGGER says when the next kernel on the stream may
+// instructions, double-buffered loads, 4 steps at a time, 4 rows a warp, letting the next kernel
+// launch at this one's start, and asking L2 to prefetch the next linear's weights (benchmarks/RESULTS.md). TRIGGER says when the next kernel on the stream may
 // launch: 0 when this grid completes, 2 after the main loop, 3 once the last weight loads are issued.
 //
 // Compiled by dovetail_cuda.native with nvcc into a shared library loaded through ctypes; the C entry
