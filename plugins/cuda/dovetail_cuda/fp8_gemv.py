@@ -24,7 +24,7 @@ _DTYPES = {torch.bfloat16: 0, torch.float16: 1}
 class NativeGemvConfig(NamedTuple):
     """Launch parameters: outputs a warp group owns (1 or 2), 512-byte K steps loaded at a time (1 or 2), when the
     next kernel may launch (0: at completion, 2: after the main loop, 3: once the last loads are issued), warps a
-    block (1, 2, 4, 8 or 16), and warps a group (1, 2 or 4, dividing ``warps``), which share its outputs' K."""
+    block (1, 2, 4, 8 or 16), and warps a group (1 or 2, dividing ``warps``), which share its outputs' K."""
 
     rows: int = 1
     unroll: int = 2
@@ -34,7 +34,7 @@ class NativeGemvConfig(NamedTuple):
 
 
 #: The values each field of :class:`NativeGemvConfig` may take (the instantiations ``csrc/fp8_gemv.cu`` compiles).
-CHOICES = {"rows": (1, 2), "unroll": (1, 2), "trigger": (0, 2, 3), "warps": (1, 2, 4, 8, 16), "split": (1, 2, 4)}
+CHOICES = {"rows": (1, 2), "unroll": (1, 2), "trigger": (0, 2, 3), "warps": (1, 2, 4, 8, 16), "split": (1, 2)}
 
 #: The gated launch (gate/up with SiLU-and-mul; each output reads two weight rows): one output a warp, one K step
 #: at a time, the next kernel launched once the last loads are out. llama-3.1-8b fp8 B2 on the H200: 2.537 ms,

@@ -2,7 +2,7 @@
 // SiLU-and-mul fused: y[j] = silu(g[j]) * u[j] where g and u are the first and second halves of that product.
 //
 // W is e4m3, row-major with K contiguous; x, bias and y are bfloat16 or float16; scale is float32.
-// Each group of SPLIT warps (of blocks of 1-16 warps) owns ROWS outputs (with GATED, the gate row j and the up row
+// Each group of SPLIT (1 or 2) warps (of blocks of 1-16 warps) owns ROWS outputs (with GATED, the gate row j and the up row
 // N + j of each); its warps stream every SPLIT-th 512-byte step of those weight rows over K (16 bytes a lane),
 // UNROLL steps of loads at a time, and sum their parts through shared memory. The weight
 // loads do not depend on the previous kernel, so under programmatic dependent launch the first UNROLL
@@ -195,7 +195,6 @@ Launcher by_split(int split) {
   switch (split) {
     case 1: return launch<T, R, U, TRIGGER, G, 1>;
     case 2: return launch<T, R, U, TRIGGER, G, 2>;
-    case 4: return launch<T, R, U, TRIGGER, G, 4>;
     default: return nullptr;
   }
 }
@@ -225,7 +224,7 @@ Launcher pick(int rows, int unroll, int trigger, int gated, int split) {
 
 }  // namespace
 
-// Launches the GEMV on `stream`; `split` (1, 2 or 4, dividing `warps`) warps share each output's K. n is the
+// Launches the GEMV on `stream`; `split` (1 or 2, dividing `warps`) warps share each output's K. n is the
 // number of outputs (with gated, the weight has 2n rows and scale and
 // bias 2n entries). dtype: 0 bfloat16, 1 float16 (x, bias, y). Requires k % 16 == 0, ldw % 16 == 0 and 16-byte
 // aligned w and x (the caller checks). Returns a cudaError_t; -1 for a configuration not compiled.
@@ -233,7 +232,7 @@ extern "C" int dovetail_fp8_gemv(const void* w, const void* x, const void* scale
                                  int k, long long ldw, int dtype, int rows, int unroll, int trigger, int gated,
                                  int warps, int split, int pdl, void* stream) {
   if (warps != 1 && warps != 2 && warps != 4 && warps != 8 && warps != 16) return -1;
-  if ((split != 1 && split != 2 && split != 4) || warps % split != 0) return -1;
+  if ((split != 1 && split != 2) || warps % split != 0) return -1;
   Launcher launcher = dtype == 0 ? pick<__nv_bfloat16>(rows, unroll, trigger, gated, split)
                                  : pick<__half>(rows, unroll, trigger, gated, split);
   if (launcher == nullptr) return -1;
