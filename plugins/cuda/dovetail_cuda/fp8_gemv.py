@@ -4,8 +4,9 @@
 float16 ``x`` and an e4m3 ``weight [N, K]``, like :func:`dovetail.triton.gemv.fp8_gemv`, whose
 result it equals up to float32 summation order; with ``gated=True`` it also applies SiLU-and-mul
 to the two halves of that product (an MLP's merged gate/up projection) before rounding. Each warp
-streams whole weight rows (or a share of their K, summed in the block), and the weight loads are issued before the kernel waits
-for its predecessor (programmatic dependent launch, as :mod:`dovetail.triton.pdl` decides).
+streams whole weight rows (or a share of their K, summed in the block), and the weight loads are
+issued before the kernel waits for its predecessor (programmatic dependent launch, as
+:mod:`dovetail.triton.pdl` decides).
 """
 
 from __future__ import annotations
