@@ -144,10 +144,11 @@ class TritonAttentionImpl(AttentionImpl):
         n, end = metadata.num_decodes, metadata.num_tokens
         fused = self._fuses_into_decode_launch(n, q)
         q_rest, k_rest = rest if rest is not None else (q[n:end], k[n:end])
-        if not written and not fused:
-            self._kv_cache_write.write_kv_cache(k, v, kv_cache, metadata.slot_mapping)
-        elif not written and n < end:
-            self._kv_cache_write.write_kv_cache(k_rest, v[n:end], kv_cache, metadata.slot_mapping[n:end])
+        if not written:
+            if not fused:
+                self._kv_cache_write.write_kv_cache(k, v, kv_cache, metadata.slot_mapping)
+            elif n < end:
+                self._kv_cache_write.write_kv_cache(k_rest, v[n:end], kv_cache, metadata.slot_mapping[n:end])
         if q.stride(-1) != 1:
             q = q.contiguous()
         if q_rest.stride(-1) != 1:
