@@ -26,9 +26,6 @@ logger = logging.getLogger("dovetail")
 
 SOURCES = Path(__file__).resolve().parent / "csrc"
 
-#: Libraries a source links beyond the CUDA runtime.
-LINK_FLAGS = {"lt_linear.cu": ("-lcublasLt",)}
-
 
 def nvcc_path() -> str | None:
     """nvcc from ``$CUDA_HOME/bin``, ``$PATH`` or ``/usr/local/cuda/bin``."""
@@ -55,8 +52,7 @@ def build(source: str, capability: tuple[int, int], nvcc: str) -> Path:
     text = (SOURCES / source).read_bytes()
     arch = arch_flag(capability)
     version = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
-    link = LINK_FLAGS.get(source, ())
-    key = hashlib.sha256(text + arch.encode() + version.encode() + " ".join(link).encode()).hexdigest()[:16]
+    key = hashlib.sha256(text + arch.encode() + version.encode()).hexdigest()[:16]
     target = _cache_dir() / f"{Path(source).stem}-{arch}-{key}.so"
     if target.exists():
         return target
@@ -64,7 +60,7 @@ def build(source: str, capability: tuple[int, int], nvcc: str) -> Path:
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         partial = Path(tmp) / target.name
         command = [nvcc, "-O3", "-std=c++17", f"-arch={arch}", "-shared", "-Xcompiler", "-fPIC",
-                   "-cudart", "shared", "-o", str(partial), str(SOURCES / source), *link]
+                   "-cudart", "shared", "-o", str(partial), str(SOURCES / source)]
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"nvcc failed on {source} ({' '.join(command)}):\n{done.stderr[-2000:]}")

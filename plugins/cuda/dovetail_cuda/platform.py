@@ -104,19 +104,6 @@ class CudaPlatform(TorchDevicePlatform):
             return [torch.bfloat16, torch.float16, torch.float32]
         return [torch.float16, torch.float32]
 
-    def fused_ops(self):
-        """The core's Triton fused ops; unless ``DOVETAIL_CUDA_GEMM_TUNING=0``, with 16-bit linears of decode
-        graph sizes on the cuBLASLt algorithm timed fastest per shape (:mod:`dovetail_cuda.lt_linear`)."""
-        from dovetail.triton.fused_ops import TritonFusedOps
-        from dovetail_cuda import lt_linear
-
-        ops = super().fused_ops()
-        if type(ops) is TritonFusedOps and lt_linear.tuning_enabled():
-            from dovetail_cuda.fused_ops import CudaFusedOps
-
-            return CudaFusedOps()
-        return ops
-
     def quant_kernels(self):
         """On sm89+ (Ada, Hopper): FP8 on a CUDA C++ GEMV (one token), a Triton GEMV (up to 16) or
         ``_scaled_mm``, INT8 ``_int_mm``, Triton for 4/8-bit."""
