@@ -15,27 +15,7 @@ import os
 
 import torch
 import torch.nn.functional as F
-from h200_gemm_sweep import LLAMA_8B
-
-
-def timed(fn, x, weights, repeats: int = 5) -> float:
-    calls = max(8, 2 * len(weights))
-    for w in weights:
-        fn(x, w)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fn(x, weights[i % len(weights)])
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / calls)
-    return sorted(times)[len(times) // 2]
+from h200_gemm_sweep import LLAMA_8B, time_linear  # benchmarks/, this script's directory
 
 
 def main() -> None:
@@ -60,8 +40,8 @@ def main() -> None:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             torch._dynamo.reset()
             compiled = torch.compile(lambda a, b: F.linear(a, b), mode="max-autotune-no-cudagraphs", dynamic=False)
-            base = timed(F.linear, x, weights)
-            tuned = timed(compiled, x, weights)
+            base = time_linear(F.linear, x, weights)
+            tuned = time_linear(compiled, x, weights)
             flops = 2 * m * n * k
             print(f"{name:8} M={m:4}: cuBLASLt {base:7.1f} us ({flops / base / 1e6:4.0f} TFLOP/s), "
                   f"max-autotune {tuned:7.1f} us ({flops / tuned / 1e6:4.0f} TFLOP/s)", flush=True)

@@ -19,33 +19,22 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from h200_profile_decode import _time_graph  # benchmarks/, this script's directory
 
 LLAMA_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
             "lm_head": (128256, 4096)}
 LAYERS = 32
 
 
-def time_linear(n: int, k: int, m: int, weights: list[torch.Tensor], repeats: int = 5) -> float:
-    """Median microseconds of one ``F.linear`` at M=m, the calls rotating through ``weights``."""
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    calls = max(8, 2 * len(weights))
-    for w in weights:
-        F.linear(x, w)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            F.linear(x, weights[i % len(weights)])
-    graph.replay()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / calls)
-    return sorted(times)[len(times) // 2]
+def time_linear(linear, x: torch.Tensor, weights: list[torch.Tensor]) -> float:
+    """Median microseconds of one ``linear(x, w)``, the calls of a CUDA graph rotating through ``weights``."""
+    state = {"i": 0}
+
+    def call():
+        state["i"] = (state["i"] + 1) % len(weights)
+        linear(x, weights[state["i"]])
+
+    return _time_graph(call, iters=max(8, 2 * len(weights)))
 
 
 def b1_decode_batches(num: int = 256, seed: int = 0) -> list[int]:
@@ -76,7 +65,8 @@ def main() -> int:
         weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
         for library in args.libraries:
             torch.backends.cuda.preferred_blas_library(library)
-            results.setdefault(library, {})[name] = {m: time_linear(n, k, m, weights) for m in ms}
+            results.setdefault(library, {})[name] = {
+                m: time_linear(F.linear, torch.randn(m, k, device="cuda", dtype=torch.bfloat16), weights) for m in ms}
             print(library, name, {m: round(results[library][name][m], 1) for m in (1, 16, 64, 128, 256)},
                   flush=True)
         del weights
