@@ -15,29 +15,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 from collections import defaultdict
 from pathlib import Path
 
 import torch
 from h200_b1_gaps import gpu_intervals  # benchmarks/, this script's directory
-from h200_profile_decode import KERNEL_GROUPS
+from h200_profile_decode import group_of, profiled_b1
 
 from dovetail.bench import shapes
-from dovetail.bench.workload import greedy_inputs, random_requests, warm_up
 from dovetail.llm import LLM
 
 MARKER = "spin_kernel"
 
 
-def group_of(name: str) -> str:
-    return next((g for g, keys in KERNEL_GROUPS.items() if any(key in name for key in keys)), "other")
-
-
 def record_steps(llm, num: int):
-    """(trace spans, per-step shapes, wall seconds) of one B1 ``generate`` with a marker before each step."""
-    from torch.profiler import ProfilerActivity, profile
-
+    """(trace spans, per-step shapes, wall seconds) of one B1 ``generate`` (``profiled_b1``) with a marker
+    before each step. The warm-up's steps are noted too, first; only the profiled ones leave markers."""
     runner = llm.llm_engine.runner
     shapes_seen: list[dict] = []
     execute = runner.execute
@@ -49,25 +42,23 @@ def record_steps(llm, num: int):
                             "decode_only": all(n == 1 for n in batch.num_new_tokens)})
         return execute(batch, tables, *args, **kwargs)
 
-    requests = random_requests(num, (100, 1024), (100, 1024), llm.llm_engine.vocab_size, 0)
-    prompts, params = greedy_inputs(requests)
-    warm_up(llm, prompts, params)
     runner.execute = marked
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        start = time.perf_counter()
-        llm.generate(prompts, params, use_tqdm=False)
-        torch.cuda.synchronize()
-        wall = time.perf_counter() - start
-    runner.execute = execute
+    try:
+        prof, wall, _ = profiled_b1(llm, num)
+    finally:
+        runner.execute = execute
     trace = Path("/tmp/b1_steps_trace.json")
     prof.export_chrome_trace(str(trace))
     return gpu_intervals(trace), shapes_seen, wall
 
 
 def split_steps(spans, shapes_seen) -> list[dict]:
+    """The profiled steps, each its shape (the last of ``shapes_seen``: the warm-up's come first) with its time
+    and its kernel time by group."""
     marks = [i for i, (_, _, name) in enumerate(spans) if MARKER in name]
-    if len(marks) != len(shapes_seen):
+    if len(marks) > len(shapes_seen):
         raise SystemExit(f"{len(marks)} markers in the trace for {len(shapes_seen)} steps")
+    shapes_seen = shapes_seen[len(shapes_seen) - len(marks):]
     steps = []
     for j, first in enumerate(marks):
         last = marks[j + 1] if j + 1 < len(marks) else len(spans)
@@ -105,10 +96,8 @@ def main() -> None:
     llm = LLM(model_dir, attention_backend="TRITON", **defaults)
     spans, shapes_seen, wall = record_steps(llm, args.num)
     steps = split_steps(spans, shapes_seen)
-    config = llm.llm_engine.hf_config
-    head = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * head * 2
-    rows = summarize(steps, kv_bytes)
+    runner = llm.llm_engine.runner
+    rows = summarize(steps, runner.bytes_per_block() // runner.block_size)
     print(f"{args.model} B1 x{args.num} under the profiler: wall {wall:.2f} s, steps {len(steps)}, "
           f"summed step time {sum(s['us'] for s in steps) / 1e6:.2f} s")
     print(f"{'batch':>9} {'steps':>5} {'s':>7} {'attn s':>7} {'mm s':>7} {'rest s':>7} {'idle s':>7} {'KV TB/s':>7}")

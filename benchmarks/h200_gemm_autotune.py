@@ -15,7 +15,7 @@ import os
 
 import torch
 import torch.nn.functional as F
-from h200_gemm_sweep import LLAMA_8B, time_linear  # benchmarks/, this script's directory
+from h200_profile_decode import LLAMA_8B_SHAPES as LLAMA_8B, time_linear  # benchmarks/, this script's directory
 
 
 def main() -> None:

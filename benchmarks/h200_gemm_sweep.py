@@ -19,22 +19,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from h200_profile_decode import _time_graph  # benchmarks/, this script's directory
+from h200_profile_decode import LLAMA_8B_SHAPES as LLAMA_8B, time_linear  # benchmarks/, this script's directory
 
-LLAMA_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
-            "lm_head": (128256, 4096)}
 LAYERS = 32
-
-
-def time_linear(linear, x: torch.Tensor, weights: list[torch.Tensor]) -> float:
-    """Median microseconds of one ``linear(x, w)``, the calls of a CUDA graph rotating through ``weights``."""
-    state = {"i": 0}
-
-    def call():
-        state["i"] = (state["i"] + 1) % len(weights)
-        linear(x, weights[state["i"]])
-
-    return _time_graph(call, iters=max(8, 2 * len(weights)))
 
 
 def b1_decode_batches(num: int = 256, seed: int = 0) -> list[int]:

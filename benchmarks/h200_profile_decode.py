@@ -48,6 +48,18 @@ def _time_graph(fn, iters: int = 20, repeats: int = 5) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def time_linear(linear, x: torch.Tensor, weights: list[torch.Tensor], iters: int | None = None) -> float:
+    """Median microseconds of one ``linear(x, w)``, the ``iters`` calls of a CUDA graph (default: twice the
+    weights, at least 8) rotating through ``weights``."""
+    state = {"i": 0}
+
+    def call():
+        state["i"] = (state["i"] + 1) % len(weights)
+        linear(x, weights[state["i"]])
+
+    return _time_graph(call, iters=iters or max(8, 2 * len(weights)))
+
+
 def gemv_bandwidth() -> dict:
     """cuBLAS bf16 GEMV at M=1 on llama-3.1-8b's shapes, and the copy bandwidth, in GB/s."""
     results = {}
@@ -59,13 +71,7 @@ def gemv_bandwidth() -> dict:
         copies = max(2, (256 * 1024**2) // (n * k * 2) + 1)
         weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-        state = {"i": 0}
-
-        def call():
-            state["i"] = (state["i"] + 1) % copies
-            torch.nn.functional.linear(x, weights[state["i"]])
-
-        us = _time_graph(call, iters=copies * 4)
+        us = time_linear(torch.nn.functional.linear, x, weights, iters=copies * 4)
         results[name] = {"us": us, "GBps": n * k * 2 / us / 1e3}
         del weights
     return results
@@ -146,7 +152,7 @@ def profile_b1(model: str, quantization: str | None, backend: str, num: int) -> 
     total = sum(t for t, _ in dict(kernels).values())
     groups = defaultdict(float)
     for name, (t, _) in kernels:
-        groups[next((g for g, keys in KERNEL_GROUPS.items() if any(key in name for key in keys)), "other")] += t / 1e6
+        groups[group_of(name)] += t / 1e6
     del llm
     return {"model": model, "quantization": quantization, "backend": backend, "requests": num, "wall_s": wall,
             "output_tokens": sum(r.output_len for r in requests), "gpu_s": total / 1e6, "groups_s": dict(groups),
@@ -159,6 +165,11 @@ KERNEL_GROUPS = {"attention": ("paged_attention", "reduce_splits", "flashinfer",
                  "matmul": ("nvjet", "gemm", "cutlass", "splitKreduce", "_gemv_kernel", "sm90_xmma", "cublas"),
                  "norm, rotary, activation, KV write": ("_rms_norm", "_rotary", "_act_and_mul", "_kv_cache_write",
                                                         "_fused")}
+
+
+def group_of(kernel: str) -> str:
+    """The :data:`KERNEL_GROUPS` group a kernel name falls in, else ``"other"``."""
+    return next((g for g, keys in KERNEL_GROUPS.items() if any(key in kernel for key in keys)), "other")
 
 
 def main() -> int:
