@@ -37,6 +37,22 @@ def graph_size(m: int) -> int:
     return next(s for s in sizes if s >= m)
 
 
+def print_b1_decode(results: dict, libraries: list[str], max_m: int) -> None:
+    """B1's decode GEMM seconds by library, by the faster library per M, and with the best padding."""
+
+    def step_us(library: str, m: int) -> float:
+        return sum(results[library][s][m] * (1 if s == "lm_head" else LAYERS) for s in LLAMA_8B)
+
+    steps = b1_decode_batches()
+    for library in libraries:
+        total = sum(step_us(library, graph_size(m)) for m in steps) / 1e6
+        print(f"B1 decode GEMMs, {library}, graph sizes every 16: {total:.3f} s")
+    best = {m: min(step_us(lib, m) for lib in libraries) for m in range(1, max_m + 1)}
+    print(f"faster library per M, every 16: {sum(best[graph_size(m)] for m in steps) / 1e6:.3f} s")
+    print(f"faster library per M, no padding: {sum(best[m] for m in steps) / 1e6:.3f} s")
+    print(f"faster library, best padding: {sum(min(best[s] for s in range(m, max_m + 1)) for m in steps) / 1e6:.3f} s")
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--max-m", type=int, default=256)
@@ -54,23 +70,16 @@ def main() -> int:
             torch.backends.cuda.preferred_blas_library(library)
             results.setdefault(library, {})[name] = {
                 m: time_linear(F.linear, torch.randn(m, k, device="cuda", dtype=torch.bfloat16), weights) for m in ms}
-            print(library, name, {m: round(results[library][name][m], 1) for m in (1, 16, 64, 128, 256)},
+            print(library, name, {m: round(results[library][name][m], 1) for m in (1, 16, 64, 128, 256) if m <= args.max_m},
                   flush=True)
         del weights
         torch.cuda.empty_cache()
     (out / "gemm_sweep.json").write_text(json.dumps(results))
 
-    def step_us(library: str, m: int) -> float:
-        return sum(results[library][s][m] * (1 if s == "lm_head" else LAYERS) for s in LLAMA_8B)
-
-    steps = b1_decode_batches()
-    for library in args.libraries:
-        total = sum(step_us(library, graph_size(m)) for m in steps) / 1e6
-        print(f"B1 decode GEMMs, {library}, graph sizes every 16: {total:.3f} s")
-    best = {m: min(step_us(lib, m) for lib in args.libraries) for m in range(1, args.max_m + 1)}
-    print(f"faster library per M, every 16: {sum(best[graph_size(m)] for m in steps) / 1e6:.3f} s")
-    print(f"faster library per M, no padding: {sum(best[m] for m in steps) / 1e6:.3f} s")
-    print(f"faster library, best padding: {sum(min(best[s] for s in range(m, args.max_m + 1)) for m in steps) / 1e6:.3f} s")
+    if args.max_m >= 256:
+        print_b1_decode(results, args.libraries, args.max_m)
+    else:
+        print("B1's decode steps need --max-m 256 or more: not summed")
     for m in args.prefill:
         flops = 2 * m * sum(n * k * (1 if s == "lm_head" else LAYERS) for s, (n, k) in LLAMA_8B.items() if s != "lm_head")
         for library in args.libraries:
