@@ -94,6 +94,17 @@ def test_16_bit_weights_match_f_linear(m, dtype, config):
         gemv(*on(x, w.to(torch.float64)))
 
 
+@pytest.mark.parametrize("m, block_m", [(20, 32), (40, 64), (40, 16)])
+def test_dot_blocks_of_more_than_16_rows(m, block_m):
+    """``block_m`` rows a program (one pass over the weight for up to ``block_m`` rows), also split over K: each
+    row's result as with 16-row blocks, F.linear's within rounding."""
+    gen = torch.Generator().manual_seed(m + block_m)
+    x, w = torch.randn(m, 72, generator=gen).bfloat16(), torch.randn(40, 72, generator=gen).bfloat16()
+    for split_k in (1, 2):
+        out = gemv(*on(x, w), config=GemvConfig(16, 16, split_k=split_k, dot=True, block_m=block_m))
+        assert_close(out, x.float() @ w.float().t(), torch.bfloat16)
+
+
 def test_every_finite_e4m3_value_converts_exactly():
     """All 254 finite bytes as weights (subnormals too), K = 1 and unit scales: each output is one product."""
     codes = torch.arange(256, dtype=torch.uint8).view(FP8)

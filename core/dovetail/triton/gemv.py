@@ -142,6 +142,8 @@ class GemvConfig(NamedTuple):
     #: When the next kernel may launch under PDL: 0 when this one completes, 1 at its start, 2 after the main
     #: loop (B2 on the H200: llama-3.1-8b fp8 2.968 ms with 2, 3.029 with 0).
     pdl_trigger: int = 2
+    #: Rows of x a program takes with ``dot`` (at least 16): each block of rows reads the whole weight.
+    block_m: int = 16
 
 
 #: Split K until a launch has at least this many programs (an H200 has 132 multiprocessors).
@@ -220,7 +222,7 @@ def _gemv(x, weight, scale, bias, config):
         return out.reshape(*x.shape[:-1], n)
     cfg = config or default_config(m, n, k, weight.element_size())
     bias_arg = bias.contiguous() if bias is not None else (scale if scale is not None else out)
-    block_m = 16 if cfg.dot else min(16, next_power_of_2(m))
+    block_m = max(16, cfg.block_m) if cfg.dot else min(16, next_power_of_2(m))
     k_chunk = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     grid = (triton.cdiv(n, cfg.block_n), cfg.split_k, triton.cdiv(m, block_m))
     if cfg.split_k == 1:
