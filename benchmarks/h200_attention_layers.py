@@ -6,7 +6,8 @@ blocks (or their address translations) left warm by the one before. This script 
 whole B1 steps (``--layers`` launches captured in one CUDA graph, decodes longest first, as the TRITON backend
 orders them) for:
 
-- placement: ``pool`` (prompt blocks in request order, then each decode's new block as it fills the last, as a
+- placement: ``presorted`` (as ``pool``, the batch's rows already longest first, so that the launch needs no
+  ``decode_order``), ``pool`` (prompt blocks in request order, then each decode's new block as it fills the last, as a
   fresh pool hands them out in B1's timed run: the warm-up takes only two requests' blocks), ``shuffled``
   (the needed blocks in random order, as ``triton_attention.py`` places them);
 - caches: ``layers`` (one cache per layer, each of ``--num-blocks`` blocks: the engine's size on the H200) or
@@ -97,8 +98,9 @@ def step_inputs(tables, contexts):
     return table, seq_lens, query_start_loc, order
 
 
-def attention_launch(caches, layout, tables, contexts, config):
-    """A function ``attend(layer)`` that makes that layer's decode launch of the step."""
+def attention_launch(caches, layout, tables, contexts, config, ordered=True):
+    """A function ``attend(layer)`` that makes that layer's decode launch of the step (its programs taking the
+    sequences longest first, or with ``ordered=False`` as they come)."""
     n = len(contexts)
     table, seq_lens, query_start_loc, order = step_inputs(tables, contexts)
     q = torch.randn(n, NUM_HEADS, HEAD_SIZE, device="cuda", dtype=torch.bfloat16)
@@ -108,7 +110,7 @@ def attention_launch(caches, layout, tables, contexts, config):
     def attend(layer: int):
         key_cache, value_cache = views[layer % len(views)]
         paged_attention(q, key_cache, value_cache, out, table, seq_lens, query_start_loc, n, n,
-                        HEAD_SIZE ** -0.5, decode=True, config=config, decode_order=order)
+                        HEAD_SIZE ** -0.5, decode=True, config=config, decode_order=order if ordered else None)
 
     return attend
 
@@ -131,9 +133,9 @@ def graph_ms(step, iters=10) -> float:
     return sorted(times)[iters // 2]
 
 
-def time_step(caches, layout, tables, contexts, config, layers, iters=10) -> float:
+def time_step(caches, layout, tables, contexts, config, layers, iters=10, ordered=True) -> float:
     """Milliseconds of one step's ``layers`` decode launches, replayed from a CUDA graph (median)."""
-    attend = attention_launch(caches, layout, tables, contexts, config)
+    attend = attention_launch(caches, layout, tables, contexts, config, ordered)
     return graph_ms(lambda: [attend(layer) for layer in range(layers)], iters)
 
 
@@ -290,12 +292,17 @@ def main():
         for step in steps:
             contexts = [ctx for _, _, ctx in b1_step(step)]
             nbytes = sum(contexts) * 2 * NUM_KV_HEADS * HEAD_SIZE * 2 * args.layers
-            placements = [("pool", pool_tables(step))] + ([] if args.quick else [("shuffled", shuffled_tables(step))])
-            for placement, tables in placements:
+            pool = pool_tables(step)
+            by_length = sorted(range(len(contexts)), key=lambda i: -contexts[i])
+            placements = [("pool", pool, contexts), ("presorted", [pool[i] for i in by_length],
+                                                     [contexts[i] for i in by_length])]
+            if not args.quick:
+                placements.append(("shuffled", shuffled_tables(step), contexts))
+            for placement, tables, lengths in placements:
                 for where in ("layers",) if args.quick else ("layers", "one"):
                     for config in configs if placement == "pool" and where == "layers" else configs[:1]:
-                        ms = time_step(caches if where == "layers" else caches[:1], layout, tables, contexts,
-                                       config, args.layers)
+                        ms = time_step(caches if where == "layers" else caches[:1], layout, tables, lengths,
+                                       config, args.layers, ordered=placement != "presorted")
                         row = {"layout": layout, "step": step, "seqs": len(contexts), "placement": placement,
                                "caches": where, "config": config.__dict__, "ms": ms,
                                "TBps": nbytes / ms / 1e9}
