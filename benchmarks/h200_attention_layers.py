@@ -21,7 +21,9 @@ Each row prints the KV bytes read per second. JSON lines go to ``$OUT/attention_
 ``--with-gemms`` instead asks whether the attention launches run slower between the layers' matrix products
 (as in B1, where the profiler found them reading 3.5-4.0 TB/s): per step it times the 32 layers' four
 projections at the step's batch alone, the attention launches alone, and both interleaved as a decode step
-orders them, and sums each kind's kernel time inside the interleaved graph under the profiler.
+orders them, and sums each kind's kernel time inside the interleaved graph under the profiler. With
+``--power-seconds S`` it also replays each of the three for S seconds and reports the board power and SM clock
+meanwhile (B1 runs at the H200's power cap for most of its decode steps).
 
 ``--engine-path`` times B1's small-batch decode steps (the tail, 6-50 sequences) the way the engine runs
 them: ``TritonAttentionImpl.forward_rotary`` per layer on a batch padded to the graph's size, for the number
@@ -139,12 +141,13 @@ def time_step(caches, layout, tables, contexts, config, layers, iters=10, ordere
     return graph_ms(lambda: [attend(layer) for layer in range(layers)], iters)
 
 
-def with_gemms(caches, steps, layers, out_path):
+def with_gemms(caches, steps, layers, out_path, power_seconds: float = 0.0):
     """Attention alone, the projections alone, and both interleaved, per step (``--with-gemms``)."""
     from torch.profiler import ProfilerActivity, profile
 
     shapes = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # qkv, o, gate_up, down
-    weights = [[torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for n, k in shapes]
+    # As the engine's dummy weights (model_loader.fill_dummy_weights): what the tensor cores multiply sets the power.
+    weights = [[torch.empty(n, k, device="cuda", dtype=torch.bfloat16).uniform_(-0.05, 0.05) for n, k in shapes]
                for _ in range(layers)]
     config = default_config(HEAD_SIZE, NUM_HEADS // NUM_KV_HEADS, True)
     for step in steps:
@@ -188,9 +191,52 @@ def with_gemms(caches, steps, layers, out_path):
         nbytes = sum(contexts) * 2 * NUM_KV_HEADS * HEAD_SIZE * 2 * layers
         row["attention_alone_TBps"] = nbytes / row["attention_ms"] / 1e9
         row["attention_in_interleaved_TBps"] = nbytes / row["attention_in_interleaved_ms"] / 1e9
+        if power_seconds:
+            for name, fn in (("gemms", gemms), ("attention", attention), ("interleaved", interleaved)):
+                row[f"{name}_power"] = under_load(fn, power_seconds)
         print(json.dumps(row), flush=True)
         with open(out_path, "a") as f:
             f.write(json.dumps({"with_gemms": True, **row}) + "\n")
+
+
+def under_load(step, seconds: float) -> dict:
+    """``step()`` replayed from a CUDA graph for ``seconds``: its milliseconds a replay, and the board's power
+    (W) and SM clock (MHz) that ``nvidia-smi`` reports meanwhile (medians of samples every 100 ms, the first
+    second left out while the power settles)."""
+    import subprocess
+    import threading
+    import time
+
+    samples, done = [], threading.Event()
+
+    def poll():
+        while not done.wait(0.1):
+            text = subprocess.run(["nvidia-smi", "--query-gpu=power.draw.instant,clocks.sm", "--format=csv,noheader,"
+                                   "nounits"], capture_output=True, text=True).stdout.split(",")
+            if len(text) == 2 and time.perf_counter() - start > 1.0:
+                samples.append((float(text[0]), float(text[1])))
+
+    step()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    torch.cuda.synchronize()
+    poller = threading.Thread(target=poll)
+    start = time.perf_counter()
+    poller.start()
+    replays = 0
+    while time.perf_counter() - start < seconds:
+        for _ in range(20):
+            graph.replay()
+        replays += 20
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    done.set()
+    poller.join()
+    watts = sorted(w for w, _ in samples) or [float("nan")]
+    clocks = sorted(c for _, c in samples) or [float("nan")]
+    return {"ms": elapsed * 1e3 / replays, "watts": watts[len(watts) // 2], "sm_mhz": clocks[len(clocks) // 2],
+            "samples": len(samples)}
 
 
 def engine_path(caches, steps, layers, out_path, spare):
@@ -265,6 +311,8 @@ def main():
     parser.add_argument("--num-blocks", type=int, default=50000)
     parser.add_argument("--with-gemms", action="store_true")
     parser.add_argument("--engine-path", action="store_true")
+    parser.add_argument("--power-seconds", type=float, default=0.0,
+                        help="with --with-gemms: also replay each kind for this long, sampling power and SM clock")
     parser.add_argument("--configs", default="64,4,2;64,4,3;128,8,2;64,8,3;32,4,4",
                         help="tile configurations besides the default: TILE_N,WARPS,STAGES;...")
     parser.add_argument("--layouts", default="NHD,HND")
@@ -284,7 +332,7 @@ def main():
             cache[:, :25000].normal_()
         if args.engine_path:
             return engine_path(caches, steps, args.layers, out_path, args.num_blocks - 1)
-        return with_gemms(caches, steps, args.layers, out_path)
+        return with_gemms(caches, steps, args.layers, out_path, args.power_seconds)
     for layout in args.layouts.split(","):
         caches = [torch.empty(shape[layout], dtype=torch.bfloat16, device="cuda") for _ in range(args.layers)]
         for cache in caches:
