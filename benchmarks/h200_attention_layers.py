@@ -292,15 +292,24 @@ def _read_kernel(x_ptr, out_ptr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
     tl.store(out_ptr + tl.program_id(0), tl.sum(total, 0))
 
 
-def read_bandwidth() -> float:
+def read_bandwidth(power_seconds: float = 0.0) -> float:
     """Bytes/s of reading 4 GiB once with wide loads and no writes to speak of (a Triton sum per 64 KiB), the
-    bound for a kernel that only reads; the copy bandwidth of BENCHMARKS.md counts a read and a write."""
+    bound for a kernel that only reads; the copy bandwidth of BENCHMARKS.md counts a read and a write. With
+    ``power_seconds``, also prints the power and SM clock while the fastest configuration runs that long."""
     x = torch.randn(1 << 31, dtype=torch.bfloat16, device="cuda")
-    best = 0.0
+    best, best_read = 0.0, None
     for chunk, block, warps in ((32768, 2048, 4), (32768, 4096, 8), (131072, 4096, 8), (8192, 2048, 4)):
         out = torch.empty(x.numel() // chunk, dtype=torch.float32, device="cuda")
-        ms = graph_ms(lambda: _read_kernel[(out.numel(),)](x, out, CHUNK=chunk, BLOCK=block, num_warps=warps))
-        best = max(best, x.numel() * 2 / ms / 1e9)
+
+        def read(out=out, chunk=chunk, block=block, warps=warps):
+            _read_kernel[(out.numel(),)](x, out, CHUNK=chunk, BLOCK=block, num_warps=warps)
+
+        rate = x.numel() * 2 / graph_ms(read) / 1e9
+        if rate > best:
+            best, best_read = rate, read
+    if power_seconds:
+        load = under_load(best_read, power_seconds)
+        print(f"read-only kernel under load: {x.numel() * 2 / load['ms'] / 1e9:.2f} TB/s, {load}", flush=True)
     return best
 
 
@@ -322,7 +331,7 @@ def main():
     out_path = os.path.join(os.environ.get("OUT", "/tmp/out"), "attention_layers.jsonl")
     shape = {"NHD": (2, args.num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE),
              "HND": (2, args.num_blocks, NUM_KV_HEADS, BLOCK_SIZE, HEAD_SIZE)}
-    print(f"read-only bandwidth {read_bandwidth():.2f} TB/s", flush=True)
+    print(f"read-only bandwidth {read_bandwidth(args.power_seconds):.2f} TB/s", flush=True)
     default = default_config(HEAD_SIZE, NUM_HEADS // NUM_KV_HEADS, True)
     configs = [default] + [LaunchConfig(default.block_m, *map(int, c.split(",")), True)
                            for c in args.configs.split(";") if c]
