@@ -30,7 +30,7 @@ them: ``TritonAttentionImpl.forward_rotary`` per layer on a batch padded to the 
 of KV splits the backend chooses and for others (a split launch also stores the decodes' keys and values and
 rotates them; ``fused`` says whether it did).
 
-    python3 benchmarks/h200_attention_layers.py [--steps 0,300,700] [--num-blocks 50000]
+    cd benchmarks && python3 h200_attention_layers.py [--steps 0,300,700] [--num-blocks 50000]
         [--with-gemms | --engine-path]
 """
 
@@ -44,6 +44,8 @@ import random
 import torch
 import triton
 import triton.language as tl
+
+from h200_profile_decode import time_graph  # benchmarks/, this script's directory
 
 from dovetail.bench.workload import random_requests
 from dovetail.triton.paged_attention import LaunchConfig, default_config, paged_attention
@@ -118,21 +120,8 @@ def attention_launch(caches, layout, tables, contexts, config, ordered=True):
 
 
 def graph_ms(step, iters=10) -> float:
-    """Median milliseconds of ``step()`` replayed from a CUDA graph."""
-    step()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[iters // 2]
+    """Median milliseconds of ``step()`` replayed from a CUDA graph (``iters`` replays)."""
+    return time_graph(step, iters=1, repeats=iters) / 1e3
 
 
 def time_step(caches, layout, tables, contexts, config, layers, iters=10, ordered=True) -> float:

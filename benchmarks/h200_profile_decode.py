@@ -29,7 +29,7 @@ LLAMA_8B_SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 40
                    "lm_head": (128256, 4096)}
 
 
-def _time_graph(fn, iters: int = 20, repeats: int = 5) -> float:
+def time_graph(fn, iters: int = 20, repeats: int = 5) -> float:
     """Median microseconds per ``fn()`` call, ``iters`` calls captured in one CUDA graph."""
     fn()
     torch.cuda.synchronize()
@@ -57,7 +57,7 @@ def time_linear(linear, x: torch.Tensor, weights: list[torch.Tensor], iters: int
         state["i"] = (state["i"] + 1) % len(weights)
         linear(x, weights[state["i"]])
 
-    return _time_graph(call, iters=iters or max(8, 2 * len(weights)))
+    return time_graph(call, iters=iters or max(8, 2 * len(weights)))
 
 
 def gemv_bandwidth() -> dict:
@@ -65,7 +65,7 @@ def gemv_bandwidth() -> dict:
     results = {}
     src = torch.empty(2 * 1024**3, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    us = _time_graph(lambda: dst.copy_(src), iters=5)
+    us = time_graph(lambda: dst.copy_(src), iters=5)
     results["copy_GBps"] = 2 * src.numel() / us / 1e3
     for name, (n, k) in LLAMA_8B_SHAPES.items():
         copies = max(2, (256 * 1024**2) // (n * k * 2) + 1)
@@ -117,7 +117,6 @@ def profile_decode(model: str, quantization: str | None, backend: str) -> dict:
         per_step[name] = {"us": (t65 - t1) / 64, "calls": (c65 - c1) / 64}
     ranked = sorted(per_step.items(), key=lambda kv: -kv[1]["us"])
     total = sum(v["us"] for _, v in ranked)
-    del llm
     return {"model": model, "quantization": quantization, "backend": backend, "gpu_us_per_step": total,
             "kernels": [{"name": k[:140], **v} for k, v in ranked if abs(v["us"]) > 0.05]}
 
