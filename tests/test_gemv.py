@@ -96,8 +96,8 @@ def test_16_bit_weights_match_f_linear(m, dtype, config):
 
 @pytest.mark.parametrize("m, block_m", [(20, 32), (40, 64), (40, 16)])
 def test_dot_blocks_of_more_than_16_rows(m, block_m):
-    """``block_m`` rows a program (one pass over the weight for up to ``block_m`` rows), also split over K: each
-    row's result as with 16-row blocks, F.linear's within rounding."""
+    """``block_m`` rows a program (one pass over the weight for up to ``block_m`` rows), unsplit and split over
+    K: F.linear's result within rounding, the rows past ``m`` in the last block left out."""
     gen = torch.Generator().manual_seed(m + block_m)
     x, w = torch.randn(m, 72, generator=gen).bfloat16(), torch.randn(40, 72, generator=gen).bfloat16()
     for split_k in (1, 2):
