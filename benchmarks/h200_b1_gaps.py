@@ -10,16 +10,11 @@ and the kernel pairs around the largest idle totals. Writes ``$OUT/b1_gaps_<mode
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 from collections import defaultdict
 from pathlib import Path
 
-from h200_profile_decode import profiled_b1  # benchmarks/, this script's directory
-
-from dovetail.bench import shapes
-from dovetail.llm import LLM
+from h200_profile_decode import b1_script_setup, profiled_b1  # benchmarks/, this script's directory
 
 
 def gpu_intervals(trace_path: Path) -> list[tuple[float, float, str]]:
@@ -30,14 +25,7 @@ def gpu_intervals(trace_path: Path) -> list[tuple[float, float, str]]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--model", default="llama-3.1-8b")
-    p.add_argument("--num", type=int, default=128)
-    args = p.parse_args()
-    out = Path(os.environ.get("OUT", "/tmp/out"))
-    out.mkdir(parents=True, exist_ok=True)
-    model_dir, defaults = shapes.materialize(args.model)
-    llm = LLM(model_dir, attention_backend="TRITON", **defaults)
+    args, out, llm = b1_script_setup("llama-3.1-8b", 128)
     prof, wall, _ = profiled_b1(llm, args.num)
     trace = Path("/tmp/b1_trace.json")
     prof.export_chrome_trace(str(trace))

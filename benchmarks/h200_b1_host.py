@@ -7,24 +7,18 @@ Prints the wall time without and with the profiler and the 30 functions with the
 
 from __future__ import annotations
 
-import argparse
 import cProfile
 import io
 import pstats
 import time
 
-from dovetail.bench import shapes
+from h200_profile_decode import b1_script_setup  # benchmarks/, this script's directory
+
 from dovetail.bench.workload import greedy_inputs, random_requests, warm_up
-from dovetail.llm import LLM
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--model", default="qwen3-0.6b")
-    p.add_argument("--num", type=int, default=256)
-    args = p.parse_args()
-    model_dir, defaults = shapes.materialize(args.model)
-    llm = LLM(model_dir, attention_backend="TRITON", **defaults)
+    args, _, llm = b1_script_setup("qwen3-0.6b", 256)
     requests = random_requests(args.num, (100, 1024), (100, 1024), llm.llm_engine.vocab_size, 0)
     prompts, params = greedy_inputs(requests)
     warm_up(llm, prompts, params)

@@ -12,18 +12,14 @@ decode batch size (prefill steps apart) and writes ``$OUT/b1_steps_<model>.json`
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 from collections import defaultdict
 from pathlib import Path
 
 import torch
 from h200_b1_gaps import gpu_intervals  # benchmarks/, this script's directory
-from h200_profile_decode import group_of, profiled_b1
+from h200_profile_decode import b1_script_setup, group_of, profiled_b1
 
-from dovetail.bench import shapes
-from dovetail.llm import LLM
 
 MARKER = "spin_kernel"
 
@@ -86,14 +82,7 @@ def summarize(steps: list[dict], kv_bytes_per_token: int) -> list[dict]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--model", default="llama-3.1-8b")
-    p.add_argument("--num", type=int, default=256)
-    args = p.parse_args()
-    out = Path(os.environ.get("OUT", "/tmp/out"))
-    out.mkdir(parents=True, exist_ok=True)
-    model_dir, defaults = shapes.materialize(args.model)
-    llm = LLM(model_dir, attention_backend="TRITON", **defaults)
+    args, out, llm = b1_script_setup("llama-3.1-8b", 256)
     spans, shapes_seen, wall = record_steps(llm, args.num)
     steps = split_steps(spans, shapes_seen)
     runner = llm.llm_engine.runner

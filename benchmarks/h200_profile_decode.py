@@ -140,6 +140,23 @@ def profiled_b1(llm, num: int):
     return prof, wall, requests
 
 
+def b1_script_setup(model: str, num: int):
+    """The start of the B1 profiling scripts: ``--model`` and ``--num`` (defaulting to ``model`` and ``num``),
+    ``$OUT`` made, and the model's ``LLM`` as ``dovetail bench throughput`` builds it (dummy weights, TRITON,
+    CUDA graphs). Returns ``(args, out, llm)``."""
+    from dovetail.bench import shapes
+    from dovetail.llm import LLM
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default=model)
+    p.add_argument("--num", type=int, default=num)
+    args = p.parse_args()
+    out = Path(os.environ.get("OUT", "/tmp/out"))
+    out.mkdir(parents=True, exist_ok=True)
+    model_dir, defaults = shapes.materialize(args.model)
+    return args, out, LLM(model_dir, attention_backend="TRITON", **defaults)
+
+
 def profile_b1(model: str, quantization: str | None, backend: str, num: int) -> dict:
     from dovetail.bench import shapes
     from dovetail.llm import LLM
