@@ -37,6 +37,7 @@ rotates them; ``fused`` says whether it did).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import random
@@ -53,16 +54,22 @@ from dovetail.triton.paged_attention import LaunchConfig, default_config, paged_
 NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE, VOCAB = 32, 8, 128, 16, 128256  # llama-3.1-8b
 
 
+@functools.lru_cache(maxsize=1)
+def b1_requests() -> list:
+    """B1's 256 requests (``dovetail bench throughput``'s draw), made once."""
+    return random_requests(256, (100, 1024), (100, 1024), VOCAB, seed=0)
+
+
 def b1_step(step: int) -> list[tuple[int, int, int]]:
     """(request index, prompt length, context length) of the decodes alive at B1's decode step ``step``."""
-    requests = random_requests(256, (100, 1024), (100, 1024), VOCAB, seed=0)
+    requests = b1_requests()
     return [(i, len(r.prompt_token_ids), len(r.prompt_token_ids) + step + 1) for i, r in enumerate(requests)
             if r.output_len > step]
 
 
 def pool_tables(step: int) -> list[list[int]]:
     """Block tables of the decodes alive at ``step``, numbered as a fresh FIFO pool hands blocks out in B1."""
-    requests = random_requests(256, (100, 1024), (100, 1024), VOCAB, seed=0)
+    requests = b1_requests()
     tables, next_id = [], 0
     for r in requests:
         count = -(-len(r.prompt_token_ids) // BLOCK_SIZE)
