@@ -71,7 +71,8 @@ def supports(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
     (and N even when ``gated``)."""
     k = x.shape[-1]
     return (x.is_cuda and x.dtype in _DTYPES and x.numel() == k and x.is_contiguous()
-            and weight.dim() == 2 and not (gated and weight.shape[0] % 2) and weight.dtype == torch.float8_e4m3fn and weight.shape[1] == k
+            and weight.dim() == 2 and not (gated and weight.shape[0] % 2) and weight.dtype == torch.float8_e4m3fn
+            and weight.shape[1] == k
             and weight.stride(1) == 1 and weight.stride(0) % 16 == 0 and k % 16 == 0 and k > 0
             and weight.data_ptr() % 16 == 0 and x.data_ptr() % 16 == 0
             and weight_scale.numel() == weight.shape[0] and (bias is None or bias.numel() == weight.shape[0]))
