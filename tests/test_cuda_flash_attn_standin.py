@@ -75,18 +75,43 @@ def _fa3_module():
     return types.SimpleNamespace(flash_attn_with_kvcache=flash_attn_with_kvcache)
 
 
-@pytest.fixture(params=["fa2", "fa3"])
+def _fa4_module():
+    def flash_attn_varlen_func(q, k, v, qv=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+                               max_seqlen_k=None, min_seqlen_k=None, seqused_q=None, seqused_k=None,
+                               gather_kv_indices=None, page_table=None, softmax_scale=None, causal=False,
+                               window_size=(None, None), learnable_sink=None, softcap=0.0, num_splits=1,
+                               pack_gqa=None, deterministic=False, score_mod=None, score_mod_bwd=None, mask_mod=None,
+                               block_sparse_tensors=None, aux_tensors=None, aux_scalars=None, return_lse=False,
+                               scheduler_metadata=None, seqlen_k_per_split=None, disable_scheduler_metadata=False,
+                               gather_bwd_recompute_p=False, gather_bwd_token_chunk=None):
+        assert page_table is not None and cu_seqlens_k is None, "page_table is not supported with cu_seqlens_k"
+        assert seqused_k is not None and seqused_k.shape == (cu_seqlens_q.numel() - 1,)
+        assert page_table.shape[0] == seqused_k.shape[0] and page_table.stride(-1) == 1
+        assert max_seqlen_q is not None and not isinstance(max_seqlen_q, torch.Tensor)
+        left, right = window_size
+        window = (-1 if left is None else left, -1 if right is None else right)
+        out = _attend_paged(q, k, v, cu_seqlens_q, seqused_k, page_table, softmax_scale, causal, window, softcap)
+        return out, None
+
+    return types.SimpleNamespace(flash_attn_varlen_func=flash_attn_varlen_func)
+
+
+MODULES = {"fa2": ("flash_attn", _fa2_module), "fa3": ("flash_attn_interface", _fa3_module),
+           "fa4": ("flash_attn.cute", _fa4_module)}
+
+
+@pytest.fixture(params=["fa2", "fa3", "fa4"])
 def version(request, monkeypatch):
-    fa3 = request.param == "fa3"
-    monkeypatch.setattr(flash_attn_backend, "fa2_installed", lambda: not fa3)
-    monkeypatch.setattr(flash_attn_backend, "fa3_installed", lambda: fa3)
-    monkeypatch.setattr(flash_attn_backend, "use_fa3", lambda: fa3)
+    chosen = request.param
+    for name in MODULES:
+        monkeypatch.setattr(flash_attn_backend, f"{name}_installed", lambda name=name: name == chosen)
+    monkeypatch.setattr(flash_attn_backend, "variant", lambda capability_major=None: chosen)
     monkeypatch.setattr(FlashAttnBackend, "supported_device_types", None)
-    name = "flash_attn_interface" if fa3 else "flash_attn"
-    module = _fa3_module() if fa3 else _fa2_module()
+    name, build = MODULES[chosen]
+    module = build()
     monkeypatch.setattr(flash_attn_backend.importlib, "import_module",
                         lambda requested: module if requested == name else pytest.fail(f"imported {requested}"))
-    return request.param
+    return chosen
 
 
 CASES = [c for c in testing.attention_cases(head_sizes=(64,), block_sizes=(16, 256))]
@@ -111,3 +136,38 @@ def test_graph_metadata_keeps_cu_seqlens_k_in_one_buffer(version):
     second = builder.build_for_graph(AttentionBatch.from_lists([1, 1], [7, 9], [[0], [1]], 256), 2)
     assert first.cu_seqlens_k.data_ptr() == second.cu_seqlens_k.data_ptr()
     assert second.cu_seqlens_k.tolist() == [0, 7, 16]
+
+
+def _fake_packages(root, *files):
+    for name in files:
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("")
+
+
+@pytest.mark.parametrize("files, fa2, fa4", [
+    (["flash_attn/__init__.py"], True, False),
+    (["flash_attn/cute/interface.py", "nvidia_cutlass_dsl/__init__.py"], False, True),
+    (["flash_attn/cute/interface.py"], False, False),
+    (["flash_attn/__init__.py", "flash_attn/cute/interface.py", "nvidia_cutlass_dsl/__init__.py"], True, True),
+], ids=["fa2", "fa4 alone: a namespace package", "fa4 without cutlass", "both"])
+def test_installed_builds_are_told_apart(tmp_path, monkeypatch, files, fa2, fa4):
+    """flash-attn-4 leaves ``flash_attn`` a namespace package: that must not pass for FlashAttention-2."""
+    import importlib
+    import sys
+
+    for name in ("flash_attn", "nvidia_cutlass_dsl"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    _fake_packages(tmp_path, *files)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.invalidate_caches()
+    assert (flash_attn_backend.fa2_installed(), flash_attn_backend.fa4_installed()) == (fa2, fa4)
+
+
+@pytest.mark.parametrize("major, installed, expected", [
+    (9, {"fa2", "fa3", "fa4"}, "fa3"), (9, {"fa2", "fa4"}, "fa4"), (10, {"fa2", "fa3", "fa4"}, "fa4"),
+    (8, {"fa2", "fa4"}, "fa2"), (8, {"fa4"}, None), (12, {"fa3", "fa4"}, None), (9, set(), None)])
+def test_variant_by_compute_capability(monkeypatch, major, installed, expected):
+    for name in ("fa2", "fa3", "fa4"):
+        monkeypatch.setattr(flash_attn_backend, f"{name}_installed", lambda name=name: name in installed)
+    assert flash_attn_backend.variant(major) == expected

@@ -178,10 +178,11 @@ def _requirements(**overrides):
 
 @pytest.fixture
 def installed(monkeypatch):
-    """Pretend FlashInfer and FlashAttention-2 (not 3) are installed."""
+    """Pretend FlashInfer and FlashAttention-2 (not 3 or 4) are installed."""
     monkeypatch.setattr(FlashInferBackend, "available", classmethod(lambda cls: None))
     monkeypatch.setattr(flash_attn_backend, "fa2_installed", lambda: True)
     monkeypatch.setattr(flash_attn_backend, "fa3_installed", lambda: False)
+    monkeypatch.setattr(flash_attn_backend, "fa4_installed", lambda: False)
 
 
 def test_auto_selection_order_on_cuda(installed):
@@ -216,6 +217,7 @@ def test_validation_reasons_name_the_backend_and_the_rule(installed):
 def test_missing_packages_are_the_reason(monkeypatch):
     monkeypatch.setattr(flash_attn_backend, "fa2_installed", lambda: False)
     monkeypatch.setattr(flash_attn_backend, "fa3_installed", lambda: False)
+    monkeypatch.setattr(flash_attn_backend, "fa4_installed", lambda: False)
     assert FlashAttnBackend.validate(_requirements())[0].startswith("the flash-attn package is not installed")
     import importlib.util
 
@@ -263,3 +265,19 @@ def test_selecting_the_device_picks_cublaslt_unless_told_otherwise(monkeypatch):
     with pytest.raises(ValueError, match="DOVETAIL_CUDA_BLAS='mkl': expected 'cublaslt' or 'cublas'"):
         CudaPlatform().set_device(0)
     assert len(chosen) == 4  # nothing selected
+
+
+def test_flash_attn_4_on_hopper_keeps_the_block_size(monkeypatch):
+    from dovetail.config import EngineArgs
+
+    monkeypatch.setattr(flash_attn_backend, "fa2_installed", lambda: False)
+    monkeypatch.setattr(flash_attn_backend, "fa3_installed", lambda: False)
+    monkeypatch.setattr(flash_attn_backend, "fa4_installed", lambda: True)
+    monkeypatch.setattr(CudaPlatform, "capability", lambda self, index=0: (9, 0))
+    config = EngineArgs("m", attention_backend="FLASH_ATTN").create_engine_config()
+    CudaPlatform().check_and_update_config(config)
+    assert config.cache.block_size == 16
+    monkeypatch.setattr(flash_attn_backend, "variant", lambda capability_major=None: "fa4")
+    assert FlashAttnBackend.validate(_requirements()) == []
+    monkeypatch.setattr(flash_attn_backend, "variant", lambda capability_major=None: None)
+    assert "does not run on this GPU" in FlashAttnBackend.validate(_requirements())[0]

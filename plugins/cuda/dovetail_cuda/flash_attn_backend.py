@@ -1,4 +1,4 @@
-"""``FLASH_ATTN``: paged attention through the ``flash_attn`` package (FlashAttention 2 or 3).
+"""``FLASH_ATTN``: paged attention through the ``flash_attn`` package (FlashAttention 2, 3 or 4).
 
 One call per layer covers the whole mixed batch, as the packages document it:
 
@@ -6,10 +6,15 @@ One call per layer covers the whole mixed batch, as the packages document it:
   repository's ``hopper/`` folder; used on sm_90): ``flash_attn_with_kvcache``
   with ``page_table`` (any block size), ``cache_seqlens``, and the packed
   queries described by ``cu_seqlens_q`` / ``max_seqlen_q``.
+- FlashAttention-4 (``pip install flash-attn-4``: the CuTe DSL kernels of
+  ``flash_attn.cute``, compiled on first use; used on sm_90 without FA3, and on
+  sm_100/sm_110): ``flash_attn_varlen_func`` with ``page_table`` (any block
+  size), ``seqused_k`` and ``cu_seqlens_q``. On Hopper it has no split-KV, so a
+  small decode batch runs on few multiprocessors.
 - FlashAttention-2 (``flash_attn`` >= 2.6): ``flash_attn_varlen_func`` with
   ``block_table``; its paged cache needs blocks of a multiple of 256 tokens.
 
-Both take the ``NHD`` halves of the core's ``[2, blocks, block_size, kv_heads,
+All take the ``NHD`` halves of the core's ``[2, blocks, block_size, kv_heads,
 head_size]`` cache, align ``causal=True`` to the end of the keys, and keep keys
 ``[i + sk - sq - left, i + sk - sq]`` for ``window_size=(left, 0)``: a window
 of ``w`` tokens is ``left = w - 1``.
@@ -20,6 +25,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -30,6 +36,8 @@ from dovetail_cuda.kv_write import write_kv_cache
 
 #: FlashAttention-2 refuses paged caches whose block size is not a multiple of this.
 FA2_BLOCK_MULTIPLE = 256
+#: Compute capability majors whose FlashAttention-4 kernels read a paged cache (Hopper, Blackwell).
+FA4_CAPABILITY_MAJORS = (9, 10, 11)
 
 VERIFICATION = (
     "NOT verified on a GPU: neither flash-attn (FA2) nor FlashAttention-3 is installed on the H200 test "
@@ -44,12 +52,26 @@ def fa3_installed() -> bool:
 
 
 def fa2_installed() -> bool:
-    return importlib.util.find_spec("flash_attn") is not None
+    """flash-attn 2 makes ``flash_attn`` a regular package; flash-attn-4 alone leaves it a namespace."""
+    spec = importlib.util.find_spec("flash_attn")
+    return spec is not None and spec.origin not in (None, "namespace")
 
 
-def use_fa3() -> bool:
-    """FlashAttention-3 when it is installed and the current device is a Hopper GPU."""
-    return fa3_installed() and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+def fa4_installed() -> bool:
+    spec = importlib.util.find_spec("flash_attn")
+    return (spec is not None and importlib.util.find_spec("nvidia_cutlass_dsl") is not None
+            and any(Path(path, "cute", "interface.py").is_file() for path in spec.submodule_search_locations or ()))
+
+
+def variant(capability_major: int | None = None) -> str | None:
+    """The FlashAttention build for this GPU: ``fa3`` (Hopper), ``fa4`` (Hopper, Blackwell), ``fa2`` or None."""
+    if capability_major is None:
+        capability_major = torch.cuda.get_device_capability()[0] if torch.cuda.is_available() else 0
+    if capability_major == 9 and fa3_installed():
+        return "fa3"
+    if capability_major in FA4_CAPABILITY_MAJORS and fa4_installed():
+        return "fa4"
+    return "fa2" if fa2_installed() else None
 
 
 @dataclass
@@ -98,11 +120,17 @@ class FlashAttnMetadataBuilder(AttentionMetadataBuilder):
 class FlashAttnImpl(AttentionImpl):
     """Writes the new keys and values, then one FlashAttention call over the mixed batch."""
 
+    MODULES = {"fa2": ("flash_attn", "flash_attn_varlen_func"),
+               "fa3": ("flash_attn_interface", "flash_attn_with_kvcache"),
+               "fa4": ("flash_attn.cute", "flash_attn_varlen_func")}
+
     def __init__(self, spec):
         super().__init__(spec)
-        self.fa3 = use_fa3()
-        module = importlib.import_module("flash_attn_interface" if self.fa3 else "flash_attn")
-        self.attend = module.flash_attn_with_kvcache if self.fa3 else module.flash_attn_varlen_func
+        self.variant = variant()
+        if self.variant is None:
+            raise RuntimeError("FLASH_ATTN: no FlashAttention build runs on this GPU")
+        module, function = self.MODULES[self.variant]
+        self.attend = getattr(importlib.import_module(module), function)
         self.write = write_kv_cache
         self.window = (spec.sliding_window - 1, 0) if spec.sliding_window else (-1, -1)
 
@@ -111,17 +139,23 @@ class FlashAttnImpl(AttentionImpl):
         spec = self.spec
         options = dict(softmax_scale=spec.scale, causal=True, window_size=self.window,
                        softcap=spec.logit_softcap or 0.0)
-        if self.fa3:
+        if self.variant == "fa3":
             return self.attend(q, kv_cache[0], kv_cache[1], cache_seqlens=metadata.seq_lens,
                                page_table=metadata.block_table, cu_seqlens_q=metadata.query_start_loc,
                                max_seqlen_q=metadata.max_query_len, **options)
+        if self.variant == "fa4":
+            out, _ = self.attend(q, kv_cache[0], kv_cache[1], cu_seqlens_q=metadata.query_start_loc,
+                                 seqused_k=metadata.seq_lens, max_seqlen_q=metadata.max_query_len,
+                                 page_table=metadata.block_table, **options)
+            return out
         return self.attend(q, kv_cache[0], kv_cache[1], metadata.query_start_loc, metadata.cu_seqlens_k,
                            metadata.max_query_len, metadata.max_seq_len, block_table=metadata.block_table,
                            **options)
 
 
 class FlashAttnBackend(AttentionBackend):
-    """FlashAttention-3 on Hopper, else FlashAttention-2 (blocks of a multiple of 256 tokens)."""
+    """FlashAttention-3 on Hopper, FlashAttention-4 on Hopper or Blackwell, else FlashAttention-2
+    (blocks of a multiple of 256 tokens)."""
 
     name = "FLASH_ATTN"
     verification = VERIFICATION
@@ -137,21 +171,25 @@ class FlashAttnBackend(AttentionBackend):
 
     @classmethod
     def available(cls) -> str | None:
-        if not fa2_installed() and not fa3_installed():
-            return ("the flash-attn package is not installed (pip install flash-attn; for FlashAttention-3 "
-                    "on Hopper, build hopper/ of github.com/Dao-AILab/flash-attention)")
+        if not (fa2_installed() or fa3_installed() or fa4_installed()):
+            return ("the flash-attn package is not installed (pip install flash-attn; on Hopper or Blackwell "
+                    "pip install flash-attn-4, or build hopper/ of github.com/Dao-AILab/flash-attention for "
+                    "FlashAttention-3)")
         return None
 
     @classmethod
     def validate(cls, req: AttentionRequirements) -> list[str]:
         reasons = super().validate(req)
-        if cls.available() is None and not use_fa3():
-            if not fa2_installed():
-                reasons.append(f"FlashAttention-3 is installed but needs a Hopper (sm_90) GPU for {cls.name}")
-            elif req.block_size % FA2_BLOCK_MULTIPLE:
-                reasons.append(f"block size {req.block_size} not supported by {cls.name} with FlashAttention-2 "
-                               f"(its paged cache needs a multiple of {FA2_BLOCK_MULTIPLE}: "
-                               f"--block-size {FA2_BLOCK_MULTIPLE})")
+        if cls.available() is not None:
+            return reasons
+        chosen = variant()
+        if chosen is None:
+            reasons.append(f"the installed FlashAttention (3 needs sm_90, 4 needs sm_90/sm_100/sm_110) does not "
+                           f"run on this GPU for {cls.name}")
+        elif chosen == "fa2" and req.block_size % FA2_BLOCK_MULTIPLE:
+            reasons.append(f"block size {req.block_size} not supported by {cls.name} with FlashAttention-2 "
+                           f"(its paged cache needs a multiple of {FA2_BLOCK_MULTIPLE}: "
+                           f"--block-size {FA2_BLOCK_MULTIPLE})")
         return reasons
 
     @classmethod

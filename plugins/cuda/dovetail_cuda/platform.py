@@ -119,13 +119,15 @@ class CudaPlatform(TorchDevicePlatform):
         return ["FLASH_ATTN", "FLASHINFER", "TRITON", "REFERENCE"]
 
     def check_and_update_config(self, config) -> None:
-        """FlashAttention-2's paged cache needs blocks of 256 tokens: set it when FLASH_ATTN is asked for."""
+        """FlashAttention-2's paged cache needs blocks of 256 tokens: set it when FLASH_ATTN is asked for and
+        neither FlashAttention-3 nor 4 runs on this GPU."""
         requested = config.device.attention_backend or os.environ.get("DOVETAIL_ATTENTION_BACKEND")
         if requested != "FLASH_ATTN" or "block_size" in config.cache.model_fields_set:
             return
-        from dovetail_cuda.flash_attn_backend import FA2_BLOCK_MULTIPLE, fa3_installed
+        from dovetail_cuda.flash_attn_backend import FA2_BLOCK_MULTIPLE, fa3_installed, fa4_installed, variant
 
-        if not fa3_installed() and config.cache.block_size % FA2_BLOCK_MULTIPLE:
+        major = self.capability()[0] if fa3_installed() or fa4_installed() else 0
+        if variant(major) == "fa2" and config.cache.block_size % FA2_BLOCK_MULTIPLE:
             config.cache.block_size = FA2_BLOCK_MULTIPLE
             logger.info("cuda: block_size set to %d for FLASH_ATTN (FlashAttention-2)", FA2_BLOCK_MULTIPLE)
 
