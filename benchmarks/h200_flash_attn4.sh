@@ -8,15 +8,19 @@
 # of at most 36 MB, .fa4a/cu13.part.aa and .fa4b/cu13.part.ab (both in .git/info/exclude), with
 # `sha256sum cu13.tar.zst > .fa4b/sha256`. The first call carries .fa4a and runs
 # `mkdir -p /tmp/fa4parts && cp .fa4a/* /tmp/fa4parts/`; the next, on the same warm machine, carries .fa4b
-# and runs this script. The other wheels (flash_attn_4, nvidia_cutlass_dsl, its libs_base and libs_core,
-# torch_c_dlpack_ext, quack_kernels; apache-tvm-ffi comes with FlashInfer's) go in .whl as usual.
+# and runs this script (the machine stays warm for 30 s after a call: send it at once). The other wheels go in
+# .whl as usual: flash_attn_4, nvidia_cutlass_dsl, nvidia_cutlass_dsl_libs_base and _core, torch_c_dlpack_ext,
+# quack_kernels (apache-tvm-ffi comes with FlashInfer's), zstandard (the machine has no zstd) and
+# importlib_metadata 8.7.1 (the image lacks it; 10.x needs lazy_importer). FlashInfer's own wheel may stay behind
+# to leave room. Ran on 2026-11-25 with flash-attn-4 4.0.0b36 and nvidia-cutlass-dsl 4.8.1.
 #   STAGE=tests|bench|all (default all) bash benchmarks/h200_flash_attn4.sh ; logs and JSON in $OUT.
 set -u
 source benchmarks/h200_setup.sh || exit 1
 if [ ! -d /tmp/site/nvidia_cutlass_dsl/cu13 ]; then
   cp .fa4b/* /tmp/fa4parts/ 2>/dev/null
   (cd /tmp/fa4parts && cat cu13.part.* > cu13.tar.zst && sha256sum -c sha256) || { echo "cutlass-dsl parts missing"; exit 1; }
-  zstd -dc /tmp/fa4parts/cu13.tar.zst | tar -xf - -C /tmp/site || exit 1
+  python3 -c "import sys, zstandard; zstandard.ZstdDecompressor().copy_stream(open(sys.argv[1], 'rb'), sys.stdout.buffer)" \
+    /tmp/fa4parts/cu13.tar.zst | tar -xf - -C /tmp/site || exit 1
 fi
 export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages
 export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=/tmp/fa4_cache
