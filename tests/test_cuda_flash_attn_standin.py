@@ -146,14 +146,19 @@ def _fake_packages(root, *files):
         path.write_text("")
 
 
+CUTLASS_CU13 = "nvidia_cutlass_dsl/dsl_packages/cutlass/_mlir/_mlir_libs/_cutlass_ir.cu13.cpython-312-x86_64-linux-gnu.so"
+
+
 @pytest.mark.parametrize("files, fa2, fa4", [
     (["flash_attn/__init__.py"], True, False),
-    (["flash_attn/cute/interface.py", "nvidia_cutlass_dsl/__init__.py"], False, True),
+    (["flash_attn/cute/interface.py", CUTLASS_CU13], False, True),
     (["flash_attn/cute/interface.py"], False, False),
-    (["flash_attn/__init__.py", "flash_attn/cute/interface.py", "nvidia_cutlass_dsl/__init__.py"], True, True),
-], ids=["fa2", "fa4 alone: a namespace package", "fa4 without cutlass", "both"])
+    (["flash_attn/cute/interface.py", "nvidia_cutlass_dsl/dsl_packages/cutlass/__init__.py"], False, False),
+    (["flash_attn/__init__.py", "flash_attn/cute/interface.py", CUTLASS_CU13], True, True),
+], ids=["fa2", "fa4 alone: a namespace package", "fa4 without cutlass", "cutlass without a CUDA flavour", "both"])
 def test_installed_builds_are_told_apart(tmp_path, monkeypatch, files, fa2, fa4):
-    """flash-attn-4 leaves ``flash_attn`` a namespace package: that must not pass for FlashAttention-2."""
+    """flash-attn-4 leaves ``flash_attn`` a namespace package: that must not pass for FlashAttention-2; and
+    FlashAttention-4 counts only with a CUDA flavour of the CuTe DSL (the H100 run met one without)."""
     import importlib
     import sys
 
@@ -172,3 +177,16 @@ def test_variant_by_compute_capability(monkeypatch, major, installed, expected):
     for name in ("fa2", "fa3", "fa4"):
         monkeypatch.setattr(flash_attn_backend, f"{name}_installed", lambda name=name: name in installed)
     assert flash_attn_backend.variant(major) == expected
+
+
+def test_a_broken_install_is_reported_by_the_backend(monkeypatch):
+    monkeypatch.setattr(flash_attn_backend, "variant", lambda capability_major=None: "fa4")
+
+    def failing(name):
+        raise RuntimeError("No CTK flavor installed")
+
+    monkeypatch.setattr(flash_attn_backend.importlib, "import_module", failing)
+    from dovetail.attention.backend import AttentionLayerSpec
+
+    with pytest.raises(RuntimeError, match=r"FLASH_ATTN: importing flash_attn.cute \(fa4\) failed: No CTK flavor"):
+        flash_attn_backend.FlashAttnImpl(AttentionLayerSpec(4, 2, 64, 0.125))

@@ -60,9 +60,15 @@ def fa2_installed() -> bool:
 
 
 def fa4_installed() -> bool:
-    spec = importlib.util.find_spec("flash_attn")
-    return (spec is not None and importlib.util.find_spec("nvidia_cutlass_dsl") is not None
-            and any(Path(path, "cute", "interface.py").is_file() for path in spec.submodule_search_locations or ()))
+    """flash-attn-4's ``flash_attn/cute``, and a CUDA flavour of the CuTe DSL it compiles with
+    (``nvidia-cutlass-dsl-libs-cu12`` or ``-cu13``: without one, importing it fails)."""
+    spec, dsl = importlib.util.find_spec("flash_attn"), importlib.util.find_spec("nvidia_cutlass_dsl")
+    if spec is None or dsl is None:
+        return False
+    kernels = any(Path(path, "cute", "interface.py").is_file() for path in spec.submodule_search_locations or ())
+    flavours = (flavour for path in dsl.submodule_search_locations or ()
+                for flavour in Path(path, "dsl_packages", "cutlass", "_mlir", "_mlir_libs").glob("_cutlass_ir.cu*"))
+    return kernels and next(flavours, None) is not None
 
 
 def variant(capability_major: int | None = None) -> str | None:
@@ -132,7 +138,10 @@ class FlashAttnImpl(AttentionImpl):
         if self.variant is None:
             raise RuntimeError("FLASH_ATTN: no FlashAttention build runs on this GPU")
         module, function = self.MODULES[self.variant]
-        self.attend = getattr(importlib.import_module(module), function)
+        try:
+            self.attend = getattr(importlib.import_module(module), function)
+        except Exception as exc:
+            raise RuntimeError(f"FLASH_ATTN: importing {module} ({self.variant}) failed: {exc}") from exc
         self.write = write_kv_cache
         self.window = (spec.sliding_window - 1, 0) if spec.sliding_window else (-1, -1)
 
