@@ -155,7 +155,7 @@ def test_each_step_waits_for_the_device_once(model_dir, monkeypatch, overlap):
 
 
 def test_kv_cache_is_sized_from_gpu_memory_utilization(model_dir):
-    llm = LLM(str(model_dir), attention_backend="FLASHINFER", **{**ENGINE, "gpu_memory_utilization": 0.1})
+    llm = LLM(str(model_dir), attention_backend="TRITON", **{**ENGINE, "gpu_memory_utilization": 0.1})
     engine = llm.llm_engine
     total = torch.cuda.mem_get_info()[1]
     kv_bytes = engine.num_blocks * engine.runner.bytes_per_block()
