@@ -168,6 +168,13 @@ def test_installed_builds_are_told_apart(tmp_path, monkeypatch, files, fa2, fa4)
     monkeypatch.syspath_prepend(str(tmp_path))
     importlib.invalidate_caches()
     assert (flash_attn_backend.fa2_installed(), flash_attn_backend.fa4_installed()) == (fa2, fa4)
+    reason = flash_attn_backend.FlashAttnBackend.available()
+    if fa2 or fa4:
+        assert reason is None
+    elif any(name.startswith("flash_attn/cute") for name in files):
+        assert reason.startswith("flash-attn-4 is installed, but the CuTe DSL it compiles with has no CUDA libraries")
+    else:
+        assert reason.startswith("the flash-attn package is not installed")
 
 
 @pytest.mark.parametrize("major, installed, expected", [

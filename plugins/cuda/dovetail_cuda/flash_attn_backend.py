@@ -59,16 +59,23 @@ def fa2_installed() -> bool:
     return spec is not None and spec.origin not in (None, "namespace")
 
 
+def _fa4_kernels_present() -> bool:
+    spec = importlib.util.find_spec("flash_attn")
+    return spec is not None and any(Path(path, "cute", "interface.py").is_file()
+                                    for path in spec.submodule_search_locations or ())
+
+
+def _cute_dsl_cuda_present() -> bool:
+    """A CUDA flavour of the CuTe DSL (``nvidia-cutlass-dsl-libs-cu12`` or ``-cu13``): without one it cannot load."""
+    spec = importlib.util.find_spec("nvidia_cutlass_dsl")
+    return spec is not None and any(next(Path(path, "dsl_packages", "cutlass", "_mlir", "_mlir_libs")
+                                         .glob("_cutlass_ir.cu*"), None) is not None
+                                    for path in spec.submodule_search_locations or ())
+
+
 def fa4_installed() -> bool:
-    """flash-attn-4's ``flash_attn/cute``, and a CUDA flavour of the CuTe DSL it compiles with
-    (``nvidia-cutlass-dsl-libs-cu12`` or ``-cu13``: without one, importing it fails)."""
-    spec, dsl = importlib.util.find_spec("flash_attn"), importlib.util.find_spec("nvidia_cutlass_dsl")
-    if spec is None or dsl is None:
-        return False
-    kernels = any(Path(path, "cute", "interface.py").is_file() for path in spec.submodule_search_locations or ())
-    flavours = (flavour for path in dsl.submodule_search_locations or ()
-                for flavour in Path(path, "dsl_packages", "cutlass", "_mlir", "_mlir_libs").glob("_cutlass_ir.cu*"))
-    return kernels and next(flavours, None) is not None
+    """flash-attn-4's ``flash_attn/cute`` and a CUDA flavour of the CuTe DSL it compiles with."""
+    return _fa4_kernels_present() and _cute_dsl_cuda_present()
 
 
 def variant(capability_major: int | None = None) -> str | None:
@@ -183,6 +190,9 @@ class FlashAttnBackend(AttentionBackend):
     @classmethod
     def available(cls) -> str | None:
         if not (fa2_installed() or fa3_installed() or fa4_installed()):
+            if _fa4_kernels_present():
+                return ("flash-attn-4 is installed, but the CuTe DSL it compiles with has no CUDA libraries "
+                        "(pip install 'nvidia-cutlass-dsl[cu13]', or nvidia-cutlass-dsl-libs-cu12)")
             return ("the flash-attn package is not installed (pip install flash-attn; on Hopper or Blackwell "
                     "pip install flash-attn-4, or build hopper/ of github.com/Dao-AILab/flash-attention for "
                     "FlashAttention-3)")
