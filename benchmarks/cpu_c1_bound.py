@@ -9,8 +9,8 @@ out attention, norms, rotary, sampling and all host work, so no engine can finis
 Each product runs through the CPU platform's ``linear`` (what the engine calls) and through ``F.linear``,
 and the faster is counted. A second, tighter bound adds the time to read, once, the cached keys and values that
 decode attention must see (every earlier token of its request, float32 as C1's ``kv_cache_dtype="auto"``) at the
-memory read bandwidth measured here (a ``sum`` over 512 MB). ``--hf`` also runs HF transformers' C1 in the same process, to set the bound
-beside the issue's goal (3x HF).
+memory read bandwidth measured here (a ``sum`` over 512 MB). ``--hf`` also runs HF transformers' C1 in the
+same process, to set the bounds beside the issue's goal (3x HF).
 
     python benchmarks/cpu_c1_bound.py --threads 2 --hf
 """
