@@ -146,7 +146,8 @@ def _fake_packages(root, *files):
         path.write_text("")
 
 
-CUTLASS_CU13 = "nvidia_cutlass_dsl/dsl_packages/cutlass/_mlir/_mlir_libs/_cutlass_ir.cu13.cpython-312-x86_64-linux-gnu.so"
+CUTLASS_CU13 = ("nvidia_cutlass_dsl/dsl_packages/cutlass/_mlir/_mlir_libs/"
+                "_cutlass_ir.cu13.cpython-312-x86_64-linux-gnu.so")
 
 
 @pytest.mark.parametrize("files, fa2, fa4", [
