@@ -15,13 +15,11 @@
 # to leave room. Ran on 2026-11-25 with flash-attn-4 4.0.0b36 and nvidia-cutlass-dsl 4.8.1.
 #   STAGE=tests|bench|all (default all) bash benchmarks/h200_flash_attn4.sh ; logs and JSON in $OUT.
 set -u
-source benchmarks/h200_setup.sh || exit 1
-if [ ! -d /tmp/site/nvidia_cutlass_dsl/cu13 ]; then
-  cp .fa4b/* /tmp/fa4parts/ 2>/dev/null
-  (cd /tmp/fa4parts && cat cu13.part.* > cu13.tar.zst && sha256sum -c sha256) || { echo "cutlass-dsl parts missing"; exit 1; }
-  python3 -c "import sys, zstandard; zstandard.ZstdDecompressor().copy_stream(open(sys.argv[1], 'rb'), sys.stdout.buffer)" \
-    /tmp/fa4parts/cu13.tar.zst | tar -xf - -C /tmp/site || exit 1
-fi
+source benchmarks/h200_setup.sh || exit 1  # (re)installs /tmp/site: the CUDA libraries go in after it
+cp .fa4b/* /tmp/fa4parts/ 2>/dev/null
+(cd /tmp/fa4parts && cat cu13.part.* > cu13.tar.zst && sha256sum -c sha256) || { echo "cutlass-dsl parts missing"; exit 1; }
+python3 -c "import sys, zstandard; zstandard.ZstdDecompressor().copy_stream(open(sys.argv[1], 'rb'), sys.stdout.buffer)" \
+  /tmp/fa4parts/cu13.tar.zst | tar -xf - -C /tmp/site || exit 1
 export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages
 export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=/tmp/fa4_cache
 python3 -c "
