@@ -8,10 +8,15 @@ wrong buffer update, padding row or spare-block slot changes the tokens.
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 import torch
 
 from dovetail import LLM, SamplingParams
+from dovetail.cli.engine_args import add_engine_arguments, engine_kwargs
+from dovetail.config import EngineArgs
+from dovetail.errors import ConfigError
 from dovetail.attention.reference import ReferenceAttentionImpl, attend, gather_kv
 from dovetail.engine.model_runner import graph_batch_sizes
 from dovetail.platform import DeviceGraph
@@ -55,11 +60,36 @@ class DeviceOnlyDecodeImpl(ReferenceAttentionImpl):
         return attend(q.unsqueeze(1), keys, values, (k_len - 1).view(-1, 1), k_len, self.spec).squeeze(1).to(q.dtype)
 
 
-def test_graph_batch_sizes():
-    assert graph_batch_sizes(256)[:6] == [1, 2, 4, 8, 16, 32] and graph_batch_sizes(256)[-1] == 256
+def test_graph_batch_sizes_default_to_vllms_list():
+    sizes = graph_batch_sizes(1024)
+    assert sizes[:6] == [1, 2, 4, 8, 16, 24] and sizes[-1] == 512
+    assert [b - a for a, b in zip(sizes[3:], sizes[4:])] == [8] * 31 + [16] * 16  # every 8 to 256, then 16
     assert graph_batch_sizes(6) == [1, 2, 4, 6]
-    assert graph_batch_sizes(40) == [1, 2, 4, 8, 16, 32, 40]
-    assert graph_batch_sizes(2000)[-1] == 512
+    assert graph_batch_sizes(40) == [1, 2, 4, 8, 16, 24, 32, 40]
+    assert graph_batch_sizes(300)[-3:] == [272, 288, 300]
+    assert graph_batch_sizes(1024, max_capture_size=20) == [1, 2, 4, 8, 16, 20]
+
+
+def test_graph_batch_sizes_from_a_list():
+    assert graph_batch_sizes(256, [64, 2, 16, 2]) == [2, 16, 64]
+    assert graph_batch_sizes(8, [4, 16]) == [4], "sizes above the largest batch are dropped"
+    assert graph_batch_sizes(256, [4, 128], max_capture_size=64) == [4]
+
+
+@pytest.mark.parametrize("sizes", [[], [0, 4], [-2]])
+def test_capture_sizes_must_be_positive(tiny_llama_dir, sizes):
+    with pytest.raises(ConfigError, match="cudagraph_capture_sizes"):
+        LLM(str(tiny_llama_dir), device="cpu", cudagraph_capture_sizes=sizes)
+
+
+def test_capture_sizes_flag_reaches_the_engine():
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    args = parser.parse_args(["--cudagraph-capture-sizes", "1", "8", "32", "--max-cudagraph-capture-size", "16"])
+    kwargs = engine_kwargs(args)
+    assert kwargs["cudagraph_capture_sizes"] == [1, 8, 32] and kwargs["max_cudagraph_capture_size"] == 16
+    device = EngineArgs("m", **kwargs).create_engine_config().device
+    assert device.cudagraph_capture_sizes == [1, 8, 32] and device.max_cudagraph_capture_size == 16
 
 
 @pytest.fixture(scope="module")
@@ -84,3 +114,21 @@ def test_replayed_decode_steps_match_hf(tiny_llama_dir, hf_reference):
     assert replays[6] > 0 and replays[4] > 0 and replays[1] > 0, replays
     # The padding rows wrote only to the spare block, which no sequence owns.
     assert runner.spare_block == llm.llm_engine.num_blocks
+
+
+def test_steps_above_the_largest_captured_size_run_eagerly(tiny_llama_dir, hf_reference):
+    llm = LLM(str(tiny_llama_dir), device="cpu", attention_backend="REFERENCE", max_num_seqs=6,
+              cudagraph_capture_sizes=[2, 3])
+    runner = llm.llm_engine.runner
+    for layer in runner.attention_layers:
+        layer.impl = DeviceOnlyDecodeImpl(layer.spec)
+    runner.platform, runner.use_graphs = ReplayPlatform(), True
+    runner.capture_graphs()
+    assert runner.graphs.sizes == [2, 3]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    for out, (tokens, logprobs) in zip(outputs, hf_reference):
+        assert_greedy_matches(out.outputs[0].token_ids, tokens, logprobs)
+    replays = {size: graph.replays for size, graph in runner.graphs.graphs.items()}
+    # Steps of 5 and 4 sequences decode eagerly; 3 sequences replay size 3; 2 and 1 (padded up) size 2.
+    assert replays[3] == MAX_TOKENS[2] - MAX_TOKENS[3] and replays[2] == MAX_TOKENS[0] - MAX_TOKENS[2], replays

@@ -76,7 +76,19 @@ class DeviceConfig(_Section):
     device: Optional[str] = None
     attention_backend: Optional[str] = None
     enforce_eager: bool = False
+    #: Decode batch sizes captured as device graphs (None: vLLM's default list; see ``graph_batch_sizes``).
+    cudagraph_capture_sizes: Optional[list[int]] = None
+    #: Largest decode batch captured by default (None: 512).
+    max_cudagraph_capture_size: Optional[int] = Field(default=None, ge=1)
     cpu_threads: Optional[int] = Field(default=None, ge=1)
+
+
+    @field_validator("cudagraph_capture_sizes")
+    @classmethod
+    def _capture_sizes_positive(cls, value):
+        if value is not None and (not value or any(size < 1 for size in value)):
+            raise ValueError("must be a non-empty list of batch sizes of at least 1")
+        return value
 
 
 class ParallelConfig(_Section):

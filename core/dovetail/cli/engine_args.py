@@ -46,6 +46,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser, model_positional: bool
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--load-format", default=None, choices=("auto", "safetensors", "dummy"))
     g.add_argument("--enforce-eager", action="store_true", default=None)
+    g.add_argument("--cudagraph-capture-sizes", type=int, nargs="+", default=None, metavar="N",
+                   help="decode batch sizes captured as CUDA graphs (default: 1 2 4, every 8 to 256, then every 16)")
+    g.add_argument("--max-cudagraph-capture-size", type=int, default=None,
+                   help="largest decode batch captured by default (default: 512)")
     g.add_argument("--cpu-threads", type=int, default=None, help="CPU threads (default: OMP_NUM_THREADS or all)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=None)
 
@@ -54,7 +58,8 @@ ENGINE_KEYS = (
     "device", "attention_backend", "quantization", "dtype", "max_model_len", "block_size",
     "gpu_memory_utilization", "kv_cache_memory_bytes", "kv_cache_dtype", "num_gpu_blocks_override",
     "enable_prefix_caching", "enable_chunked_prefill", "max_num_seqs", "max_num_batched_tokens",
-    "scheduling_policy", "async_scheduling", "seed", "load_format", "enforce_eager", "cpu_threads", "tensor_parallel_size",
+    "scheduling_policy", "async_scheduling", "seed", "load_format", "enforce_eager",
+    "cudagraph_capture_sizes", "max_cudagraph_capture_size", "cpu_threads", "tensor_parallel_size",
 )
 
 

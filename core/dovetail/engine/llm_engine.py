@@ -106,7 +106,9 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.platform, self.attention_backend, config.cache.block_size,
                                   self.dtype, config.cache.kv_cache_dtype, self.device,
                                   max_num_seqs=config.scheduler.max_num_seqs, max_model_len=self.max_model_len,
-                                  enforce_eager=config.device.enforce_eager)
+                                  enforce_eager=config.device.enforce_eager,
+                                  cudagraph_capture_sizes=config.device.cudagraph_capture_sizes,
+                                  max_cudagraph_capture_size=config.device.max_cudagraph_capture_size)
         self.num_blocks = self._num_kv_blocks()
         self.runner.allocate_kv_cache(self.num_blocks)
         self.runner.capture_graphs()

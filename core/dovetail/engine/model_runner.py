@@ -36,14 +36,23 @@ KV_CACHE_DTYPES = {
     "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2,
 }
 
-#: Largest decode batch captured in a graph; bigger decode steps run eagerly.
+#: Largest decode batch captured in a graph by default; bigger decode steps run eagerly.
 MAX_GRAPH_BATCH = 512
 
 
-def graph_batch_sizes(max_num_seqs: int) -> list[int]:
-    """Batch sizes to capture (1, 2, 4, 8, then every 16), up to ``max_num_seqs``; a step pads up to the next."""
-    cap = min(max_num_seqs, MAX_GRAPH_BATCH)
-    sizes = [s for s in (1, 2, 4, 8) if s <= cap] + list(range(16, cap + 1, 16))
+def graph_batch_sizes(max_num_seqs: int, capture_sizes: list[int] | None = None,
+                      max_capture_size: int | None = None) -> list[int]:
+    """Decode batch sizes to capture, ascending; a step pads up to the next, and a larger one runs eagerly.
+
+    The default is vLLM's: 1, 2, 4, every 8 below 256, then every 16, up to the largest batch
+    (``max_num_seqs``, at most ``max_capture_size``, by default 512), which is always captured.
+    ``capture_sizes`` replaces that list; sizes above the largest batch are dropped.
+    """
+    cap = min(max_num_seqs, max_capture_size or MAX_GRAPH_BATCH)
+    if capture_sizes is not None:
+        return sorted({s for s in capture_sizes if s <= cap})
+    candidates = [1, 2, 4, *range(8, 256, 8), *range(256, cap + 1, 16)]
+    sizes = [s for s in candidates if s <= cap]
     if sizes[-1] != cap:
         sizes.append(cap)
     return sizes
@@ -110,7 +119,8 @@ class ModelRunner:
 
     def __init__(self, model, platform: Platform, backend: type[AttentionBackend], block_size: int,
                  dtype: torch.dtype, kv_cache_dtype: str, device: torch.device, *, max_num_seqs: int = 256,
-                 max_model_len: int | None = None, enforce_eager: bool = False):
+                 max_model_len: int | None = None, enforce_eager: bool = False,
+                 cudagraph_capture_sizes: list[int] | None = None, max_cudagraph_capture_size: int | None = None):
         self.model = model
         self.platform = platform
         self.backend = backend
@@ -128,6 +138,7 @@ class ModelRunner:
         self.spare_block = 0
         self.use_graphs = (not enforce_eager and platform.supports_graph_capture
                            and backend.supports_graph_capture and max_model_len is not None)
+        self.graph_sizes = graph_batch_sizes(max_num_seqs, cudagraph_capture_sizes, max_cudagraph_capture_size)
         self.graphs: DecodeGraphs | None = None
 
     # -- KV cache ------------------------------------------------------------------------
@@ -155,9 +166,9 @@ class ModelRunner:
     @torch.inference_mode()
     def capture_graphs(self) -> None:
         """Capture the decode graphs (after the KV cache is allocated); a no-op when graphs are off."""
-        if self.use_graphs and self.kv_caches:
+        if self.use_graphs and self.kv_caches and self.graph_sizes:
             try:
-                self.graphs = DecodeGraphs(self, graph_batch_sizes(self.max_num_seqs))
+                self.graphs = DecodeGraphs(self, self.graph_sizes)
             except NotImplementedError as exc:
                 logger.warning("decode steps run eagerly: %s (the platform declares supports_graph_capture)", exc)
 
