@@ -12,7 +12,7 @@ from dovetail.attention.backend import AttentionLayerSpec
 from dovetail.attention.batch import AttentionBatch
 from dovetail.attention.reference import ReferenceBackend
 from dovetail.engine.model_runner import block_table_tensor
-from dovetail.plugin_manager import get_plugin_manager
+from installed_backends import installed_attention_backend
 
 pytestmark = pytest.mark.gpu
 
@@ -23,17 +23,10 @@ CASES = (testing.attention_cases(head_sizes=(64, 128), block_sizes=(16, 32))
             testing.AttentionCase("decode-h256", ((90, 1), (1, 1), (16, 1)), 256, 8, 2, 16)])
 
 
-def _backend(name):
-    cls = get_plugin_manager().registry.attention_backends[name].load()
-    if cls.available():
-        pytest.skip(cls.available())
-    return cls
-
-
 @pytest.mark.parametrize("case", CASES, ids=str)
 @pytest.mark.parametrize("name", BACKENDS)
 def test_backend_matches_reference(name, case):
-    backend = _backend(name)
+    backend = installed_attention_backend(name)
     try:
         testing.check_attention_case(backend, case, device="cuda", dtype=torch.bfloat16, platform="cuda")
     except testing.NotApplicable as exc:
@@ -42,7 +35,7 @@ def test_backend_matches_reference(name, case):
 
 @pytest.mark.parametrize("name", BACKENDS)
 def test_negative_slots_are_not_written(name):
-    backend = _backend(name)
+    backend = installed_attention_backend(name)
     spec = AttentionLayerSpec(8, 2, 128, 128 ** -0.5)
     batch = AttentionBatch.build([1, 1, 5], [9, 20, 5], [[3], [4, 5], [6]], [3 * 16 + 8, -1, -1, 6 * 16, 6 * 16 + 1,
                                                                               6 * 16 + 2, 6 * 16 + 3], 16, "cuda")
@@ -80,7 +73,7 @@ class _StaticDecode:
 @pytest.mark.parametrize("name", BACKENDS)
 def test_captured_decode_replays_new_lengths(name):
     """Capture one layer's decode at length 1, replay it on longer, different sequences."""
-    backend = _backend(name)
+    backend = installed_attention_backend(name)
     if not backend.supports_graph_capture:
         pytest.skip(f"{name} does not capture graphs")
     size, bs, num_blocks = 8, 16, 600

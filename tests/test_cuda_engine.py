@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from dovetail import LLM, SamplingParams
+from installed_backends import installed_attention_backend
 from tiny_models import assert_greedy_matches, load_hf, save_model, tiny_llama_config
 
 pytestmark = pytest.mark.gpu
@@ -57,18 +58,10 @@ def _release_gpu_memory():
     torch.cuda.empty_cache()
 
 
-def _skip_unless_installed(backend):
-    from dovetail.plugin_manager import get_plugin_manager
-
-    reason = get_plugin_manager().registry.attention_backends[backend].load().available()
-    if reason:
-        pytest.skip(reason)
-
-
 @pytest.mark.parametrize("backend", ["REFERENCE", "FLASHINFER", "TRITON", "FLASH_ATTN"])
 def test_greedy_matches_hf(model_dir, hf_reference, backend):
     """float16 against HF's float32: tokens may differ only where HF's top two are within 0.05."""
-    _skip_unless_installed(backend)
+    installed_attention_backend(backend)
     llm = LLM(str(model_dir), attention_backend=backend, **{**ENGINE, "dtype": "float16"})
     if backend != "REFERENCE":
         assert llm.llm_engine.runner.graphs is not None, "CUDA graphs are on by default"
@@ -94,7 +87,7 @@ def test_float32_matches_hf_within_float_error(model_dir, hf_reference, backend)
 
 @pytest.mark.parametrize("backend", ["FLASHINFER", "TRITON", "FLASH_ATTN"])
 def test_graphs_on_and_off_give_identical_tokens(model_dir, backend):
-    _skip_unless_installed(backend)
+    installed_attention_backend(backend)
     prompts = [list(range(10 + i, 40 + i)) for i in range(4)]  # 4 decodes: a captured size, no padding
     eager = LLM(str(model_dir), attention_backend=backend, enforce_eager=True, **ENGINE)
     assert eager.llm_engine.runner.graphs is None
