@@ -11,14 +11,19 @@ end of the keys, ``window_size=(left, 0)`` keeping keys ``>= i + sk - sq - left`
 
 from __future__ import annotations
 
+import importlib
+import os
 import types
 
 import pytest
 import torch
 
-from dovetail import testing
-from dovetail_cuda import flash_attn_backend
-from dovetail_cuda.flash_attn_backend import FlashAttnBackend
+if not torch.cuda.is_available():  # FlashAttention-4 on Hopper decodes through the Triton kernel: its interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from dovetail import testing  # noqa: E402
+from dovetail_cuda import flash_attn_backend  # noqa: E402
+from dovetail_cuda.flash_attn_backend import FlashAttnBackend  # noqa: E402
 
 
 def _attend_paged(q, k_cache, v_cache, cu_q, seqlens_k, table, scale, causal, window, softcap):
@@ -101,18 +106,27 @@ MODULES = {"fa2": ("flash_attn", _fa2_module), "fa3": ("flash_attn_interface", _
            "fa4": ("flash_attn.cute", _fa4_module)}
 
 
-@pytest.fixture(params=["fa2", "fa3", "fa4"])
+@pytest.fixture(params=["fa2", "fa3", "fa4", "fa4-hopper"])
 def version(request, monkeypatch):
-    chosen = request.param
+    """A stand-in build; ``fa4-hopper`` is FlashAttention-4 on sm_90, where the decodes go through Triton."""
+    chosen = request.param.removesuffix("-hopper")
     for name in MODULES:
         monkeypatch.setattr(flash_attn_backend, f"{name}_installed", lambda name=name: name == chosen)
     monkeypatch.setattr(flash_attn_backend, "variant", lambda capability_major=None: chosen)
+    monkeypatch.setattr(flash_attn_backend, "_capability_major", lambda: 9 if request.param == "fa4-hopper" else 0)
     monkeypatch.setattr(FlashAttnBackend, "supported_device_types", None)
     name, build = MODULES[chosen]
     module = build()
-    monkeypatch.setattr(flash_attn_backend.importlib, "import_module",
-                        lambda requested: module if requested == name else pytest.fail(f"imported {requested}"))
-    return chosen
+    real_import = importlib.import_module
+    others = {module_name for module_name, _ in MODULES.values()} - {name}
+
+    def import_module(requested, *args):
+        if requested in others:
+            pytest.fail(f"imported {requested}")
+        return module if requested == name else real_import(requested, *args)
+
+    monkeypatch.setattr(flash_attn_backend.importlib, "import_module", import_module)
+    return request.param
 
 
 CASES = [c for c in testing.attention_cases(head_sizes=(64,), block_sizes=(16, 256))]
@@ -120,14 +134,20 @@ CASES = [c for c in testing.attention_cases(head_sizes=(64,), block_sizes=(16, 2
 
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_flash_attn_marshalling_matches_reference(version, case):
+    assert FlashAttnBackend.impl_cls() is (flash_attn_backend.FlashAttn4PrefillImpl if version == "fa4-hopper"
+                                           else flash_attn_backend.FlashAttnImpl)
+    # Triton's rotary rounds once where REFERENCE rounds each product: in bfloat16 that can be one unit (1/32
+    # at outputs of 4-8) past the kit's 3e-2, as TRITON alone is on the CPU; float16 keeps the check tight.
+    dtype = torch.float16 if version == "fa4-hopper" else torch.bfloat16
     if version == "fa2" and case.block_size % 256:
         with pytest.raises(testing.NotApplicable, match="block size 16 not supported by FLASH_ATTN"):
-            testing.check_attention_case(FlashAttnBackend, case, dtype=torch.bfloat16, platform="cuda")
+            testing.check_attention_case(FlashAttnBackend, case, dtype=dtype, platform="cuda")
         return
-    testing.check_attention_case(FlashAttnBackend, case, dtype=torch.bfloat16, platform="cuda")
+    testing.check_attention_case(FlashAttnBackend, case, dtype=dtype, platform="cuda")
 
 
-def test_graph_metadata_keeps_cu_seqlens_k_in_one_buffer(version):
+def test_graph_metadata_stays_in_one_buffer(version):
+    """What a captured decode reads must keep its address: FA2's ``cu_seqlens_k``, or Triton's decode order."""
     from dovetail.attention.backend import AttentionLayerSpec
     from dovetail.attention.batch import AttentionBatch
 
@@ -135,8 +155,37 @@ def test_graph_metadata_keeps_cu_seqlens_k_in_one_buffer(version):
                                                       torch.device("cpu"), torch.bfloat16)
     first = builder.build_for_graph(AttentionBatch.from_lists([1, 1], [5, 300], [[0], [1, 2]], 256), 2)
     second = builder.build_for_graph(AttentionBatch.from_lists([1, 1], [7, 9], [[0], [1]], 256), 2)
+    if version == "fa4-hopper":
+        assert first.decode_order.data_ptr() == second.decode_order.data_ptr()
+        assert second.decode_order.tolist() == [1, 0]  # longest context first
+        return
     assert first.cu_seqlens_k.data_ptr() == second.cu_seqlens_k.data_ptr()
     assert second.cu_seqlens_k.tolist() == [0, 7, 16]
+
+
+@pytest.mark.parametrize("version", ["fa4-hopper"], indirect=True)
+def test_fa4_on_hopper_takes_only_the_prefills(version):
+    """Decodes go to the Triton kernel; FlashAttention-4 sees the other sequences alone, their queries from 0."""
+    from dovetail.attention.backend import AttentionLayerSpec
+    from dovetail.attention.batch import AttentionBatch
+
+    impl = FlashAttnBackend.impl_cls()(AttentionLayerSpec(4, 2, 64, 0.125))
+    calls = []
+    standin = impl.attend
+
+    def counted(q, *args, **kwargs):
+        calls.append((q.shape[0], kwargs["cu_seqlens_q"].tolist(), kwargs["seqused_k"].tolist()))
+        return standin(q, *args, **kwargs)
+
+    impl.attend = counted
+    builder = FlashAttnBackend.metadata_builder_cls()(FlashAttnBackend, [impl.spec], 16, torch.device("cpu"),
+                                                      torch.float16)
+    cache = torch.randn(2, 8, 16, 2, 64, dtype=torch.float16)
+    for query_lens, seq_lens, tables in [([1, 1], [9, 20], [[0], [1, 2]]), ([1, 6, 3], [9, 6, 20], [[0], [3], [4, 5]])]:
+        batch = AttentionBatch.from_lists(query_lens, seq_lens, tables, 16)
+        q, k, v = (torch.randn(batch.num_tokens, h, 64, dtype=torch.float16) for h in (4, 2, 2))
+        impl.forward(q, k, v, cache, builder.build(batch))
+    assert calls == [(9, [0, 6, 9], [6, 20])], calls
 
 
 def _fake_packages(root, *files):

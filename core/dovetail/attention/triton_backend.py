@@ -166,11 +166,17 @@ class TritonAttentionImpl(AttentionImpl):
                 new_kv=(k, v, metadata.slot_mapping) if fused else None, rotary=rotary if fused else None,
                 **options)
         if n < metadata.num_seqs:
-            attention.paged_attention(
-                q_rest, key_cache, value_cache, out[n:], metadata.block_table[n:], metadata.seq_lens[n:],
-                metadata.query_start_loc[n:], num_tokens=end - n, num_seqs=metadata.num_seqs - n, decode=False,
-                **options)
+            self._attend_rest(q_rest, kv_cache, out[n:], metadata)
         return out
+
+    def _attend_rest(self, q_rest, kv_cache, out_rest, metadata) -> None:
+        """Attend the sequences after the decodes (prefills, chunked prefills) into ``out_rest``; their keys
+        and values are in the cache already."""
+        spec, n = self.spec, metadata.num_decodes
+        self._paged_attention.paged_attention(
+            q_rest, kv_cache[0], kv_cache[1], out_rest, metadata.block_table[n:], metadata.seq_lens[n:],
+            metadata.query_start_loc[n:], num_tokens=metadata.num_tokens - n, num_seqs=metadata.num_seqs - n,
+            decode=False, scale=spec.scale, sliding_window=spec.sliding_window, logit_softcap=spec.logit_softcap)
 
 
 class TritonBackend(AttentionBackend):
