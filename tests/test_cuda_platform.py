@@ -165,6 +165,7 @@ def test_dovetail_plugins_lists_cuda_and_its_backends_with_reasons():
     assert backends["FLASHINFER"]["platforms"] == ["cuda"] and backends["FLASH_ATTN"]["platforms"] == ["cuda"]
     assert "FlashAttention-4 verified on one NVIDIA H100" in backends["FLASH_ATTN"]["verification"]
     assert "FlashAttention-2 and FlashAttention-3 NOT verified" in backends["FLASH_ATTN"]["verification"]
+    assert "Blackwell" in backends["FLASH_ATTN"]["verification"]
     if not torch.cuda.is_available():
         assert cuda["usable"] is False and "no NVIDIA driver" in cuda["reason"] or "torch" in cuda["reason"]
         assert backends["FLASHINFER"]["usable"] is False and backends["FLASHINFER"]["reason"]

@@ -45,11 +45,13 @@ FA4_CAPABILITY_MAJORS = (9, 10, 11)
 
 VERIFICATION = (
     "FlashAttention-4 verified on one NVIDIA H100 (sm_90, the H200's architecture) with flash-attn-4 4.0.0b36 and "
-    "nvidia-cutlass-dsl 4.8.1 on 2026-11-25: against REFERENCE on random bfloat16 inputs (prefill, chunked "
+    "nvidia-cutlass-dsl 4.8.1 on 2026-11-25, both alone and taking only the prefills with Triton decoding (as it "
+    "runs on Hopper now): against REFERENCE on random bfloat16 inputs (prefill, chunked "
     "prefill, decode, mixed batches, GQA, sliding window, soft-capping; head sizes 64/128/256; block sizes "
     "16/32), slots of -1 left unwritten, decode replayed from a CUDA graph at new lengths, whole-model greedy "
-    "output against HF (float16), graphs on and off identical. FlashAttention-2 and FlashAttention-3 NOT "
-    "verified: neither could be built or carried to the GPU machine; tested on the CPU against stand-ins only"
+    "output against HF (float16), graphs on and off identical. FlashAttention-4 on Blackwell (which it takes "
+    "whole there), FlashAttention-2 and FlashAttention-3 NOT verified: never run on such a GPU or built for "
+    "one here; tested on the CPU against stand-ins only"
 )
 
 
