@@ -247,3 +247,16 @@ def test_a_broken_install_is_reported_by_the_backend(monkeypatch):
 
     with pytest.raises(RuntimeError, match=r"FLASH_ATTN: importing flash_attn.cute \(fa4\) failed: No CTK flavor"):
         flash_attn_backend.FlashAttnImpl(AttentionLayerSpec(4, 2, 64, 0.125))
+
+
+@pytest.mark.parametrize("version", ["fa4-hopper"], indirect=True)
+def test_fa4_on_hopper_takes_head_sizes_the_triton_decode_takes(version):
+    from dovetail.attention.backend import AttentionRequirements
+
+    def reasons(head_size):
+        return FlashAttnBackend.validate(AttentionRequirements("cuda", "cuda", torch.bfloat16, "auto", 16, head_size,
+                                                               4, 2))
+
+    assert reasons(64) == []
+    assert any(r.startswith("head size 24 not supported by FLASH_ATTN with FlashAttention-4 on Hopper")
+               for r in reasons(24)), reasons(24)

@@ -82,7 +82,6 @@ class DeviceConfig(_Section):
     max_cudagraph_capture_size: Optional[int] = Field(default=None, ge=1)
     cpu_threads: Optional[int] = Field(default=None, ge=1)
 
-
     @field_validator("cudagraph_capture_sizes")
     @classmethod
     def _capture_sizes_positive(cls, value):

@@ -34,7 +34,7 @@ import torch
 from dovetail.attention.backend import (AttentionBackend, AttentionImpl, AttentionMetadataBuilder,
                                         AttentionRequirements)
 from dovetail.attention.batch import AttentionBatch
-from dovetail.attention.triton_backend import TritonAttentionImpl, TritonMetadataBuilder
+from dovetail.attention.triton_backend import TritonAttentionImpl, TritonBackend, TritonMetadataBuilder
 from dovetail.triton import triton_missing_reason
 from dovetail_cuda.kv_write import write_kv_cache
 
@@ -79,11 +79,6 @@ def _cute_dsl_cuda_present() -> bool:
                                     for path in spec.submodule_search_locations or ())
 
 
-def decodes_in_triton() -> bool:
-    """FlashAttention-4 on Hopper: its prefills only, the decodes in the core's Triton kernel."""
-    return variant() == "fa4" and _capability_major() == 9
-
-
 def fa4_installed() -> bool:
     """flash-attn-4's ``flash_attn/cute`` and a CUDA flavour of the CuTe DSL it compiles with."""
     return _fa4_kernels_present() and _cute_dsl_cuda_present()
@@ -102,6 +97,11 @@ def variant(capability_major: int | None = None) -> str | None:
     if capability_major in FA4_CAPABILITY_MAJORS and fa4_installed():
         return "fa4"
     return "fa2" if fa2_installed() else None
+
+
+def decodes_in_triton() -> bool:
+    """FlashAttention-4 on Hopper: its prefills only, the decodes in the core's Triton kernel."""
+    return variant() == "fa4" and _capability_major() == 9
 
 
 @dataclass
@@ -255,9 +255,13 @@ class FlashAttnBackend(AttentionBackend):
         if chosen is None:
             reasons.append(f"the installed FlashAttention (3 needs sm_90, 4 needs sm_90/sm_100/sm_110) does not "
                            f"run on this GPU for {cls.name}")
-        elif chosen == "fa4" and decodes_in_triton() and triton_missing_reason():
-            reasons.append(f"{cls.name} with FlashAttention-4 on Hopper decodes through Triton: "
-                           f"{triton_missing_reason()}")
+        elif chosen == "fa4" and decodes_in_triton():
+            if triton_missing_reason():
+                reasons.append(f"{cls.name} with FlashAttention-4 on Hopper decodes through Triton: "
+                               f"{triton_missing_reason()}")
+            elif req.head_size not in TritonBackend.supported_head_sizes:
+                reasons.append(f"head size {req.head_size} not supported by {cls.name} with FlashAttention-4 on "
+                               f"Hopper (its decodes go through Triton: {TritonBackend.supported_head_sizes})")
         elif chosen == "fa2" and req.block_size % FA2_BLOCK_MULTIPLE:
             reasons.append(f"block size {req.block_size} not supported by {cls.name} with FlashAttention-2 "
                            f"(its paged cache needs a multiple of {FA2_BLOCK_MULTIPLE}: "
