@@ -155,16 +155,14 @@ class TritonAttentionImpl(AttentionImpl):
             q_rest = q_rest.contiguous()
         out = q.new_empty(q.shape)
         attention = self._paged_attention
-        key_cache, value_cache = kv_cache[0], kv_cache[1]
-        options = dict(scale=spec.scale, sliding_window=spec.sliding_window, logit_softcap=spec.logit_softcap)
         if n:
             attention.paged_attention(
-                q, key_cache, value_cache, out, metadata.block_table, metadata.seq_lens,
+                q, kv_cache[0], kv_cache[1], out, metadata.block_table, metadata.seq_lens,
                 metadata.query_start_loc, num_tokens=n, num_seqs=n, decode=True,
                 num_splits=attention.default_num_splits(n, spec.num_kv_heads, q.device),
                 decode_order=getattr(metadata, "decode_order", None),
                 new_kv=(k, v, metadata.slot_mapping) if fused else None, rotary=rotary if fused else None,
-                **options)
+                **self._kernel_options())
         if n < metadata.num_seqs:
             self._attend_rest(q_rest, kv_cache, out[n:], metadata)
         return out
@@ -172,11 +170,15 @@ class TritonAttentionImpl(AttentionImpl):
     def _attend_rest(self, q_rest, kv_cache, out_rest, metadata) -> None:
         """Attend the sequences after the decodes (prefills, chunked prefills) into ``out_rest``; their keys
         and values are in the cache already."""
-        spec, n = self.spec, metadata.num_decodes
+        n = metadata.num_decodes
         self._paged_attention.paged_attention(
             q_rest, kv_cache[0], kv_cache[1], out_rest, metadata.block_table[n:], metadata.seq_lens[n:],
             metadata.query_start_loc[n:], num_tokens=metadata.num_tokens - n, num_seqs=metadata.num_seqs - n,
-            decode=False, scale=spec.scale, sliding_window=spec.sliding_window, logit_softcap=spec.logit_softcap)
+            decode=False, **self._kernel_options())
+
+    def _kernel_options(self) -> dict:
+        spec = self.spec
+        return dict(scale=spec.scale, sliding_window=spec.sliding_window, logit_softcap=spec.logit_softcap)
 
 
 class TritonBackend(AttentionBackend):

@@ -256,9 +256,8 @@ class FlashAttnBackend(AttentionBackend):
             reasons.append(f"the installed FlashAttention (3 needs sm_90, 4 needs sm_90/sm_100/sm_110) does not "
                            f"run on this GPU for {cls.name}")
         elif chosen == "fa4" and decodes_in_triton():
-            if triton_missing_reason():
-                reasons.append(f"{cls.name} with FlashAttention-4 on Hopper decodes through Triton: "
-                               f"{triton_missing_reason()}")
+            if missing := triton_missing_reason():
+                reasons.append(f"{cls.name} with FlashAttention-4 on Hopper decodes through Triton: {missing}")
             elif req.head_size not in TritonBackend.supported_head_sizes:
                 reasons.append(f"head size {req.head_size} not supported by {cls.name} with FlashAttention-4 on "
                                f"Hopper (its decodes go through Triton: {TritonBackend.supported_head_sizes})")
