@@ -1,0 +1,79 @@
+"""This process's place in the tensor-parallel group, and the collectives over it.
+
+Every collective goes through ``torch.distributed`` with the platform's
+``dist_backend`` (NCCL, RCCL, xccl, gloo). With one rank (the default, and what
+a process that never called :func:`init_tensor_parallel` has) the collectives
+are identities, so single-device code pays nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+_group: Optional[dist.ProcessGroup] = None
+_rank = 0
+_size = 1
+
+
+def init_tensor_parallel(world_size: int, rank: int, backend: str, init_method: str,
+                         device: torch.device | None = None) -> None:
+    """Join the group of ``world_size`` ranks at ``init_method`` (e.g. ``tcp://127.0.0.1:PORT``) as ``rank``."""
+    global _group, _rank, _size
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside a world of size {world_size}")
+    _rank, _size = rank, world_size
+    if world_size == 1:
+        _group = None
+        return
+    if not dist.is_initialized():
+        kwargs = {"device_id": device} if device is not None and device.type != "cpu" else {}
+        dist.init_process_group(backend, init_method=init_method, world_size=world_size, rank=rank, **kwargs)
+    _group = dist.group.WORLD
+
+
+def destroy_tensor_parallel() -> None:
+    """Leave the group (a no-op with one rank)."""
+    global _group, _rank, _size
+    if _group is not None and dist.is_initialized():
+        dist.destroy_process_group()
+    _group, _rank, _size = None, 0, 1
+
+
+def is_initialized() -> bool:
+    return _group is not None
+
+
+def tp_size() -> int:
+    return _size
+
+
+def tp_rank() -> int:
+    return _rank
+
+
+def tp_group() -> Optional[dist.ProcessGroup]:
+    return _group
+
+
+def all_reduce(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum ``tensor`` over the ranks, in place; returns it."""
+    if _size > 1:
+        dist.all_reduce(tensor, group=_group)
+    return tensor
+
+
+def all_gather(tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Concatenate every rank's ``tensor`` along ``dim``, in rank order."""
+    if _size == 1:
+        return tensor
+    dim = dim % tensor.dim()
+    tensor = tensor.contiguous()
+    out = torch.empty((_size, *tensor.shape), dtype=tensor.dtype, device=tensor.device)
+    if dist.get_backend(_group) == "gloo":  # gloo has no all_gather_into_tensor
+        dist.all_gather(list(out.unbind(0)), tensor, group=_group)
+    else:
+        dist.all_gather_into_tensor(out, tensor, group=_group)
+    return out.movedim(0, dim).flatten(dim, dim + 1)
