@@ -157,6 +157,26 @@ def test_suite_under_a_forced_path_runs_torch_at_that_level_too():
     assert torch.backends.cpu.get_cpu_capability() == expected
 
 
+def test_int8_products_are_exact_whatever_the_cpu_has():
+    """torch._int_mm saturates on CPUs without VNNI (oneDNN's AVX2 kernels); the platform's kernels never do."""
+    kernels = CpuPlatform().quant_kernels()
+    assert kernels.uses_int_mm == cpu_info.has_int8_dot_product()
+    gen = torch.Generator().manual_seed(0)
+    for k in (64, 1024, 3000):
+        a = torch.randint(-127, 128, (5, k), generator=gen, dtype=torch.int8)
+        b = torch.randint(-127, 128, (24, k), generator=gen, dtype=torch.int8)
+        a[0], b[0] = 127, -127  # the largest partial sums
+        out = kernels.int8_matmul(a, b)
+        assert out.dtype == torch.int32
+        assert torch.equal(out, (a.long() @ b.long().t()).int()), f"K={k}"
+
+
+def test_int8_dot_products_are_hidden_below_avx512_when_forced(monkeypatch):
+    monkeypatch.setenv("DOVETAIL_CPU_ISA", "avx2")
+    assert not cpu_info.has_int8_dot_product(), "the plainest AVX2 CPU (Haswell to Zen 3) has no VNNI"
+    assert CpuPlatform().quant_kernels().uses_int_mm is False
+
+
 def test_importing_the_plugin_loads_no_kernels():
     out = _run("import sys, dovetail_cpu.plugin; from dovetail.plugin_manager import get_plugin_manager; "
                "get_plugin_manager(); print('dovetail_cpu._native' in sys.modules, 'torch' in sys.modules)")

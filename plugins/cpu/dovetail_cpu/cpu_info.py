@@ -20,14 +20,15 @@ ISA_ORDER = ("avx512_bf16", "avx512", "avx2", "portable")
 
 #: x86 flags a CPU whose best path is the key lacks (every flag of the paths above it).
 _BF16_FLAGS = ("avx512_bf16", "amx_bf16", "amx_tile", "amx_int8", "amx_fp16", "amx_complex")
-_AVX2_FLAGS = ("avx", "avx2", "fma", "f16c", "avx_vnni", "avx_vnni_int8", "avx_ne_convert", "avx_ifma")
+_VNNI_FLAGS = ("avx_vnni", "avx_vnni_int8", "avx_ne_convert", "avx_ifma")
+_AVX2_FLAGS = ("avx", "avx2", "fma", "f16c", *_VNNI_FLAGS)
 
 
 def _hidden(flag: str, ceiling: str) -> bool:
     if ceiling == "avx512":
         return flag in _BF16_FLAGS
-    if ceiling == "avx2":
-        return flag.startswith(("avx512", "amx"))
+    if ceiling == "avx2":  # the plainest AVX2 CPU: no VNNI either (Haswell to Zen 3)
+        return flag.startswith(("avx512", "amx")) or flag in _VNNI_FLAGS
     if ceiling == "portable":
         return flag.startswith(("avx512", "amx")) or flag in _AVX2_FLAGS
     return False
@@ -72,6 +73,11 @@ def has_bf16() -> bool:
     """Whether the CPU computes bf16 natively (AVX-512 BF16, AMX, or Arm BF16)."""
     flags = cpu_flags()
     return bool({"avx512_bf16", "amx_bf16", "bf16"} & flags)
+
+
+def has_int8_dot_product() -> bool:
+    """Whether the CPU multiplies int8 vectors into int32 sums (x86 VNNI or AMX-INT8)."""
+    return bool({"avx512_vnni", "avx_vnni", "amx_int8"} & cpu_flags())
 
 
 def usable_cores() -> int:
