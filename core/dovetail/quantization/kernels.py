@@ -70,8 +70,7 @@ class QuantKernels:
           quantizes each token dynamically.
 
         The product accumulates in int32 (``torch._int_mm`` where it runs: on the CPU
-        as fast as a float32 matmul for one token and 2-7x faster for 16 to 256 tokens,
-        benchmarks/quant_int8_cpu.py, one thread).
+        at least as fast as a float32 matmul, and faster the more tokens; benchmarks/RESULTS.md, CPU).
         """
         x2 = x.reshape(-1, x.shape[-1])
         if input_scale is not None:
