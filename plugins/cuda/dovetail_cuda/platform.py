@@ -81,9 +81,13 @@ class CudaPlatform(TorchDevicePlatform):
         super().set_device(index)
         torch.backends.cuda.preferred_blas_library(library)
 
-    def capability(self, index: int = 0) -> tuple[int, int]:
-        """The compute capability of device ``index``, e.g. ``(9, 0)`` on Hopper."""
+    def capability(self, index: int | None = 0) -> tuple[int, int]:
+        """The compute capability of device ``index`` (None: the current one), e.g. ``(9, 0)`` on Hopper."""
         return torch.cuda.get_device_capability(index)
+
+    def supports_pdl(self, index: int | None = None) -> bool:
+        """Programmatic dependent launch: Hopper (sm_90) and newer."""
+        return self.capability(index)[0] >= 9
 
     def default_batch_limits(self, usage: str) -> tuple[int, int]:
         """vLLM's rule: on devices of 70 GiB or more (not the A100, whose throughput drops with larger
@@ -101,6 +105,16 @@ class CudaPlatform(TorchDevicePlatform):
         if self.capability() >= (8, 0):
             return [torch.bfloat16, torch.float16, torch.float32]
         return [torch.float16, torch.float32]
+
+    def fused_ops(self):
+        """The core's Triton fused ops; on Hopper, 16-bit linears of one token on the Triton GEMV, which beat
+        cuBLAS there (benchmarks/RESULTS.md, Kernels)."""
+        ops = super().fused_ops()
+        if self.capability(None)[0] == 9 and hasattr(ops, "gemv_max_rows"):
+            from dovetail.triton.fused_ops import GEMV_MAX_ROWS
+
+            ops.gemv_max_rows = GEMV_MAX_ROWS
+        return ops
 
     def quant_kernels(self):
         """On sm89+ (Ada, Hopper): FP8 on a CUDA C++ GEMV (one token), a Triton GEMV (up to 16) or

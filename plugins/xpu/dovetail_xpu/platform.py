@@ -47,6 +47,13 @@ class XpuPlatform(TorchDevicePlatform):
     def device_count(self) -> int:
         return len(self.devices.visible)
 
+    def multiprocessor_count(self, index: int | None = None) -> int:
+        """The device's subslices (Xe cores), over which a kernel's work-groups spread."""
+        import torch
+
+        props = torch.xpu.get_device_properties(torch.xpu.current_device() if index is None else index)
+        return int(getattr(props, "gpu_subslice_count", 0))
+
     # -- engine integration ----------------------------------------------------------------
 
     def default_attention_backends(self) -> list[str]:
