@@ -220,7 +220,13 @@ class Platform(ABC):
 
     @abstractmethod
     def default_attention_backends(self) -> list[str]:
-        """Attention backend names to try, most preferred first (installed or not)."""
+        """Attention backend names to try, most preferred first (installed or not): the fastest valid backend
+        first, by what was measured on this hardware (say why in :meth:`attention_backend_order_reason`)."""
+
+    def attention_backend_order_reason(self) -> str:
+        """Why :meth:`default_attention_backends` is in its order here: the measurement it rests on (with where
+        it is recorded), or that none was made. ``dovetail plugins`` shows it."""
+        return ""
 
     def check_and_update_config(self, config: "EngineConfig") -> None:
         """Check the engine config against this platform and adjust what it must.

@@ -59,6 +59,9 @@ class XpuPlatform(TorchDevicePlatform):
     def default_attention_backends(self) -> list[str]:
         return ["TRITON", "REFERENCE"]
 
+    def attention_backend_order_reason(self) -> str:
+        return "TRITON is the only backend for Intel GPUs besides the REFERENCE oracle (not measured)"
+
     def check_and_update_config(self, config) -> None:
         """No graph capture on XPU: run eagerly, and say so once."""
         if not config.device.enforce_eager:
