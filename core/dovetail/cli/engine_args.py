@@ -23,6 +23,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser, model_positional: bool
     else:
         parser.add_argument("--model", default=None, help="model directory (default: the bundled model)")
     g = parser.add_argument_group("engine")
+    g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
     g.add_argument("--device", default=None, help="platform: cpu, cuda, rocm, xpu, ... (env DOVETAIL_DEVICE)")
     g.add_argument("--attention-backend", default=None,
                    help="REFERENCE, TRITON, CPU_SIMD, FLASHINFER, FLASH_ATTN, ROCM_AITER, ... "
@@ -55,7 +56,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser, model_positional: bool
 
 
 ENGINE_KEYS = (
-    "device", "attention_backend", "quantization", "dtype", "max_model_len", "block_size",
+    "tokenizer", "device", "attention_backend", "quantization", "dtype", "max_model_len", "block_size",
     "gpu_memory_utilization", "kv_cache_memory_bytes", "kv_cache_dtype", "num_gpu_blocks_override",
     "enable_prefix_caching", "enable_chunked_prefill", "max_num_seqs", "max_num_batched_tokens",
     "scheduling_policy", "async_scheduling", "seed", "load_format", "enforce_eager",

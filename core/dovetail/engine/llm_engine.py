@@ -99,7 +99,9 @@ class LLMEngine:
         self.quant_method = selection.select_quant_method(
             self.platform, self.dtype, mc.quantization, model_loader.quantization_config(self.hf_config), manager)
 
-        self.tokenizer = model_loader.load_tokenizer(self.model_path)
+        #: Where the tokenizer comes from: the ``tokenizer`` argument, else the model's directory.
+        self.tokenizer_path = model_loader.resolve_tokenizer_path(mc.tokenizer) if mc.tokenizer else self.model_path
+        self.tokenizer = model_loader.load_tokenizer(self.tokenizer_path)
         self.prompt_tokenizer = PromptTokenizer(self.tokenizer, self.max_model_len)
         self.model = self._build_model()
         self.vocab_size = int(self.hf_config.vocab_size)
