@@ -83,8 +83,8 @@ class CudaPlatform(TorchDevicePlatform):
         super().set_device(index)
         torch.backends.cuda.preferred_blas_library(library)
 
-    def capability(self, index: int = 0) -> tuple[int, int]:
-        """The compute capability of device ``index``, e.g. ``(9, 0)`` on Hopper."""
+    def capability(self, index: int | None = None) -> tuple[int, int]:
+        """The compute capability of device ``index`` (None: the current one), e.g. ``(9, 0)`` on Hopper."""
         return torch.cuda.get_device_capability(index)
 
     def default_batch_limits(self, usage: str) -> tuple[int, int]:
