@@ -451,6 +451,17 @@ class LLMEngine:
     def device(self):
         return self._local_worker().device
 
+    def check_health(self) -> None:
+        """Raise :class:`WorkerError` if a worker is gone (the engine is then stopped for good)."""
+        if self.failure is not None:
+            raise WorkerError(f"the engine stopped: {self.failure}", self.failure.rank)
+        try:
+            self.executor.check_health()
+        except WorkerError as exc:
+            self.failure = exc
+            self._in_flight = None
+            raise
+
     def shutdown(self) -> None:
         """Stop the workers (their processes, with executors other than ``uni``)."""
         self.executor.shutdown()

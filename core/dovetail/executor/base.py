@@ -21,6 +21,8 @@ class Executor(ABC):
     #: ``uni``, ``mp`` or ``ray`` (the ``--distributed-executor-backend`` value).
     name: str = ""
     world_size: int = 1
+    #: Called from another thread when a rank dies while no call waits on it (the engine is idle).
+    on_worker_death = None
 
     @abstractmethod
     def collective_rpc(self, method: str, *args: Any) -> list[Any]:
@@ -40,6 +42,9 @@ class Executor(ABC):
 
     def initialize_cache(self, num_blocks: int) -> None:
         self.collective_rpc("initialize_cache", num_blocks)
+
+    def check_health(self) -> None:
+        """Raise :class:`dovetail.errors.WorkerError` if a rank is gone."""
 
     def shutdown(self) -> None:
         """Stop the workers and free their devices (idempotent)."""

@@ -174,6 +174,8 @@ class MultiprocExecutor(Executor):
                 self._processes.append(proc)
                 self._conns.append(parent_end)
         self._receive(range(world_size))  # every rank has built its model
+        self._watch_wake_r, self._watch_wake_w = ctx.Pipe(duplex=False)
+        threading.Thread(target=self._watch, name="dovetail-worker-watch", daemon=True).start()
         logger.info("mp executor: %d worker processes (pids %s)", world_size,
                     ", ".join(str(p.pid) for p in self._processes))
 
@@ -240,6 +242,26 @@ class MultiprocExecutor(Executor):
 
     # -- failures ----------------------------------------------------------------------------
 
+    def _watch(self) -> None:
+        """Notice a rank that dies while the engine is idle (between steps, the engine waits on no rank)."""
+        sentinels = {proc.sentinel: rank for rank, proc in enumerate(self._processes)}
+        ready = multiprocessing.connection.wait([*sentinels, self._watch_wake_r])
+        if self._failure is not None or self._finalizer.alive is False or self._watch_wake_r in ready:
+            return
+        rank = next(sentinels[s] for s in ready if s in sentinels)
+        logger.error("worker rank %d (pid %d) died", rank, self._processes[rank].pid)
+        if self.on_worker_death is not None:
+            self.on_worker_death()
+
+    def check_health(self) -> None:
+        """Raise :class:`WorkerError` naming the first rank that is no longer alive."""
+        self._check_alive()
+        for rank, proc in enumerate(self._processes):
+            if not proc.is_alive():
+                if self._conns[rank].poll():
+                    self._receive([])  # it said why
+                raise self._fail(self._death(rank))
+
     def _death(self, rank: int) -> WorkerError:
         proc = self._processes[rank]
         proc.join(1)
@@ -264,4 +286,8 @@ class MultiprocExecutor(Executor):
             raise WorkerError(f"the engine stopped earlier: {self._failure}", self._failure.rank)
 
     def shutdown(self) -> None:
+        wake = getattr(self, "_watch_wake_w", None)
+        if wake is not None and self._finalizer.alive:
+            with contextlib.suppress(Exception):
+                wake.send_bytes(b"")
         self._finalizer()
