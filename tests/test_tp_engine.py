@@ -152,3 +152,29 @@ def test_worker_processes_report_their_pids(feature_pair):
     pids = two.llm_engine.executor.pids
     assert len(pids) == 2 and os.getpid() not in pids
     assert all(os.path.exists(f"/proc/{pid}") for pid in pids)
+
+
+def test_a_token_bitmask_reaches_every_rank(feature_pair):
+    """The per-row bitmask of structured outputs travels with the step to each worker process."""
+    import torch
+
+    _, two = feature_pair
+    engine = two.llm_engine
+    describe, only = engine.describe_step, (17, 250)
+
+    def constrained(batch):
+        step = describe(batch)
+        rows = sum(1 for r, n in zip(batch.requests, batch.num_new_tokens) if r.num_computed_tokens + n == r.num_tokens)
+        step.token_bitmask = torch.zeros(rows, -(-engine.vocab_size // 32), dtype=torch.int32)
+        for token in only:
+            step.token_bitmask[:, token // 32] |= 1 << (token % 32)
+        return step
+
+    engine.describe_step = constrained
+    try:
+        out = two.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=1.0, max_tokens=10,
+                                                                             ignore_eos=True), use_tqdm=False)
+    finally:
+        del engine.describe_step
+    assert set(out[0].outputs[0].token_ids) <= set(only) and len(out[0].outputs[0].token_ids) == 10
+    assert_ranks_agree(two, out)

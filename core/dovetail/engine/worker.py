@@ -242,7 +242,8 @@ class Worker:
         if rows:
             sample_logits = logits.sample_logits
             if step.token_bitmask is not None:
-                apply_token_bitmask(sample_logits[:, :self.vocab_size], step.token_bitmask)
+                with torch.inference_mode():  # the logits are the model's inference tensors
+                    apply_token_bitmask(sample_logits[:, :self.vocab_size], step.token_bitmask)
             sample = launch_sample(sample_logits, rows, self.vocab_size, self.ops.argmax)
             sample.start_transfer(self.platform)
             for row, state in enumerate(rows):
