@@ -57,6 +57,8 @@ class Request:
         # What the workers hold of this request: whether they know it, and how many of its blocks.
         self.on_workers = False
         self.num_sent_blocks = 0
+        #: Its place in the scheduler's waiting queue while it waits there, else None.
+        self.queue_key: Optional[tuple] = None
 
     @property
     def num_tokens(self) -> int:
