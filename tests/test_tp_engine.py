@@ -9,6 +9,7 @@ what they give at TP=1.
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
 
@@ -134,11 +135,13 @@ def test_unseeded_sampling_is_identical_on_every_rank(feature_pair):
     assert len({tuple(c.token_ids) for c in outputs[0].outputs}) > 1, "random rows should differ"
 
 
-def test_async_scheduling_across_processes(tiny_llama_dir):
+def test_async_scheduling_across_processes(tiny_llama_dir, caplog):
     """Overlapped steps: each worker feeds its rows the tokens it sampled a step before, on the device."""
     kwargs = dict(COMMON, async_scheduling=True)
     sync_tokens = _greedy(LLM(str(tiny_llama_dir), **COMMON), max_tokens=12)
-    llm = LLM(str(tiny_llama_dir), tensor_parallel_size=2, **kwargs)
+    with caplog.at_level(logging.INFO, logger="dovetail"):
+        llm = LLM(str(tiny_llama_dir), tensor_parallel_size=2, **kwargs)
+    assert "world size 2 (executor mp)" in caplog.text, "the start-up log says the world size and the executor"
     assert llm.llm_engine.overlap
     assert _greedy(llm, max_tokens=12) == sync_tokens
     params = SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[sync_tokens[1][3]])

@@ -149,3 +149,13 @@ def test_no_worker_outlives_ctrl_c_or_sigterm(tiny_llama_dir, tmp_path, how):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def test_plugins_command_says_the_world_size_and_the_executor():
+    from dovetail.cli import plugins_cmd
+
+    data = plugins_cmd.collect(2)
+    assert data["parallelism"]["world_size"] == 2 and data["parallelism"]["executor"] == "mp"
+    text = plugins_cmd.render(data)
+    assert "parallelism: world size 2, executor mp" in text and "ray: Ray actors" in text
+    assert "world size 1, executor uni" in plugins_cmd.render(plugins_cmd.collect())

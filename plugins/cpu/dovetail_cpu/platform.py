@@ -52,8 +52,8 @@ class CpuPlatform(Platform):
     among the tensor-parallel ranks; torch and the C++ kernels share that one OpenMP pool.
 
     Under tensor parallelism a rank is a process and the device is the host: the ranks share its cores
-    and memory (each rank has its own ``kv_cache_memory_bytes``), talk over gloo, and any number of them
-    is accepted.
+    and memory (``kv_cache_memory_bytes`` is each rank's; the default budget is split among them), talk
+    over gloo, and any number of them is accepted.
     """
 
     name = "cpu"
@@ -132,7 +132,8 @@ class CpuPlatform(Platform):
                 logger.warning("cpu: kv_cache_memory_bytes=%d exceeds the %d bytes of memory available now",
                                requested, _available_memory())
             return requested
-        return min(DEFAULT_KV_CACHE_BYTES, _available_memory() // 2)
+        # The ranks of tensor parallelism share the host's memory: the default budget is split among them.
+        return min(DEFAULT_KV_CACHE_BYTES, _available_memory() // 2) // config.parallel.tensor_parallel_size
 
     def describe(self) -> str:
         from dovetail_cpu import _native
