@@ -274,6 +274,13 @@ class Worker:
         self._launched.clear()
         self._last_tokens = None
 
+    def describe(self) -> dict:
+        """This rank's device, captured graph sizes and parameter shapes (for logs and tests)."""
+        graphs = self.runner.graphs
+        return {"rank": self.rank, "world_size": self.world_size, "device": str(self.device),
+                "graph_sizes": list(graphs.sizes) if graphs is not None else None,
+                "parameters": {name: tuple(p.shape) for name, p in self.model.named_parameters()}}
+
     def token_digest(self) -> dict[str, list[int]]:
         """Every known token of every request this rank holds (to check that the ranks agree)."""
         return {rid: list(state.all_token_ids) for rid, state in self.requests.items()}
