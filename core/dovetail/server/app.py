@@ -59,7 +59,7 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
 
     llm = engine.engine
     # The HTTP layer tokenizes with its own tokenizer object; the engine thread keeps the engine's.
-    tokenizer = model_loader.load_tokenizer(llm.model_path) if llm.tokenizer is not None else None
+    tokenizer = model_loader.load_tokenizer(llm.tokenizer_path) if llm.tokenizer is not None else None
     state = ServerState(engine=engine, settings=settings, metrics=ServerMetrics(engine.stats), tokenizer=tokenizer,
                         max_model_len=llm.max_model_len, vocab_size=llm.vocab_size, model_path=str(llm.model_path),
                         created=int(time.time()))

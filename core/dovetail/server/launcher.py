@@ -4,6 +4,11 @@ On SIGTERM (or the first Ctrl+C) the server stops accepting connections and
 new requests, lets running requests finish for up to ``shutdown_timeout``
 seconds, then aborts what is left (streams end with an error event and
 ``[DONE]``, other requests get a 503), stops the engine loop and exits with 0.
+
+If the engine stops for good (a worker died or failed), the requests in flight
+get a 500 ``engine_error`` (a stream ends with that error event), new ones a
+503, and the server shuts down and exits with 1. The workers are stopped on
+every way out.
 """
 
 from __future__ import annotations
@@ -62,8 +67,10 @@ def serve(model: str, engine_kwargs: dict, settings: ServerSettings, host: str =
     from dovetail.server.app import build_app
 
     sock = bind_socket(host, port)
+    failed: list[BaseException] = []
     try:
-        engine = AsyncLLMEngine(LLMEngine(EngineArgs(model, **engine_kwargs).create_engine_config(), usage="server"))
+        llm_engine = LLMEngine(EngineArgs(model, **engine_kwargs).create_engine_config(), usage="server")
+        engine = AsyncLLMEngine(llm_engine, on_failure=lambda exc: (failed.append(exc), stop_serving()))
         app = build_app(engine, settings)
     except BaseException:
         sock.close()
@@ -87,6 +94,11 @@ def serve(model: str, engine_kwargs: dict, settings: ServerSettings, host: str =
     config = uvicorn.Config(app, host=host, port=port, log_level=uvicorn_log_level, access_log=access_log,
                             timeout_graceful_shutdown=shutdown_timeout + 10, lifespan="on")
     server = Server(config)
+
+    def stop_serving():
+        logger.error("the engine stopped (%s); shutting the server down", failed[-1])
+        server.should_exit = True
+
     logger.info("serving %s as %s on http://%s:%d", model, ", ".join(settings.served_model_names), host, port)
     previous = signal.signal(signal.SIGTERM, _terminated_cleanly)
     try:
@@ -95,4 +107,5 @@ def serve(model: str, engine_kwargs: dict, settings: ServerSettings, host: str =
         signal.signal(signal.SIGTERM, previous)
         for timer in timers:
             timer.cancel()
-    return 0 if server.started else 1
+        llm_engine.shutdown()
+    return 0 if server.started and not failed else 1
