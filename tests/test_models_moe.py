@@ -162,4 +162,4 @@ def test_transformers5_stacked_expert_layout_loads(tmp_path, config_name, overri
     prompts = common.PROMPTS[:2]
     reference = [hf_greedy(hf, p, common.MAX_TOKENS) for p in prompts]
     _, outputs = common.run_engine(tmp_path, prompts)
-    common.check_matches_hf(outputs, reference)
+    common.check_matches_hf(common.completions(outputs), reference)

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dovetail.checkpoint_tensor import read
 from dovetail.errors import ModelLoadError, SelectionError
 from dovetail.model_interface import ModelContext
 
@@ -146,7 +147,7 @@ class FusedMoE(nn.Module):
         if tuple(target.shape) != tuple(tensor.shape):
             raise ModelLoadError(f"tensor {name!r} has shape {tuple(tensor.shape)}, but {self.prefix}.{what} "
                                  f"expects {tuple(target.shape)}")
-        target.copy_(tensor)
+        target.copy_(read(tensor))
 
     def extra_repr(self) -> str:
         return (f"experts={self.num_experts}, top_k={self.top_k}, hidden={self.hidden_size}, "
