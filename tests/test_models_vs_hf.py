@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from dovetail import LLM, SamplingParams
-from tiny_models import assert_greedy_matches, build_tokenizer, first_divergence, hf_greedy, load_hf
+from tiny_models import (assert_greedy_matches, build_tokenizer, check_matches, completions, first_divergence,
+                         hf_greedy, load_hf)
 
 VOCAB = 320
 WINDOW = 8
@@ -101,12 +102,6 @@ def run_engine(path, prompts=PROMPTS, **kwargs):
     return llm, llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
 
 
-def completions(outputs) -> list[tuple[list[int], list[dict[int, float]]]]:
-    """Each request's greedy tokens and, per step, its top log-probabilities (plain data, picklable)."""
-    return [(list(out.outputs[0].token_ids), [{t: lp.logprob for t, lp in step.items()}
-                                              for step in out.outputs[0].logprobs]) for out in outputs]
-
-
 def check_matches_hf(completed, reference, tol: float = 1e-4):
     for (tokens, logprobs), (hf_tokens, hf_logprobs) in zip(completed, reference):
         assert_greedy_matches(tokens, hf_tokens, hf_logprobs)
@@ -118,22 +113,6 @@ def check_matches_hf(completed, reference, tol: float = 1e-4):
             top = hf_step.topk(3)
             for tid, lp in zip(top.indices.tolist(), top.values.tolist()):
                 assert tid in entry and abs(entry[tid] - lp) < tol, f"step {step}, token {tid}"
-
-
-def check_matches(completed, expected, tol: float = 1e-4):
-    """Greedy tokens equal to ``expected``'s (the comparison stops at a near tie of its top two), and
-    the log-probabilities of every token both report within ``tol``."""
-    for (tokens, logprobs), (want, want_logprobs) in zip(completed, expected):
-        for step, (token, wanted) in enumerate(zip(tokens, want)):
-            for tid, lp in want_logprobs[step].items():
-                if tid in logprobs[step]:
-                    assert abs(logprobs[step][tid] - lp) < tol, f"step {step}, token {tid}"
-            if token != wanted:
-                top2 = sorted(want_logprobs[step].values(), reverse=True)[:2]
-                assert token in want_logprobs[step] and top2[0] - top2[1] < tol, \
-                    f"greedy tokens diverge at step {step}: {tokens[step:step + 5]} vs {want[step:step + 5]}"
-                break
-        assert len(tokens) == len(want)
 
 
 @pytest.fixture(scope="module")

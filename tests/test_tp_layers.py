@@ -130,3 +130,41 @@ def test_sizes_the_ranks_cannot_share_are_one_line_errors(monkeypatch):
         QKVParallelLinear(HIDDEN, 4, 12, 3, False, _ctx(), "qkv")
     with pytest.raises(ConfigError, match=r"^layer up: output size 10 is not divisible by tensor_parallel_size 4$"):
         ColumnParallelLinear(HIDDEN, 10, False, _ctx(), "up")
+
+
+def read_tally_job(path: str) -> dict[str, int]:
+    """On each rank: the bytes read of each checkpoint tensor while an engine loads ``path``."""
+    from dovetail import LLM
+    from dovetail.checkpoint_tensor import CheckpointTensor
+
+    reads: dict[str, int] = {}
+    original = CheckpointTensor.read
+
+    def spy(self):
+        tensor = original(self)
+        reads[self.name] = reads.get(self.name, 0) + tensor.numel() * tensor.element_size()
+        return tensor
+
+    CheckpointTensor.read = spy
+    try:
+        LLM(path, device="cpu", attention_backend="REFERENCE", max_model_len=128, kv_cache_memory_bytes=2**22,
+            cpu_threads=1)
+    finally:
+        CheckpointTensor.read = original
+    return reads
+
+
+def test_each_rank_reads_only_its_slices_of_the_checkpoint(tp_ranks, tiny_llama_dir):
+    """Matrices (projections, embedding, LM head) are read half per rank, vectors (norms) whole: a rank's
+    reads add up to half the weights plus the norms, never a whole matrix."""
+    from safetensors import safe_open
+
+    sizes = {}
+    for file in tiny_llama_dir.glob("*.safetensors"):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                tensor = f.get_tensor(name)
+                sizes[name] = (tensor.dim(), tensor.numel() * tensor.element_size())
+    assert any(dim == 1 for dim, _ in sizes.values()) and any(dim == 2 for dim, _ in sizes.values())
+    for reads in tp_ranks(2).run(read_tally_job, str(tiny_llama_dir)):
+        assert reads == {name: nbytes // 2 if dim == 2 else nbytes for name, (dim, nbytes) in sizes.items()}
