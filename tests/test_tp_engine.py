@@ -79,7 +79,15 @@ def test_tp2_greedy_matches_hf_and_one_rank(case, tmp_path):
 
 def test_tp4_greedy_matches_hf_and_one_rank(tmp_path):
     """Four ranks for a model with two KV heads: the KV heads are shared by pairs of ranks."""
-    llm = check_against_hf_and_one_rank(save_checkpoint(tmp_path, CASES["llama-rope-llama3"]()), world_size=4)
+    config = CASES["llama-rope-llama3"]()
+    llm = check_against_hf_and_one_rank(save_checkpoint(tmp_path, config), world_size=4)
+    head, hidden = config.hidden_size // config.num_attention_heads, config.hidden_size
+    for info in llm.llm_engine.executor.collective_rpc("describe"):  # each rank: one query head, one KV head
+        shapes = info["parameters"]
+        assert shapes["model.layers.0.self_attn.qkv_proj.weight"] == (3 * head, hidden)
+        assert shapes["model.layers.0.self_attn.o_proj.weight"] == (hidden, head)
+        assert shapes["model.layers.0.mlp.gate_up_proj.weight"] == (2 * config.intermediate_size // 4, hidden)
+        assert shapes["model.embed_tokens.weight"] == (config.vocab_size // 4, hidden)
     llm.llm_engine.shutdown()
 
 
