@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 from dovetail.bench.workload import greedy_inputs, random_requests
 from dovetail.cli.main import main
@@ -42,7 +41,7 @@ def test_moe_shapes_are_qwen3_30b_a3b_and_its_first_half():
     """qwen3-30b-a3b has Qwen3-30B-A3B's 30.5B parameters (3.3B active per token); qwen3-moe-15b-a3b its layer
     shape with 24 of the 48 layers."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from dovetail.bench.shapes import SHAPES, materialize
 
@@ -56,6 +55,6 @@ def test_moe_shapes_are_qwen3_30b_a3b_and_its_first_half():
     embeddings = 2 * 151936 * 2048 / 1e9
     assert abs((half - embeddings) * 2 - (full - embeddings)) < 1e-5  # the layers, less one final norm
     path, defaults = materialize("qwen3-moe-15b-a3b")
-    config = json.loads(Path(path, "config.json").read_text())
-    assert config["architectures"] == ["Qwen3MoeForCausalLM"] and defaults["load_format"] == "dummy"
-    assert (config["num_experts"], config["num_experts_per_tok"], config["moe_intermediate_size"]) == (128, 8, 768)
+    config = AutoConfig.from_pretrained(path)
+    assert config.architectures == ["Qwen3MoeForCausalLM"] and defaults["load_format"] == "dummy"
+    assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size) == (128, 8, 768)
