@@ -129,7 +129,6 @@ def test_alignment_through_an_expert_map_leaves_out_experts_held_elsewhere(path)
     pairs, blocks = expected_layout(ids, 4, 16, expert_map)
     assert aligned.sorted_pairs[:int(aligned.num_padded)].tolist() == pairs
     assert aligned.block_expert.tolist()[:len(blocks)] == blocks
-    assert torch.equal(aligned.local_ids.long(), expert_map.long()[ids.reshape(-1)])
 
 
 # -- the fused experts ---------------------------------------------------------------------------------------
@@ -171,10 +170,13 @@ def test_long_batches_run_in_passes(monkeypatch):
     assert_moe_close(fused_moe(x, w13, w2, weights, ids), moe_reference(x, w13, w2, weights, ids))
 
 
-def test_expert_map_adds_nothing_for_experts_held_elsewhere():
+@pytest.mark.parametrize("tokens", [1, 21])
+def test_expert_map_adds_nothing_for_experts_held_elsewhere(tokens):
     """Expert parallelism: this rank holds global experts 1, 3, 4 and 6 as rows 0-3."""
     expert_map = torch.tensor([-1, 0, -1, 1, 2, -1, 3, -1], dtype=torch.int32, device=DEVICE)
-    x, w13, w2, weights, ids = moe_inputs(21, 4, 3, seed=17, router_experts=8)
+    x, w13, w2, weights, ids = moe_inputs(tokens, 4, 3, seed=17, router_experts=8)
+    if tokens == 1:
+        ids = torch.tensor([[2, 4, 6]], device=DEVICE)  # one expert held elsewhere
     expected = moe_reference(x, w13, w2, weights, ids, expert_map=expert_map)
     assert_moe_close(fused_moe(x, w13, w2, weights, ids, expert_map=expert_map), expected)
     assert_moe_close(fused_experts(x, w13, w2, weights, ids, expert_map=expert_map), expected)
@@ -190,7 +192,7 @@ def test_expert_map_adds_nothing_for_experts_held_elsewhere():
     torch.testing.assert_close(expected, manual, atol=1e-4, rtol=1e-4)
     # two ranks holding complementary experts add up to the whole layer
     other_map = torch.tensor([0, -1, 1, -1, -1, 2, -1, 3], dtype=torch.int32, device=DEVICE)
-    _, w13b, w2b, _, _ = moe_inputs(21, 4, 3, seed=19)
+    _, w13b, w2b, _, _ = moe_inputs(tokens, 4, 3, seed=19)
     full_w13 = torch.stack([w13b[0], w13[0], w13b[1], w13[1], w13[2], w13b[2], w13[3], w13b[3]])
     full_w2 = torch.stack([w2b[0], w2[0], w2b[1], w2[1], w2[2], w2b[2], w2[3], w2b[3]])
     both = expected + fused_moe(x, w13b, w2b, weights, ids, expert_map=other_map)
@@ -217,9 +219,9 @@ def quantize_experts(w: torch.Tensor, block: tuple[int, int] | None):
 
 
 @pytest.mark.parametrize("block", [None, (16, 32), (32, 32)], ids=["per-channel", "block16x32", "block32x32"])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_fp8_experts_match_the_dequantized_reference(block, dtype):
-    x, w13, w2, weights, ids = moe_inputs(19, 4, 2, hidden=64, inter=32, dtype=dtype, seed=23)
+@pytest.mark.parametrize("dtype,tokens", [(torch.float16, 19), (torch.bfloat16, 19), (torch.float16, 1)])
+def test_fp8_experts_match_the_dequantized_reference(block, dtype, tokens):
+    x, w13, w2, weights, ids = moe_inputs(tokens, 4, 2, hidden=64, inter=32, dtype=dtype, seed=23)
     q13, s13 = quantize_experts(w13, block)
     q2, s2 = quantize_experts(w2, block)
     fp8 = Fp8ExpertScales(s13, s2, block)

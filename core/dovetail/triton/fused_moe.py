@@ -1,10 +1,11 @@
 """The fused mixture-of-experts of GPU platforms: align, gate/up GEMM with the activation, down GEMM, weighted sum.
 
 :func:`fused_moe` equals :func:`dovetail.moe_ops.moe_reference` (within the dtype's
-rounding) and runs as five kernels per pass of up to
+rounding) and runs as four kernels per pass of up to
 :data:`~dovetail.triton.moe_configs.MAX_CHUNK_TOKENS` tokens (:mod:`~dovetail.triton.moe_align`,
 then :mod:`~dovetail.triton.moe_gemm`'s gate/up, down and sum; FP8 experts add
-the quantization of each GEMM's input). No value computed on the device is read on
+the quantization of each GEMM's input); a single token (batch-1 decode) needs no
+alignment, its ``top_k`` experts being distinct. No value computed on the device is read on
 the host and every buffer's size follows from the token count, so a decode step
 is captured by device graphs as it is. Tiles come from :mod:`~dovetail.triton.moe_configs`.
 """
@@ -19,7 +20,7 @@ import torch
 
 from dovetail.moe_ops import Fp8ExpertScales, check_activation, quantize_activations
 from dovetail.triton import interpreter_active
-from dovetail.triton.moe_align import align_pairs
+from dovetail.triton.moe_align import align_pairs, one_pair_per_block
 from dovetail.triton.moe_configs import (MAX_CHUNK_TOKENS, ConfigTable, LayerShape, MoeConfig, bucket, buckets_up_to,
                                          default_config)
 from dovetail.triton.moe_gemm import GemmConfig, grouped_gemm, moe_sum
@@ -118,7 +119,10 @@ def _fused_pass(x, w13, w2, topk_weights, topk_ids, activation, expert_map, fp8,
     tokens, top_k = topk_ids.shape
     pairs = tokens * top_k
     inter, hidden = w2.shape[2], w2.shape[1]
-    aligned = align_pairs(topk_ids, w13.shape[0], config.block_m, expert_map)
+    if tokens == 1:
+        aligned = one_pair_per_block(topk_ids, config.block_m, expert_map)
+    else:
+        aligned = align_pairs(topk_ids, w13.shape[0], config.block_m, expert_map)
     block = fp8.block_size if fp8 is not None else None
     a, a_scale = (x, None) if fp8 is None else quantize_activations(x, block)
     hidden_states = torch.empty((pairs, inter), dtype=x.dtype, device=x.device)
@@ -128,7 +132,7 @@ def _fused_pass(x, w13, w2, topk_weights, topk_ids, activation, expert_map, fp8,
     expert_out = torch.empty((pairs, hidden), dtype=x.dtype, device=x.device)
     _gemm(h, w2, expert_out, aligned, config.down, 1, a_scale=h_scale, w_scale=None if fp8 is None else fp8.w2,
           block_size=block)
-    moe_sum(expert_out, topk_weights, out, aligned.local_ids)
+    moe_sum(expert_out, topk_weights, out, topk_ids, expert_map)
 
 
 def _gemm(a, weight, out, aligned, config: GemmConfig, a_row_div: int, **options) -> None:

@@ -43,13 +43,24 @@ class AlignedPairs(NamedTuple):
     sorted_pairs: torch.Tensor  # int32 [max_padded]: pair ids by expert, padding = num_pairs
     block_expert: torch.Tensor  # int32 [max_blocks]: the expert of each block (-1 past the end)
     num_padded: torch.Tensor  # int32 [1]: entries in use (a multiple of block_m)
-    local_ids: torch.Tensor | None  # int32 [num_pairs]: each pair's expert row (-1: held elsewhere); with a map
     num_pairs: int
     block_m: int
+    #: :func:`one_pair_per_block`'s layout: ``sorted_pairs`` is ``topk_ids`` itself and ``block_expert`` the
+    #: expert map (or None), read by the GEMMs through ``has_map``.
+    pair_per_block: bool = False
+    has_map: bool = False
 
     @property
     def max_blocks(self) -> int:
-        return self.block_expert.shape[0]
+        return self.num_pairs if self.pair_per_block else self.block_expert.shape[0]
+
+
+def one_pair_per_block(topk_ids: torch.Tensor, block_m: int, expert_map: torch.Tensor | None = None) -> AlignedPairs:
+    """A layout without a kernel, for one token: block ``p`` holds pair ``p`` alone (its ``top_k`` experts differ, so
+    no expert's weights are read twice), its expert read from ``topk_ids`` by the GEMMs themselves."""
+    ids = topk_ids.reshape(-1)
+    return AlignedPairs(ids, expert_map if expert_map is not None else ids, ids, ids.numel(), block_m,
+                        pair_per_block=True, has_map=expert_map is not None)
 
 
 def max_padded(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -99,7 +110,7 @@ def _place(e, offs, sorted_ptr, base, experts):
 
 
 @triton.jit(do_not_specialize=["num_pairs", "max_blocks"])
-def _align_small_kernel(ids_ptr, map_ptr, local_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr,
+def _align_small_kernel(ids_ptr, map_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr,
                         num_pairs, num_experts, max_blocks, HAS_MAP: tl.constexpr, E_P2: tl.constexpr,
                         BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, BLOCKS_TILE: tl.constexpr,
                         USE_PDL: tl.constexpr):
@@ -110,8 +121,6 @@ def _align_small_kernel(ids_ptr, map_ptr, local_ptr, sorted_ptr, block_expert_pt
         offs = start + tl.arange(0, CHUNK)
         ok = offs < num_pairs
         e = _expert_of(ids_ptr, map_ptr, offs, ok, num_experts, HAS_MAP)
-        if HAS_MAP:
-            tl.store(local_ptr + offs, e, mask=ok)
         counts += tl.sum((e[:, None] == experts[None, :]).to(tl.int32), axis=0)
     starts = _finish_layout(counts, sorted_ptr, block_expert_ptr, num_padded_ptr, num_pairs, max_blocks,
                             E_P2, BLOCK_M, BLOCKS_TILE)
@@ -122,15 +131,13 @@ def _align_small_kernel(ids_ptr, map_ptr, local_ptr, sorted_ptr, block_expert_pt
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
-def _count_kernel(ids_ptr, map_ptr, local_ptr, counts_ptr, num_pairs, num_experts, HAS_MAP: tl.constexpr,
+def _count_kernel(ids_ptr, map_ptr, counts_ptr, num_pairs, num_experts, HAS_MAP: tl.constexpr,
                   E_P2: tl.constexpr, CHUNK: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_prologue(USE_PDL)
     chunk = tl.program_id(0)
     offs = chunk * CHUNK + tl.arange(0, CHUNK)
     ok = offs < num_pairs
     e = _expert_of(ids_ptr, map_ptr, offs, ok, num_experts, HAS_MAP)
-    if HAS_MAP:
-        tl.store(local_ptr + offs, e, mask=ok)
     experts = tl.arange(0, E_P2)
     tl.store(counts_ptr + chunk * E_P2 + experts, tl.sum((e[:, None] == experts[None, :]).to(tl.int32), axis=0))
 
@@ -180,7 +187,6 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int, expert_m
     sorted_pairs = torch.empty(padded, dtype=torch.int32, device=device)
     block_expert = torch.empty(padded // block_m, dtype=torch.int32, device=device)
     num_padded = torch.empty(1, dtype=torch.int32, device=device)
-    local_ids = torch.empty(num_pairs, dtype=torch.int32, device=device) if expert_map is not None else None
     has_map = expert_map is not None
     map_arg = expert_map if has_map else ids
     pdl = launch_kwargs(use_pdl(device))
@@ -188,18 +194,18 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int, expert_m
     if num_pairs <= small_pairs:
         chunk = max(16, min(256, 4096 // e_p2))
         _align_small_kernel[(1,)](
-            ids, map_arg, local_ids if has_map else ids, sorted_pairs, block_expert, num_padded,
+            ids, map_arg, sorted_pairs, block_expert, num_padded,
             num_pairs, num_experts, block_expert.shape[0], HAS_MAP=has_map, E_P2=e_p2, BLOCK_M=block_m,
             CHUNK=chunk, BLOCKS_TILE=blocks_tile, num_warps=4, **pdl)
     else:
         chunk = max(32, min(1024, 16384 // e_p2))
         num_chunks = triton.cdiv(num_pairs, chunk)
         counts = torch.empty((num_chunks, e_p2), dtype=torch.int32, device=device)
-        _count_kernel[(num_chunks,)](ids, map_arg, local_ids if has_map else ids, counts, num_pairs, num_experts,
+        _count_kernel[(num_chunks,)](ids, map_arg, counts, num_pairs, num_experts,
                                      HAS_MAP=has_map, E_P2=e_p2, CHUNK=chunk, num_warps=8, **pdl)
         _scan_kernel[(1,)](counts, sorted_pairs, block_expert, num_padded, num_pairs, num_chunks,
                            block_expert.shape[0], E_P2=e_p2, BLOCK_M=block_m, ROWS=max(1, 4096 // e_p2),
                            BLOCKS_TILE=blocks_tile, num_warps=8, **pdl)
         _place_kernel[(num_chunks,)](ids, map_arg, counts, sorted_pairs, num_pairs, num_experts, HAS_MAP=has_map,
                                      E_P2=e_p2, CHUNK=chunk, num_warps=8, **pdl)
-    return AlignedPairs(sorted_pairs, block_expert, num_padded, local_ids, num_pairs, block_m)
+    return AlignedPairs(sorted_pairs, block_expert, num_padded, num_pairs, block_m)

@@ -38,7 +38,7 @@ logger = logging.getLogger("dovetail")
 
 #: Most tokens one pass of the fused MoE takes; longer batches run in passes of this many (bounding the
 #: ``tokens * top_k`` rows of intermediate results held at once).
-MAX_CHUNK_TOKENS = 4096
+MAX_CHUNK_TOKENS = 8192
 
 
 class MoeConfig(NamedTuple):

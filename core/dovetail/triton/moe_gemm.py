@@ -58,7 +58,7 @@ def _moe_gemm_kernel(
     a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr,
     N, K, num_pairs, max_blocks,
     stride_am, stride_be, stride_bn, stride_cm, stride_asm, stride_bse, stride_bsn, stride_bsk,
-    A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, GELU_TANH: tl.constexpr, QUANT: tl.constexpr,
+    A_ROW_DIV: tl.constexpr, PAIR_PER_BLOCK: tl.constexpr, HAS_MAP: tl.constexpr, GATED: tl.constexpr, GELU_TANH: tl.constexpr, QUANT: tl.constexpr,
     GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, IEEE: tl.constexpr, DOT_IN_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_PDL: tl.constexpr,
@@ -71,10 +71,18 @@ def _moe_gemm_kernel(
     group_rows = tl.minimum(max_blocks - first_m, GROUP_M)
     pid_m = first_m + (pid % per_group) % group_rows
     pid_n = (pid % per_group) // group_rows
-    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
-        return
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-    pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    if PAIR_PER_BLOCK:  # block pid_m is pair pid_m alone; sorted_ptr holds topk_ids, block_expert_ptr the map
+        expert = tl.load(sorted_ptr + pid_m).to(tl.int64)
+        if HAS_MAP:
+            expert = tl.load(block_expert_ptr + expert).to(tl.int64)
+        if expert < 0:
+            return
+        pairs = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, num_pairs)
+    else:
+        if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+            return
+        expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+        pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     row_ok = pairs < num_pairs
     a_rows = (pairs // A_ROW_DIV).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -173,7 +181,7 @@ def grouped_gemm(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, align
         aligned.sorted_pairs, aligned.block_expert, aligned.num_padded,
         n_out, k, aligned.num_pairs, aligned.max_blocks,
         a.stride(0), weight.stride(0), weight.stride(1), out.stride(0), *scale_strides,
-        A_ROW_DIV=a_row_div, GATED=gated, GELU_TANH=gelu_tanh, QUANT=quant, GROUP_N=group_n, GROUP_K=group_k,
+        A_ROW_DIV=a_row_div, PAIR_PER_BLOCK=aligned.pair_per_block, HAS_MAP=aligned.has_map, GATED=gated, GELU_TANH=gelu_tanh, QUANT=quant, GROUP_N=group_n, GROUP_K=group_k,
         IEEE=a.dtype == torch.float32, DOT_IN_FP32=a.dtype == torch.bfloat16 and interpreter_active(), BLOCK_M=aligned.block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         GROUP_M=config.group_m, EVEN_K=k % block_k == 0, EVEN_N=n_out % block_n == 0,
         num_warps=config.num_warps, num_stages=config.num_stages, **launch_kwargs(use_pdl(a.device)))
@@ -181,7 +189,7 @@ def grouped_gemm(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, align
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
-def _moe_sum_kernel(c_ptr, w_ptr, local_ptr, out_ptr, num_tokens, H, stride_cm, stride_om, TOP_K: tl.constexpr,
+def _moe_sum_kernel(c_ptr, w_ptr, ids_ptr, map_ptr, out_ptr, num_tokens, H, stride_cm, stride_om, TOP_K: tl.constexpr,
                     HAS_MAP: tl.constexpr, BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_prologue(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
@@ -193,22 +201,24 @@ def _moe_sum_kernel(c_ptr, w_ptr, local_ptr, out_ptr, num_tokens, H, stride_cm, 
         weight = tl.load(w_ptr + pair)
         mask = ok
         if HAS_MAP:
-            mask = ok & (tl.load(local_ptr + pair + offs * 0) >= 0)  # a vector: pairs held elsewhere are skipped
+            expert = tl.load(ids_ptr + pair + offs * 0)  # a vector (masks must be): pairs held elsewhere are skipped
+            mask = ok & (tl.load(map_ptr + expert) >= 0)
         row = tl.load(c_ptr + pair * stride_cm + offs, mask=mask, other=0.0)
         acc += row.to(tl.float32) * weight
     tl.store(out_ptr + token * stride_om + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def moe_sum(expert_out: torch.Tensor, topk_weights: torch.Tensor, out: torch.Tensor,
-            local_ids: torch.Tensor | None = None) -> torch.Tensor:
-    """``out[t] = sum_j topk_weights[t, j] * expert_out[t * top_k + j]`` in float32 (pairs with
-    ``local_ids < 0`` skipped)."""
+def moe_sum(expert_out: torch.Tensor, topk_weights: torch.Tensor, out: torch.Tensor, topk_ids: torch.Tensor | None = None,
+            expert_map: torch.Tensor | None = None) -> torch.Tensor:
+    """``out[t] = sum_j topk_weights[t, j] * expert_out[t * top_k + j]`` in float32 (with an ``expert_map``, pairs
+    whose expert it marks -1 are skipped)."""
     tokens, top_k = topk_weights.shape
     hidden = out.shape[1]
     block_h = min(1024, next_power_of_2(hidden))
     weights = topk_weights.contiguous()
     _moe_sum_kernel[(tokens, triton.cdiv(hidden, block_h))](
-        expert_out, weights, local_ids if local_ids is not None else weights, out, tokens, hidden,
-        expert_out.stride(0), out.stride(0), TOP_K=top_k, HAS_MAP=local_ids is not None, BLOCK_H=block_h,
+        expert_out, weights, topk_ids if expert_map is not None else weights,
+        expert_map if expert_map is not None else weights, out, tokens, hidden,
+        expert_out.stride(0), out.stride(0), TOP_K=top_k, HAS_MAP=expert_map is not None, BLOCK_H=block_h,
         num_warps=4 if block_h >= 512 else 1, **launch_kwargs(use_pdl(out.device)))
     return out
