@@ -83,6 +83,9 @@ def tune(buckets: list[int], shape: LayerShape, w13: torch.Tensor, w2: torch.Ten
     started = time.perf_counter()
     logger.info("fused MoE: tuning tiles for %s at %d token counts (once per GPU kind; cached on disk)",
                 shape, len(buckets))
-    configs = {tokens: tune_bucket(tokens, shape, w13, w2, fp8) for tokens in buckets}
+    configs = {}
+    for tokens in buckets:
+        configs[tokens] = tune_bucket(tokens, shape, w13, w2, fp8)
+        logger.info("fused MoE: %d tokens: %s", tokens, configs[tokens].describe())
     logger.info("fused MoE: tuned in %.1f s", time.perf_counter() - started)
     return configs
