@@ -104,22 +104,26 @@ def block_m_candidates(tokens: int, shape: LayerShape) -> list[int]:
 
 
 def gemm_candidates(block_m: int, gated: bool) -> list[GemmConfig]:
-    """GEMM tiles worth timing with ``block_m`` (the first is the default)."""
+    """GEMM tiles worth timing with ``block_m`` (the first is the default). Each fits the 227 KiB of shared memory
+    a Hopper multiprocessor gives one program, its software pipeline included (checked by compiling for sm_90)."""
     if block_m <= 16:
-        base = [GemmConfig(64, 128, 1, 4, 4), GemmConfig(32, 128, 1, 4, 4), GemmConfig(32, 256, 1, 4, 3),
-                GemmConfig(64, 64, 1, 4, 5), GemmConfig(128, 64, 1, 4, 4), GemmConfig(128, 128, 1, 8, 3)]
-    elif block_m <= 32:
-        base = [GemmConfig(64, 128, 8, 4, 3), GemmConfig(64, 64, 8, 4, 4), GemmConfig(128, 64, 8, 4, 4),
+        return [GemmConfig(64, 128, 1, 4, 4), GemmConfig(32, 128, 1, 4, 4), GemmConfig(32, 256, 1, 4, 3),
+                GemmConfig(64, 64, 1, 4, 5), GemmConfig(128, 64, 1, 4, 4), GemmConfig(128, 128, 1, 8, 3),
+                GemmConfig(16, 256, 1, 4, 4)]
+    if block_m <= 32:
+        return [GemmConfig(64, 128, 8, 4, 3), GemmConfig(64, 64, 8, 4, 4), GemmConfig(128, 64, 8, 4, 4),
                 GemmConfig(128, 128, 8, 8, 3)]
-    elif block_m <= 64:
-        base = [GemmConfig(128, 64, 8, 4, 4), GemmConfig(64, 64, 8, 4, 4), GemmConfig(128, 128, 8, 8, 3),
+    if block_m <= 64:
+        if gated:  # two weight tiles per stage
+            return [GemmConfig(128, 64, 8, 4, 4), GemmConfig(64, 64, 8, 4, 4), GemmConfig(64, 128, 8, 4, 3),
+                    GemmConfig(256, 64, 8, 8, 3)]
+        return [GemmConfig(128, 64, 8, 4, 4), GemmConfig(64, 64, 8, 4, 4), GemmConfig(128, 128, 8, 8, 3),
                 GemmConfig(256, 64, 8, 8, 3)]
-    else:
-        base = [GemmConfig(128, 64, 8, 8, 4), GemmConfig(128, 64, 8, 4, 3), GemmConfig(256, 64, 8, 8, 3),
+    if gated:
+        return [GemmConfig(128, 64, 8, 8, 4), GemmConfig(128, 64, 8, 4, 3), GemmConfig(256, 64, 8, 8, 2),
                 GemmConfig(64, 64, 8, 4, 4)]
-    if gated:  # two weight tiles per step: keep the shared memory of a stage within bounds
-        base = [c for c in base if c.block_n * c.block_k <= 128 * 128 or block_m <= 16]
-    return base
+    return [GemmConfig(128, 64, 8, 8, 4), GemmConfig(128, 64, 8, 4, 3), GemmConfig(256, 64, 8, 8, 3),
+            GemmConfig(64, 64, 8, 4, 4)]
 
 
 def default_config(tokens: int, shape: LayerShape) -> MoeConfig:
