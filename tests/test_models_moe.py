@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from dovetail.errors import ModelLoadError, SelectionError
-from dovetail.layers.moe import FusedMoE, fused_experts, moe_reference, select_experts
+from dovetail.layers.moe import FusedMoE
+from dovetail.moe_ops import fused_experts, moe_reference, select_experts
 from dovetail.layers.weights import WeightMapper
 from dovetail.model_interface import ModelContext
 from dovetail.ops import FusedOps

@@ -55,6 +55,10 @@ CASES = {
     "qwen3moe-sparse-step": lambda: _config(
         "Qwen3MoeConfig", num_experts=6, num_experts_per_tok=3, moe_intermediate_size=32, norm_topk_prob=False,
         decoder_sparse_step=2),
+    "qwen2moe-shared-expert-dense-layer": lambda: _config(
+        "Qwen2MoeConfig", num_hidden_layers=3, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, norm_topk_prob=False, mlp_only_layers=[1], use_sliding_window=True,
+        sliding_window=WINDOW, max_window_layers=1),
     "mixtral-sliding": lambda: _config("MixtralConfig", num_local_experts=4, num_experts_per_tok=2,
                                        sliding_window=WINDOW),
     "gemma2-softcap-sliding": lambda: _config(

@@ -30,7 +30,8 @@ DEFAULT_EXPERT_PROJECTIONS = {
 #: transformers 5's own layout: every expert in one tensor.
 STACKED_EXPERT_TENSORS = {"gate_up_proj": "w13_weight", "down_proj": "w2_weight"}
 
-_PER_EXPERT = re.compile(r"^(?P<module>(?:.+\.)?experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
+_PER_EXPERT = re.compile(r"^(?P<module>(?:.+\.)?experts)\.(?P<expert>\d+)\.(?P<proj>\w+)"
+                         r"\.weight(?P<scale>_scale(?:_inv)?)?$")
 _ALL_EXPERTS = re.compile(r"^(?P<module>(?:.+\.)?experts)\.(?P<proj>gate_up_proj|down_proj)$")
 
 
@@ -108,6 +109,8 @@ class WeightMapper:
                 raise ModelLoadError(f"unexpected tensor {name!r} in the checkpoint: expert projection "
                                      f"{match['proj']!r} is not one of {known}")
             param, shard = self.expert_projections[match["proj"]]
+            if match["scale"]:  # an FP8 checkpoint's weight_scale / weight_scale_inv
+                param = f"{param}_scale"
             complete = layer.load_expert(param, tensor, int(match["expert"]), shard, name)
             return {f"{match['module']}.{param}"} if complete else set()
         match = _ALL_EXPERTS.match(name)

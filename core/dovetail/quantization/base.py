@@ -98,5 +98,11 @@ class QuantMethod(ABC):
         method has none (the layer then runs :meth:`apply` and its activation module)."""
         return None
 
+    def expert_fp8_scheme(self, prefix: str):
+        """How the mixture-of-experts weights at ``prefix`` are stored when this method quantizes them: an
+        :class:`dovetail.quantization.fp8.Fp8Scheme` (FP8 experts), or None where the method cannot quantize
+        experts (the model is then refused, naming the layer)."""
+        return None
+
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         """Repack or quantize the loaded weights (once, after every tensor is loaded)."""

@@ -159,6 +159,12 @@ class Fp8Method(QuantMethod):
     def quantizes(self, prefix: str) -> bool:
         return not layer_matches(prefix, self.skip, "ignored_layers")
 
+    def expert_fp8_scheme(self, prefix):
+        if self.scheme.static:
+            raise ConfigError(f"quantization_config.activation_scheme: 'static' activation scales are not supported "
+                              f"for mixture-of-experts layers ({prefix}); use a checkpoint with 'dynamic'")
+        return self.scheme
+
     def create_weights(self, layer, input_size, output_sizes, params_dtype):
         self.scheme.create_weights(layer, input_size, output_sizes, params_dtype)
 
