@@ -26,11 +26,13 @@ from dovetail.engine.output_processor import OutputProcessor
 from dovetail.engine.request import Request
 from dovetail.engine.sampler import PendingSample, launch_sample
 from dovetail.engine.scheduler import Scheduler
+from dovetail.engine.structured_output import StructuredOutputManager
 from dovetail.errors import ConfigError, RequestError
 from dovetail.model_interface import ModelContext
 from dovetail import model_loader
 from dovetail.outputs import RequestOutput
 from dovetail.plugin_manager import get_plugin_manager
+from dovetail.reasoning import ReasoningParser
 from dovetail.sampling_params import RequestOutputKind, SamplingParams
 from dovetail import selection
 
@@ -115,6 +117,12 @@ class LLMEngine:
         self.kv_manager = KVCacheManager(self.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv_manager, self.max_model_len)
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
+        so = config.structured_outputs
+        self.reasoning = ReasoningParser(so.reasoning_parser, self.tokenizer) if so.reasoning_parser else None
+        self.structured = StructuredOutputManager(lambda: model_loader.load_tokenizer(self.model_path),
+                                                  self.vocab_size, self.eos_token_ids, self.reasoning,
+                                                  so.enable_in_reasoning)
+        self._num_constrained = 0  # unfinished user requests with structured outputs
         self._parents: dict[str, _Parent] = {}
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -286,6 +294,7 @@ class LLMEngine:
                                field="priority")
         text, ids = self._prompt_ids(prompt)
         self.validate_request(ids, params)
+        grammar = self._grammar(params)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         children = []
         for i in range(params.n):
@@ -296,12 +305,24 @@ class LLMEngine:
             child = Request(child_id, text, ids, child_params, self.eos_token_ids, arrival, priority,
                             parent_id=request_id, index=i)
             self.outputs.attach(child)
+            if grammar is not None:
+                self.structured.attach(child, grammar)
             children.append(child)
         self._parents[request_id] = _Parent(request_id, text, ids, children)
+        self._num_constrained += grammar is not None
         for child in children:
             self._requests[child.request_id] = child
             self.scheduler.add(child)
         return request_id
+
+    def _grammar(self, params: SamplingParams):
+        """The compiled grammar (a future) of a constrained request, else None."""
+        if params.structured_outputs is None:
+            return None
+        if self.tokenizer is None:
+            raise RequestError("structured_outputs: this model has no tokenizer, which constraints need",
+                               field="structured_outputs")
+        return self.structured.grammar_for(params.structured_outputs)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         """Stop requests now and free their KV-cache blocks."""
@@ -310,8 +331,8 @@ class LLMEngine:
             parent = self._parents.pop(rid, None)
             if parent is None:
                 continue
+            self._drop_parent(parent)
             for child in parent.children:
-                self._requests.pop(child.request_id, None)
                 if not child.is_finished:
                     self.scheduler.abort(child)
                     self.outputs.finish(child, "abort")
@@ -332,14 +353,26 @@ class LLMEngine:
         and then applies the tokens of the step before, so the host schedules and
         prepares while the device computes; a request's newest token then feeds
         the next step from the device. Requests whose penalties need the host to
-        know every token so far wait for the step in flight first.
+        know every token so far wait for the step in flight first; a constrained
+        row needs its newest token only for its bitmask, so that step's tokens are
+        applied while the model runs, before sampling.
         """
-        outputs: list[RequestOutput] = []
+        outputs = self._fail_broken_grammars() if self.structured.waiting else []
         if self._in_flight is not None and (not self.overlap or self._needs_every_token()):
             outputs += self._apply(self._in_flight)
             self._in_flight = None
         batch = self.scheduler.schedule()
-        launched = self._launch(batch) if batch else None
+        launched = None
+        if batch:
+            logits = self._forward(batch)
+            if logits.sample_requests:
+                if (self._in_flight is not None and self._num_constrained
+                        and self.structured.needs_host_tokens(logits.sample_requests)):
+                    outputs += self._apply(self._in_flight)
+                    self._in_flight = None
+                launched = self._sample(logits)
+        elif self._in_flight is None and self.structured.waiting:
+            self.structured.wait(0.05)  # nothing can run before a grammar is ready
         if self._in_flight is not None:
             outputs += self._apply(self._in_flight)
         self._in_flight = launched
@@ -352,8 +385,8 @@ class LLMEngine:
         return any(r.num_pending and (r.params.repetition_penalty != 1.0 or r.params.presence_penalty
                                       or r.params.frequency_penalty) for r in self.scheduler.running)
 
-    def _launch(self, batch) -> "_InFlight":
-        """Run the model on ``batch`` and queue the sampling; nothing waits for the device."""
+    def _forward(self, batch):
+        """Run the model on ``batch`` (queued on the device; nothing waits for it)."""
         tables = [self.kv_manager.block_ids(r.request_id) for r in batch.requests]
         prev = self._in_flight.sample.tokens if self._in_flight is not None else None
         logits = self.runner.execute(batch, tables, prev)
@@ -361,10 +394,13 @@ class LLMEngine:
             req.num_computed_tokens += n
         for request_id, (prompt_logits, predicted) in logits.prompt_logits.items():
             self.outputs.add_prompt_logprobs(self._requests[request_id], prompt_logits, predicted)
+        return logits
+
+    def _sample(self, logits) -> "_InFlight":
+        """Queue the sampling of a step's rows (under their grammars' bitmask); nothing waits for the device."""
         requests = logits.sample_requests
-        if not requests:
-            return None
-        pending = launch_sample(logits.sample_logits, requests, self.vocab_size, self.ops.argmax)
+        bitmask, rows = self.structured.bitmask(requests) if self._num_constrained else (None, [])
+        pending = launch_sample(logits.sample_logits, requests, self.vocab_size, self.ops.argmax, bitmask, rows)
         pending.start_transfer(self.platform)
         for row, req in enumerate(requests):
             req.num_pending += 1
@@ -372,6 +408,17 @@ class LLMEngine:
             if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
                 req.stop_scheduling = True  # it finishes with this token whatever its value
         return _InFlight(pending, requests)
+
+    def _fail_broken_grammars(self) -> list[RequestOutput]:
+        """Finish (as aborted) the requests whose grammar failed to compile."""
+        touched = {}
+        for req, reason in self.structured.poll():
+            logger.error("request %s: its grammar failed to compile: %s", req.parent_id, reason)
+            if req.request_id in self._requests and not req.is_finished:
+                self.scheduler.abort(req)
+                self.outputs.finish(req, "abort")
+                touched[req.parent_id] = None
+        return [self._parent_output(pid) for pid in touched if pid in self._parents]
 
     def _apply(self, in_flight: "_InFlight") -> list[RequestOutput]:
         """Wait for a launched step's tokens, apply them and the stop rules, and build the outputs."""
@@ -383,6 +430,8 @@ class LLMEngine:
             if req.is_finished or req.request_id not in self._requests:
                 continue  # finished by an earlier token, or aborted, while this step ran
             self.outputs.append_token(req, token, info, now)
+            if req.grammar is not None and not req.is_finished and self.structured.accept(req, token):
+                self.outputs.finish(req, "stop")  # the grammar has ended (with ignore_eos, EOS alone does not stop)
             if req.is_finished:
                 self.scheduler.finish(req)
             touched[req.parent_id] = None
@@ -403,9 +452,15 @@ class LLMEngine:
                                              parent.children)
         if output.finished:
             del self._parents[parent_id]
-            for child in parent.children:
-                self._requests.pop(child.request_id, None)
+            self._drop_parent(parent)
         return output
+
+    def _drop_parent(self, parent: _Parent) -> None:
+        for child in parent.children:
+            self._requests.pop(child.request_id, None)
+            if child.grammar is not None:
+                self.structured.forget(child)
+        self._num_constrained -= parent.children[0].grammar is not None
 
     # -- introspection --------------------------------------------------------------------------
 

@@ -216,13 +216,35 @@ class PendingSample:
         return self.decode(host.tolist())
 
 
+def apply_token_bitmask(logits: torch.Tensor, token_bitmask: torch.Tensor, rows: list[int]) -> None:
+    """Set to -inf, in place, the logits of the tokens a row's grammar forbids.
+
+    ``token_bitmask`` (int32 ``[len(rows), ceil(vocab / 32)]``, on the host) holds one bit per token for each
+    of ``rows``; the other rows are left alone.
+    """
+    import xgrammar as xgr
+
+    mask = token_bitmask.to(logits.device, non_blocking=True)
+    if len(rows) == logits.shape[0]:
+        xgr.apply_token_bitmask_inplace(logits, mask)
+        return
+    full = torch.empty((logits.shape[0], mask.shape[1]), dtype=mask.dtype, device=logits.device)
+    full.index_copy_(0, _host_to(rows, torch.long, logits.device), mask)
+    xgr.apply_token_bitmask_inplace(logits, full, indices=rows)
+
+
 def launch_sample(logits: torch.Tensor, requests: list[Request], vocab_size: int | None = None,
-                  argmax=None) -> PendingSample:
+                  argmax=None, token_bitmask: torch.Tensor | None = None,
+                  bitmask_rows: list[int] | None = None) -> PendingSample:
     """Queue the sampling of one token per row of ``logits`` (``[rows, vocab]``); nothing waits for the device.
 
     ``argmax`` (the platform's ``FusedOps.argmax``; None: torch's) picks the tokens of a step whose rows are
-    all plain greedy."""
+    all plain greedy. ``token_bitmask`` and ``bitmask_rows`` (see :func:`apply_token_bitmask`) constrain rows
+    to their grammars before anything else (so logprobs too see the constraint, as in vLLM)."""
     n = len(requests)
+    if token_bitmask is not None:
+        apply_token_bitmask(logits[:, :vocab_size] if vocab_size is not None else logits, token_bitmask,
+                            bitmask_rows if bitmask_rows is not None else list(range(n)))
     if all(_plain_greedy(r.params, r) for r in requests):
         top = logits[:, :vocab_size] if vocab_size is not None else logits
         sampled = argmax(top) if argmax is not None else top.argmax(dim=-1)
