@@ -70,8 +70,8 @@ def test_choice_regex_and_grammar_with_n_samples(llm):
 
 
 def test_json_object_is_any_json_object(llm):
-    outs = llm.generate(PROMPTS, [SamplingParams(temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(
-        json_object=True, disable_any_whitespace=True))] * 4, use_tqdm=False)
+    spec = StructuredOutputsParams(json_object=True, disable_any_whitespace=True)
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=40, structured_outputs=spec), use_tqdm=False)
     texts = [o.outputs[0].text for o in outs]
     assert all(t.startswith(("{", "[")) for t in texts), texts
     for o in outs:
@@ -83,8 +83,8 @@ def test_a_permissive_grammar_changes_no_token(llm):
     # Any text is allowed, but xgrammar never allows bytes that cannot be UTF-8 (random models emit them):
     # both runs ban the tokens outside printable ASCII, so where they differ the mask is to blame.
     tokenizer = llm.get_tokenizer()
-    printable = {i for i in range(TOKENIZER_SIZE)
-                 if (text := tokenizer.decode([i], skip_special_tokens=True)) and all(32 <= ord(ch) < 127 or ch == "\n" for ch in text)}
+    texts = {i: tokenizer.decode([i], skip_special_tokens=True) for i in range(TOKENIZER_SIZE)}
+    printable = {i for i, text in texts.items() if text and all(32 <= ord(ch) < 127 or ch == "\n" for ch in text)}
     ban = {i: -100.0 for i in range(320) if i not in printable and i != 1}
     free = SamplingParams(temperature=0, max_tokens=24, logit_bias=ban)
     permissive = free.model_copy(update={"structured_outputs": StructuredOutputsParams(regex=r"[\s\S]*")})
@@ -219,3 +219,36 @@ def test_a_matcher_that_falls_out_of_step_is_rolled_back_or_fed(llm):
         request.append_token(token)  # and fed again without accept(): the next mask catches up
     again, rows = engine.structured.bitmask([request])
     assert rows == [0] and bool((again == mask_after_ab).all())
+
+
+def test_the_engine_loop_serves_plain_requests_while_grammars_compile(tiny_llama_dir, monkeypatch):
+    import asyncio
+
+    from dovetail.engine.async_engine import AsyncLLMEngine, NewRequest
+    from dovetail.engine.llm_engine import LLMEngine
+    from dovetail.engine.structured_output import StructuredOutputManager
+
+    release = threading.Event()
+    compile_grammar = StructuredOutputManager._compile
+    monkeypatch.setattr(StructuredOutputManager, "_compile",
+                        lambda self, grammar: release.wait(60) and compile_grammar(self, grammar))
+    slow = SamplingParams(temperature=0, max_tokens=5, structured_outputs=StructuredOutputsParams(regex="[0-9]{2}"))
+    plain = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+
+    async def scenario():
+        engine = AsyncLLMEngine(LLMEngine.from_engine_args(str(tiny_llama_dir), max_model_len=256))
+        engine.start()
+        try:
+            slow_streams = [await engine.add([NewRequest(f"slow-{i}", "hello", slow)]) for i in range(2)]
+            outputs = [item.output async for item in await engine.add([NewRequest("plain", "hello", plain)])]
+            assert outputs[-1].finished and len(outputs[-1].outputs[0].token_ids) == 5
+            assert all(s._pending == {} for s in slow_streams)  # nothing from the constrained requests yet
+            release.set()
+            finals = [[item.output async for item in s][-1] for s in slow_streams]
+            return [f.outputs[0].text for f in finals]
+        finally:
+            release.set()
+            await engine.shutdown()
+
+    texts = asyncio.run(scenario())
+    assert all(re.fullmatch("[0-9]{2}", t) for t in texts)

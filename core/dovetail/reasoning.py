@@ -45,7 +45,8 @@ class ReasoningParser:
 
     def __init__(self, name: str, tokenizer):
         if name not in FORMATS:
-            raise ConfigError(f"reasoning_parser: unknown parser {name!r} (known: {', '.join(reasoning_parser_names())})")
+            known = ", ".join(reasoning_parser_names())
+            raise ConfigError(f"reasoning_parser: unknown parser {name!r} (known: {known})")
         self.format = FORMATS[name]
         if tokenizer is None:
             raise ConfigError(f"reasoning_parser: {name} needs the model's tokenizer, and this model has none")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from dovetail.config import DTYPE_CHOICES, KV_CACHE_DTYPE_CHOICES
+from dovetail.reasoning import reasoning_parser_names
 
 
 def _bool(value: str) -> bool:
@@ -52,6 +53,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, model_positional: bool
                    help="largest decode batch captured by default (default: 512)")
     g.add_argument("--cpu-threads", type=int, default=None, help="CPU threads (default: OMP_NUM_THREADS or all)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=None)
+    g.add_argument("--reasoning-parser", default=None, choices=reasoning_parser_names(),
+                   help="how the model's reasoning is delimited: qwen3, deepseek_r1 (structured outputs apply "
+                        "after it; the server returns it as reasoning_content)")
 
 
 ENGINE_KEYS = (
@@ -60,6 +64,7 @@ ENGINE_KEYS = (
     "enable_prefix_caching", "enable_chunked_prefill", "max_num_seqs", "max_num_batched_tokens",
     "scheduling_policy", "async_scheduling", "seed", "load_format", "enforce_eager",
     "cudagraph_capture_sizes", "max_cudagraph_capture_size", "cpu_threads", "tensor_parallel_size",
+    "reasoning_parser",
 )
 
 

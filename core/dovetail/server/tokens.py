@@ -7,6 +7,7 @@ from fastapi import Request
 from dovetail.errors import RequestError
 from dovetail.server.protocol import DetokenizeRequest, TokenizeRequest, conversation
 from dovetail.server.state import ServerState
+from dovetail.server.tools import template_messages
 
 
 async def tokenize(body: TokenizeRequest, request: Request) -> dict:
@@ -15,7 +16,9 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict:
     if (body.prompt is None) == (body.messages is None):
         raise RequestError("prompt: give exactly one of prompt and messages", field="prompt")
     if body.messages is not None:
-        _, ids = state.render_chat(conversation(body.messages), body.add_generation_prompt is not False)
+        tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
+        _, ids = state.render_chat(template_messages(conversation(body.messages)),
+                                   body.add_generation_prompt is not False, tools, body.chat_template_kwargs)
     else:
         ids = state.tokenize(body.prompt, body.add_special_tokens is not False)
     result = {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}

@@ -144,8 +144,10 @@ class Llama3JsonToolParser(ToolParser):
         body = text.lstrip()
         if body.startswith(self.tag):
             body = body[len(self.tag):]
-        elif not final and (not body or self.tag.startswith(body)):
-            return Reading("")
+        elif not final and self.tag.startswith(body):
+            return Reading("")  # may still become the tag
+        if not final and not body.strip():
+            return Reading("")  # the first call has not begun
         if not body.lstrip().startswith("{"):
             return Reading(text)
         calls, stopped = read_objects(body, ";", ("parameters", "arguments"), final)
@@ -271,15 +273,17 @@ class ToolCallStream:
         self.sent_content = max(self.sent_content, len(reading.content))
         deltas = []
         for index, call in enumerate(reading.calls):
+            delta: dict = {"index": index}
             if index == len(self.ids):
                 if not call.name:
                     break  # calls are announced in order, each once its name is known
                 self.ids.append(self.parser.new_call_id())
                 self.sent_arguments.append(0)
-                deltas.append({"index": index, "id": self.ids[index], "type": "function",
-                               "function": {"name": call.name, "arguments": ""}})
+                delta.update(id=self.ids[index], type="function", function={"name": call.name, "arguments": ""})
             piece = call.arguments[self.sent_arguments[index]:]
             if piece:
                 self.sent_arguments[index] = len(call.arguments)
-                deltas.append({"index": index, "function": {"arguments": piece}})
+                delta.setdefault("function", {})["arguments"] = piece
+            if len(delta) > 1:
+                deltas.append(delta)
         return content, deltas
