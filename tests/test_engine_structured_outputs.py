@@ -252,3 +252,26 @@ def test_the_engine_loop_serves_plain_requests_while_grammars_compile(tiny_llama
 
     texts = asyncio.run(scenario())
     assert all(re.fullmatch("[0-9]{2}", t) for t in texts)
+
+
+def test_cli_generate_follows_a_schema_file_or_a_regex(tiny_llama_dir, tmp_path, capsys):
+    from dovetail.cli.main import main
+
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}))
+    base = ["--log-level", "WARNING", "generate", "--model", str(tiny_llama_dir), "--max-model-len", "256",
+            "--max-tokens", "40", "--json"]
+    assert main([*base, "--json-schema", str(schema), "--temperature", "1", "--sampling-seed", "3", "--n", "4",
+                 "hello"]) == 0
+    (line,) = capsys.readouterr().out.splitlines()
+    outputs = json.loads(line)["outputs"]
+    assert any(o["finish_reason"] == "stop" for o in outputs)
+    for o in outputs:
+        if o["finish_reason"] == "stop":
+            assert isinstance(json.loads(o["text"])["ok"], bool)
+    assert main([*base, "--regex", "[0-9]{4}", "hello", "the fox"]) == 0
+    texts = [json.loads(line)["outputs"][0]["text"] for line in capsys.readouterr().out.splitlines()]
+    assert len(texts) == 2 and all(re.fullmatch("[0-9]{4}", t) for t in texts), texts
+    schema.write_text('{"type": "object", "properties": 1}')
+    assert main([*base, "--json-schema", str(schema), "hello"]) == 2
+    assert capsys.readouterr().err.startswith("error: --json-schema: invalid JSON schema")
