@@ -23,6 +23,7 @@ from dovetail.config import EngineArgs, EngineConfig
 from dovetail.engine.kv_cache_manager import KVCacheManager
 from dovetail.engine.model_runner import ModelRunner
 from dovetail.engine.output_processor import OutputProcessor
+from dovetail.engine.prompt_tokenizer import PromptTokenizer
 from dovetail.engine.request import Request
 from dovetail.engine.sampler import PendingSample, launch_sample
 from dovetail.engine.scheduler import Scheduler
@@ -101,6 +102,7 @@ class LLMEngine:
             self.platform, self.dtype, mc.quantization, model_loader.quantization_config(self.hf_config), manager)
 
         self.tokenizer = model_loader.load_tokenizer(self.model_path)
+        self.prompt_tokenizer = PromptTokenizer(self.tokenizer, self.max_model_len)
         self.model = self._build_model()
         self.vocab_size = int(self.hf_config.vocab_size)
         self.eos_token_ids = self._eos_token_ids()
@@ -243,18 +245,16 @@ class LLMEngine:
     # -- requests ---------------------------------------------------------------------------
 
     def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
-        if self.tokenizer is None:
-            raise RequestError("prompt: this model has no tokenizer; pass prompt_token_ids", field="prompt")
-        return list(self.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids)
+        return self.prompt_tokenizer.encode(prompt, add_special_tokens, allow_empty=True)
 
     def _prompt_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
-            return prompt, self.tokenize(prompt)
+            return prompt, self.prompt_tokenizer.encode(prompt)
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])
             if "prompt" in prompt:
-                return prompt["prompt"], self.tokenize(prompt["prompt"])
+                return prompt["prompt"], self.prompt_tokenizer.encode(prompt["prompt"])
             raise RequestError("prompt: a dict prompt needs 'prompt' or 'prompt_token_ids'", field="prompt")
         if isinstance(prompt, (list, tuple)):
             return None, list(prompt)

@@ -62,6 +62,8 @@ class Request:
         self.num_pending = 0
         self.pending_row = -1
         self.stop_scheduling = False
+        #: Its place in the scheduler's waiting queue while it waits there, else None.
+        self.queue_key: Optional[tuple] = None
         #: The structured-outputs state (:class:`dovetail.engine.structured_output.GrammarState`), if constrained.
         self.grammar = None
 

@@ -17,10 +17,9 @@ from dovetail.ops import FusedOps
 from dovetail.triton import activation, argmax, gemv, norm, rotary
 
 #: Most tokens for which a 16-bit unquantized linear on an NVIDIA GPU runs the Triton GEMV, and most
-#: output features (vocabulary-sized LM heads stay on cuBLAS). At one token the GEMV beat cuBLAS on 7 of
-#: llama-3.1-8b's and qwen3-0.6b's 8 layer linears (by 4-74%) and was 2% behind on llama's gate_up
-#: (benchmarks/gemv_pdl_h200.py, H200); at 2 and 4 tokens cuBLAS was faster on 3 of llama's 4, and on
-#: qwen3-0.6b's LM head at any count.
+#: output features (vocabulary-sized LM heads stay on cuBLAS). At one token the GEMV beat cuBLAS on nearly
+#: every layer linear of llama-3.1-8b and qwen3-0.6b; at 2 and 4 tokens cuBLAS was faster on most, and on
+#: the LM heads at any count (benchmarks/RESULTS.md, Kernels).
 GEMV_MAX_ROWS = 1
 GEMV_MAX_N = 65536
 

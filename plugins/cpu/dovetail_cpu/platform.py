@@ -79,6 +79,11 @@ class CpuPlatform(Platform):
     def default_attention_backends(self) -> list[str]:
         return ["CPU_SIMD", "REFERENCE"]
 
+    def quant_kernels(self):
+        from dovetail_cpu.quant_kernels import CpuQuantKernels
+
+        return CpuQuantKernels()
+
     def fused_ops(self):
         from dovetail_cpu import _native
 

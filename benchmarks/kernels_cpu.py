@@ -13,7 +13,7 @@
 
 Prints one line per case: median and best microseconds of each, and the speed-up (median). Usage::
 
-    python benchmarks/cpu_kernels.py [--isa auto|avx512_bf16|avx512|avx2|portable ...] [--threads N]
+    python benchmarks/kernels_cpu.py [--isa auto|avx512_bf16|avx512|avx2|portable ...] [--threads N]
 """
 
 from __future__ import annotations

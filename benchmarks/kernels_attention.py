@@ -26,7 +26,7 @@ first steps (28 prompts of 100-1024 tokens), with TFLOP/s; ``--sweep-splits`` KV
 
 Usage::
 
-    python benchmarks/triton_attention.py [--models qwen3-0.6b,llama-3.1-8b] [--dtype bfloat16]
+    python benchmarks/kernels_attention.py [--models qwen3-0.6b,llama-3.1-8b] [--dtype bfloat16]
         [--iters 50] [--sweep] [--sweep-decode] [--sweep-prefill] [--skip-fused] [--json results.json]
 """
 
