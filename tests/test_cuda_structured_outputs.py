@@ -39,7 +39,7 @@ def _release_gpu_memory():
 def test_constrained_rows_follow_their_grammar_beside_free_rows(model_dir, enforce_eager):
     llm = LLM(str(model_dir), device="cuda", dtype="bfloat16", gpu_memory_utilization=0.1, max_num_seqs=16,
               max_model_len=256, enforce_eager=enforce_eager)
-    assert (llm.llm_engine.runner.graphs is None) == enforce_eager
+    assert (llm.llm_engine.executor.worker.runner.graphs is None) == enforce_eager
     # Token 310 has logits but no text: biased up, it is every free row's greedy choice, and no constrained
     # row may take it. A mask on the wrong row, or none, shows at once.
     bias = {310: 100.0}

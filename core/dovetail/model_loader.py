@@ -67,9 +67,26 @@ def load_hf_config(path: Path):
         raise ModelLoadError(f"cannot read {path / 'config.json'}: {exc}") from exc
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def resolve_tokenizer_path(tokenizer: str) -> Path:
+    """The directory of the ``tokenizer`` engine argument: a path, or a hub id in the local hub cache, holding
+    a tokenizer (an error naming the argument otherwise)."""
+    path = Path(tokenizer).expanduser()
+    if not path.is_dir() and tokenizer.count("/") == 1 and not tokenizer.startswith((".", "/", "~")):
+        path = _from_hub_cache(tokenizer) or path
+    if not path.is_dir():
+        raise ModelLoadError(f"tokenizer: {tokenizer!r} is not a directory (nor a model in the local Hugging Face "
+                             "cache); pass the directory that holds the tokenizer")
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise ModelLoadError(f"tokenizer: {str(path)!r} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)})")
+    return path
+
+
 def load_tokenizer(path: Path):
     """The tokenizer through transformers, or None when the directory has none."""
-    if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
         return None
     from transformers import AutoTokenizer
 

@@ -54,11 +54,12 @@ def run(args) -> int:
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     in_tokens = sum(len(r.prompt_token_ids) for r in requests)
     result = {
-        "benchmark": "throughput", "model": args.model or "c1", "engine_args": kwargs, "environment": environment(),
+        "benchmark": "throughput", "model": args.model or "c1", "engine_args": kwargs, "environment": environment(engine.platform),
         "num_requests": num, "input_len": list(in_range), "output_len": list(out_range),
         "dovetail": {"output_tokens": out_tokens, "prompt_tokens": in_tokens, "seconds": elapsed,
                      "output_tokens_per_s": out_tokens / elapsed, "total_tokens_per_s": (out_tokens + in_tokens) / elapsed,
                      "device": engine.platform.name, "attention_backend": engine.attention_backend.name,
+                     "world_size": engine.world_size, "executor": engine.executor_name,
                      "load_seconds": load_s, "preemptions": engine.scheduler.num_preemptions},
     }
     if args.structured_output == "json":
@@ -68,8 +69,8 @@ def run(args) -> int:
     if args.compare_hf:
         from dovetail.bench.hf_peer import hf_throughput, load_hf_model
 
+        device = str(engine.device)
         del llm, engine
-        device = str(result["environment"]["gpu"] and "cuda" or "cpu")
         model = load_hf_model(model_dir, kwargs.get("dtype", "auto"), device, kwargs.get("load_format") == "dummy")
         hf_throughput(model, requests[:2], 2, device)  # warm-up
         result["hf"] = hf_throughput(model, requests, hf_batch, device)

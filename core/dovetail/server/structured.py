@@ -11,7 +11,7 @@ naming the field it came in.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
 from dovetail.engine.grammar import parse_grammar
 from dovetail.errors import RequestError
