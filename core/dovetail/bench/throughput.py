@@ -4,7 +4,8 @@ Output tokens divided by the wall time of ``LLM.generate`` over the whole
 request set, after one warm-up call. ``enqueue_seconds`` is the part of that
 time ``LLM.generate`` took to queue every request (from the call to the last
 request's arrival). ``--prompt TEXT`` gives every request that text instead of
-random token ids, so that queueing includes tokenising.
+random token ids, so that queueing includes tokenising. ``--structured-output
+json`` adds the same run under a JSON schema (:mod:`dovetail.bench.structured`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ def add_parser(sub) -> None:
     p.add_argument("--hf-batch-size", type=int, default=None)
     p.add_argument("--prompt", default=None, metavar="TEXT",
                    help="every request's prompt is this text (tokenised by generate) instead of random token ids")
+    p.add_argument("--structured-output", choices=("json",), default=None,
+                   help="run the requests again, each under one JSON schema, and report both runs, their ratio "
+                        "and the grammar's compile time (a named shape gets a synthetic tokenizer)")
     p.set_defaults(func=run)
 
 
@@ -71,6 +75,10 @@ def run(args) -> int:
                      "world_size": engine.world_size, "executor": engine.executor_name,
                      "load_seconds": load_s, "preemptions": engine.scheduler.num_preemptions},
     }
+    if args.structured_output == "json":
+        from dovetail.bench.structured import run_constrained
+
+        result["structured_output"] = run_constrained(llm, prompts, params, result["dovetail"])
     if args.compare_hf:
         from dovetail.bench.hf_peer import hf_throughput, load_hf_model
 
