@@ -48,6 +48,7 @@ def run(args) -> int:
         "dovetail": {"ms_per_token": statistics.median(r[1] for r in runs),
                      "ms_per_token_runs": [r[1] for r in runs], "prefill_ms": statistics.median(r[0] for r in runs),
                      "device": engine.platform.name, "attention_backend": engine.attention_backend.name,
+                     "world_size": engine.world_size, "executor": engine.executor_name,
                      "load_seconds": load_s},
     }
     if args.compare_hf:

@@ -52,7 +52,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser, model_positional: bool
     g.add_argument("--max-cudagraph-capture-size", type=int, default=None,
                    help="largest decode batch captured by default (default: 512)")
     g.add_argument("--cpu-threads", type=int, default=None, help="CPU threads (default: OMP_NUM_THREADS or all)")
-    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=None)
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
+                   help="ranks of tensor parallelism, one device each (default 1)")
+    g.add_argument("--distributed-executor-backend", default=None, choices=("uni", "mp", "ray"),
+                   help="how ranks run: uni (in process, one rank), mp (a process per device on this host), "
+                        "ray (Ray actors, across machines; pip install 'dovetail[ray]'); default: uni for one "
+                        "rank, mp for more")
 
 
 ENGINE_KEYS = (
@@ -61,6 +66,7 @@ ENGINE_KEYS = (
     "enable_prefix_caching", "enable_chunked_prefill", "max_num_seqs", "max_num_batched_tokens",
     "scheduling_policy", "async_scheduling", "seed", "load_format", "enforce_eager",
     "cudagraph_capture_sizes", "max_cudagraph_capture_size", "cpu_threads", "tensor_parallel_size",
+    "distributed_executor_backend",
 )
 
 

@@ -100,7 +100,7 @@ class CudaPlatform(TorchDevicePlatform):
         super().set_device(index)
         torch.backends.cuda.preferred_blas_library(library)
 
-    def capability(self, index: int | None = 0) -> tuple[int, int]:
+    def capability(self, index: int | None = None) -> tuple[int, int]:
         """The compute capability of device ``index`` (None: the current one), e.g. ``(9, 0)`` on Hopper."""
         return torch.cuda.get_device_capability(index)
 
