@@ -73,7 +73,7 @@ install() {
     python3 -c "import sys, zstandard; zstandard.ZstdDecompressor().copy_stream(open(sys.argv[1], 'rb'), sys.stdout.buffer)" \
       /tmp/parts.tar.zst | tar -xf - -C /tmp/site || return 1
   fi
-  python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . -e plugins/cuda -e plugins/models \
+  python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . -e plugins/cpu -e plugins/cuda -e plugins/models \
     >"$OUT/install.log" 2>&1 || { tail -20 "$OUT/install.log"; return 1; }
   if [ -f .fi_cache/flashinfer.tgz ]; then mkdir -p ~/.cache && tar xzf .fi_cache/flashinfer.tgz -C ~/.cache; fi
 }
