@@ -16,6 +16,8 @@ from typing import Iterator
 
 import torch
 
+from dovetail.checkpoint_tensor import CheckpointTensor, read
+from dovetail.distributed import tp_size
 from dovetail.errors import ModelLoadError
 
 logger = logging.getLogger("dovetail")
@@ -133,14 +135,18 @@ def safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def iterate_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every checkpoint tensor, one at a time, memory-mapped from its file."""
+def iterate_weights(path: Path, lazy: bool = False) -> Iterator[tuple[str, torch.Tensor | CheckpointTensor]]:
+    """Every checkpoint tensor, one at a time, memory-mapped from its file.
+
+    ``lazy`` yields :class:`~dovetail.checkpoint_tensor.CheckpointTensor` objects, read
+    only in the part the model keeps (tensor parallelism: each rank its slice).
+    """
     from safetensors import safe_open
 
     for file in safetensors_files(path):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                yield name, CheckpointTensor(f.get_slice(name), name) if lazy else f.get_tensor(name)
 
 
 def quantization_config(hf_config) -> dict | None:
@@ -205,14 +211,17 @@ def load_weights(model, path: Path) -> None:
     """Fill ``model`` from the checkpoint; any parameter left unfilled is an error naming it.
 
     Calibrated KV-cache scales (:data:`KV_SCALE_NAME`) go to the attention layers, as vLLM reads them for an
-    FP8 KV cache (the largest, where a scale has several elements)."""
+    FP8 KV cache (the largest, where a scale has several elements). With several tensor-parallel ranks the
+    model receives lazy tensors, so each rank reads only its shards
+    (:meth:`dovetail.model_interface.DovetailModel.load_weights`).
+    """
     scales: dict[int, dict[str, float]] = {}
 
     def weights_but_kv_scales():
-        for name, tensor in iterate_weights(path):
+        for name, tensor in iterate_weights(path, lazy=tp_size() > 1):
             match = KV_SCALE_NAME.search(name)
             if match:
-                scales.setdefault(int(match[1]), {})[match[2]] = float(tensor.float().max())
+                scales.setdefault(int(match[1]), {})[match[2]] = float(read(tensor).float().max())
             else:
                 yield name, tensor
 
