@@ -11,7 +11,7 @@
 #   startup   benchmarks/startup.py (fresh process to first token) for each model x backend
 #   hf        benchmarks/peer_hf.py (HF transformers, B1 and B2) for each model
 #   vllm      benchmarks/peer_vllm.py (B1 and B2 on the same requests) for each model, when vLLM is installed
-#   kernels   benchmarks/kernels_attention.py and benchmarks/kernels_linear.py (first model)
+#   kernels   benchmarks/kernels_attention.py, kernels_linear.py (first model) and kernels_moe.py ($MOE_MODEL)
 #
 # Variables:
 #   MODELS     named shapes (dovetail.bench.shapes) or model directories  default: "qwen3-0.6b llama-3.1-8b"
@@ -23,6 +23,7 @@
 #   TESTS      pytest arguments                                             default: "-m gpu -rs tests"
 #   HF_B1_PROMPTS  how many of B1's 256 requests HF runs                    default: 64
 #   VLLM_TP    vLLM's tensor-parallel size                                  default: 1
+#   MOE_MODEL  the MoE shape of the kernels step                            default: qwen3-moe-15b-a3b
 #   TIMEOUT    seconds each benchmark command may take                      default: 300
 #   TEST_TIMEOUT  seconds the tests may take                                default: 580
 #   SKIP_INSTALL=1  the machine was set up by an earlier call
@@ -74,7 +75,7 @@ install() {
     python3 -c "import sys, zstandard; zstandard.ZstdDecompressor().copy_stream(open(sys.argv[1], 'rb'), sys.stdout.buffer)" \
       /tmp/parts.tar.zst | tar -xf - -C /tmp/site || return 1
   fi
-  python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . -e plugins/cuda -e plugins/models \
+  python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . -e plugins/cpu -e plugins/cuda -e plugins/models \
     >"$OUT/install.log" 2>&1 || { tail -20 "$OUT/install.log"; return 1; }
   if [ -f .fi_cache/flashinfer.tgz ]; then mkdir -p ~/.cache && tar xzf .fi_cache/flashinfer.tgz -C ~/.cache; fi
 }
@@ -215,7 +216,9 @@ for step in ${@:-tests bench}; do
       timeout "$TIMEOUT" python3 benchmarks/kernels_attention.py --json "$OUT/raw/kernels_attention.json" \
         >"$OUT/kernels_attention.log" 2>&1; tail -15 "$OUT/kernels_attention.log"
       timeout "$TIMEOUT" python3 benchmarks/kernels_linear.py --model "$model" --json "$OUT/raw/kernels_linear.json" \
-        >"$OUT/kernels_linear.log" 2>&1; tail -12 "$OUT/kernels_linear.log" ;;
+        >"$OUT/kernels_linear.log" 2>&1; tail -12 "$OUT/kernels_linear.log"
+      timeout "$TIMEOUT" python3 benchmarks/kernels_moe.py --model "${MOE_MODEL:-qwen3-moe-15b-a3b}" \
+        --json "$OUT/raw/kernels_moe.json" >"$OUT/kernels_moe.log" 2>&1; tail -12 "$OUT/kernels_moe.log" ;;
     *) echo "unknown step '$step' (tests bench startup hf vllm kernels)"; exit 2 ;;
   esac
 done

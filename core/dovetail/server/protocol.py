@@ -7,9 +7,10 @@ turns a request into :class:`dovetail.SamplingParams`.
 
 from __future__ import annotations
 
+import logging
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictInt, Tag, field_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictInt, Tag, field_validator, model_validator
 
 from dovetail.errors import RequestError
 from dovetail.sampling_params import SamplingParams, StructuredOutputsParams
@@ -18,9 +19,28 @@ MAX_LOGPROBS = 20
 TokenIds = list[int]
 
 
+logger = logging.getLogger("dovetail")
+#: (body, field) pairs already reported as ignored: each is logged once per process.
+_IGNORED_FIELDS: set[tuple[str, str]] = set()
+
+
 class _Body(BaseModel):
-    # Unknown fields are ignored, as OpenAI clients send ones we do not use (e.g. ``store``, ``metadata``).
+    """A request body (or part of one). Fields it does not define are ignored, as OpenAI clients send ones we do
+    not use (e.g. ``store``, ``metadata``), and each such field name is logged once, with a warning."""
+
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False, protected_namespaces=())
+
+    @model_validator(mode="before")
+    @classmethod
+    def _log_ignored_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            known = set(cls.model_fields) | {f.alias for f in cls.model_fields.values() if f.alias}
+            for name in data.keys() - known:
+                if (cls.__name__, str(name)) not in _IGNORED_FIELDS:
+                    _IGNORED_FIELDS.add((cls.__name__, str(name)))
+                    logger.warning("request field %r is not supported by %s and is ignored (logged once)",
+                                   str(name), cls.__name__)
+        return data
 
 
 class StreamOptions(_Body):
