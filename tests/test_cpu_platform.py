@@ -181,3 +181,21 @@ def test_importing_the_plugin_loads_no_kernels():
     out = _run("import sys, dovetail_cpu.plugin; from dovetail.plugin_manager import get_plugin_manager; "
                "get_plugin_manager(); print('dovetail_cpu._native' in sys.modules, 'torch' in sys.modules)")
     assert out.split()[0] == "False"
+
+
+def test_dovetail_plugins_says_why_the_chosen_backend_comes_first(monkeypatch):
+    import re
+    from pathlib import Path
+
+    from dovetail.cli.plugins_cmd import collect, render
+
+    monkeypatch.delenv("DOVETAIL_DEVICE", raising=False)
+    data = collect()
+    auto = data["auto_selection"]
+    assert auto["device"] == "cpu" and auto["attention_backend"] == "CPU_SIMD"
+    assert auto["order_reason"] == CpuPlatform().attention_backend_order_reason()
+    assert auto["order_reason"].startswith("CPU_SIMD comes first")
+    assert f"  why this order: {auto['order_reason']}" in render(data).splitlines()
+    results = (Path(__file__).resolve().parents[1] / "benchmarks" / "RESULTS.md").read_text()
+    assert re.findall(r"\b\d{3}\b", auto["order_reason"]) == ["711", "497"]
+    assert "**711.0** (CPU_SIMD), REFERENCE 496.9" in results  # the C1 row these figures round

@@ -175,6 +175,17 @@ class Platform(ABC):
     def reset_peak_memory_stats(self, index: int | None = None) -> None:
         """Start a new peak-memory measurement (used by the profiling run)."""
 
+    def multiprocessor_count(self, index: int | None = None) -> int:
+        """Independent compute units of device ``index`` (None: the current device) that a kernel's programs
+        spread over: multiprocessors, compute units, subslices. The core's Triton kernels size their grids by it
+        (KV splits of decode attention); 0, the default, means unknown and they assume 64."""
+        return 0
+
+    def supports_pdl(self, index: int | None = None) -> bool:
+        """Whether device ``index`` (None: the current one) runs the core's Triton kernels with programmatic
+        dependent launch (``triton.language.extra.cuda.gdc_wait``; NVIDIA Hopper and newer). False by default."""
+        return False
+
     def copy_to_host_async(self, tensor: "torch.Tensor") -> HostCopy:
         """Start copying ``tensor`` to the host without waiting for work queued after it.
 
@@ -225,7 +236,13 @@ class Platform(ABC):
 
     @abstractmethod
     def default_attention_backends(self) -> list[str]:
-        """Attention backend names to try, most preferred first (installed or not)."""
+        """Attention backend names to try, most preferred first (installed or not): the fastest valid backend
+        first, by what was measured on this hardware (say why in :meth:`attention_backend_order_reason`)."""
+
+    def attention_backend_order_reason(self) -> str:
+        """Why :meth:`default_attention_backends` is in its order here: the measurement it rests on (with where
+        it is recorded), or that none was made. ``dovetail plugins`` shows it."""
+        return ""
 
     def check_and_update_config(self, config: "EngineConfig") -> None:
         """Check the engine config against this platform and adjust what it must.

@@ -63,6 +63,13 @@ class TorchDevicePlatform(Platform):
     def reset_peak_memory_stats(self, index: int | None = None) -> None:
         self.runtime.reset_peak_memory_stats(index)
 
+    def multiprocessor_count(self, index: int | None = None) -> int:
+        """The ``multi_processor_count`` of the device's properties (multiprocessors on NVIDIA GPUs, compute
+        units on AMD ones)."""
+        runtime = self.runtime
+        props = runtime.get_device_properties(runtime.current_device() if index is None else index)
+        return int(getattr(props, "multi_processor_count", 0))
+
     def synchronize(self) -> None:
         self.runtime.synchronize()
 

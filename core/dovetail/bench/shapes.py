@@ -16,7 +16,7 @@ class Shape:
     description: str
 
     def config(self):
-        from transformers import LlamaConfig, Qwen3Config
+        from transformers import LlamaConfig, Qwen3Config, Qwen3MoeConfig
 
         if self.name == "qwen3-0.6b":
             return Qwen3Config(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
@@ -42,6 +42,14 @@ class Shape:
                                rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
                                architectures=["LlamaForCausalLM"])
+        if self.name in ("qwen3-moe-15b-a3b", "qwen3-30b-a3b"):
+            # Qwen3-30B-A3B's layer; the 15B shape keeps half of its 48 layers.
+            return Qwen3MoeConfig(hidden_size=2048, num_hidden_layers=24 if self.name == "qwen3-moe-15b-a3b" else 48,
+                                  num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                                  moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                                  norm_topk_prob=True, intermediate_size=6144, vocab_size=151936,
+                                  tie_word_embeddings=False, max_position_embeddings=40960, rope_theta=1000000.0,
+                                  rms_norm_eps=1e-6, architectures=["Qwen3MoeForCausalLM"])
         if self.name == "c1":
             return LlamaConfig(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
                                intermediate_size=1376, vocab_size=32000, max_position_embeddings=2048,
@@ -54,15 +62,52 @@ SHAPES = {
     "llama-3.1-8b": Shape("llama-3.1-8b", "bfloat16", "Llama 3.1 8B shape (B1/B2 on GPUs)"),
     "qwen3-32b": Shape("qwen3-32b", "bfloat16", "Qwen3 32B shape (B1/B2 with tensor parallelism)"),
     "llama-3.1-70b": Shape("llama-3.1-70b", "bfloat16", "Llama 3.1 70B shape (B1/B2 with tensor parallelism)"),
+    "qwen3-moe-15b-a3b": Shape("qwen3-moe-15b-a3b", "bfloat16",
+                               "Qwen3-30B-A3B's layers, 24 of them: 128 experts, 8 per token (B1/B2 on GPUs)"),
+    "qwen3-30b-a3b": Shape("qwen3-30b-a3b", "bfloat16", "Qwen3-30B-A3B shape: 48 MoE layers (B1/B2 on GPUs)"),
     "c1": Shape("c1", "float32", "small Llama of C1/C2 (CPU)"),
 }
 
 
-def materialize(model: str) -> tuple[str, dict]:
+def synthetic_tokenizer(directory: str | Path, vocab_size: int, seed: int = 0):
+    """Save a byte-level BPE tokenizer of ``vocab_size`` tokens (the last one ``<|endoftext|>``) in ``directory``.
+
+    Named shapes have no tokenizer of their own, and nothing may be downloaded; what needs one (structured
+    outputs compile grammars against the vocabulary) gets this stand-in. Its merges are drawn with a fixed
+    seed so that most tokens are pieces of words, numbers and punctuation, as in a trained vocabulary.
+    """
+    import random
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    rng = random.Random(seed)
+    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    common = list("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ") * 4 + list("0123456789") + ["Ġ"] * 10 \
+        + list(".,:;\"'(){}[]-_/") + ["Ċ", "ĉ"]  # byte-level spellings of space, newline and tab
+    pool, merges = list(common), []
+    while len(vocab) < vocab_size - 1:
+        left, right = rng.choice(pool) if rng.random() < 0.7 else rng.choice(common), rng.choice(common)
+        if left + right in vocab or len(left) >= 16:
+            continue
+        merges.append((left, right))
+        vocab[left + right] = len(vocab)
+        pool.append(left + right)
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens(["<|endoftext|>"])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>")
+    fast.save_pretrained(str(directory))
+    return fast
+
+
+def materialize(model: str, with_tokenizer: bool = False) -> tuple[str, dict]:
     """A model directory for ``model`` and the engine defaults it implies.
 
-    A named shape becomes a temporary directory holding only ``config.json``,
-    loaded with ``load_format="dummy"``; anything else is passed through.
+    A named shape becomes a temporary directory holding only ``config.json``
+    (and, if asked, a :func:`synthetic_tokenizer`), loaded with
+    ``load_format="dummy"``; anything else is passed through.
     """
     shape = SHAPES.get(model)
     if shape is None:
@@ -70,5 +115,8 @@ def materialize(model: str) -> tuple[str, dict]:
     directory = Path(tempfile.mkdtemp(prefix=f"dovetail-{shape.name}-"))
     config = shape.config()
     config.dtype = shape.dtype
+    if with_tokenizer:
+        fast = synthetic_tokenizer(directory, config.vocab_size)
+        config.eos_token_id = fast.eos_token_id
     config.save_pretrained(str(directory))
     return str(directory), {"load_format": "dummy", "dtype": shape.dtype}

@@ -1,7 +1,8 @@
 """``dovetail bench throughput``: B1 (GPU) / C1 (CPU) offline throughput, against HF if asked.
 
 Output tokens divided by the wall time of ``LLM.generate`` over the whole
-request set, after one warm-up call.
+request set, after one warm-up call. ``--structured-output json`` adds the same
+run under a JSON schema (:mod:`dovetail.bench.structured`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ def add_parser(sub) -> None:
     p.add_argument("--input-len", default=None, help="LOW:HIGH prompt lengths (uniform)")
     p.add_argument("--output-len", default=None, help="LOW:HIGH output lengths (uniform)")
     p.add_argument("--hf-batch-size", type=int, default=None)
+    p.add_argument("--structured-output", choices=("json",), default=None,
+                   help="run the requests again, each under one JSON schema, and report both runs, their ratio "
+                        "and the grammar's compile time (a named shape gets a synthetic tokenizer)")
     p.set_defaults(func=run)
 
 
@@ -50,7 +54,7 @@ def run(args) -> int:
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     in_tokens = sum(len(r.prompt_token_ids) for r in requests)
     result = {
-        "benchmark": "throughput", "model": args.model or "c1", "engine_args": kwargs, "environment": environment(),
+        "benchmark": "throughput", "model": args.model or "c1", "engine_args": kwargs, "environment": environment(engine.platform),
         "num_requests": num, "input_len": list(in_range), "output_len": list(out_range),
         "dovetail": {"output_tokens": out_tokens, "prompt_tokens": in_tokens, "seconds": elapsed,
                      "output_tokens_per_s": out_tokens / elapsed, "total_tokens_per_s": (out_tokens + in_tokens) / elapsed,
@@ -58,11 +62,15 @@ def run(args) -> int:
                      "world_size": engine.world_size, "executor": engine.executor_name,
                      "load_seconds": load_s, "preemptions": engine.scheduler.num_preemptions},
     }
+    if args.structured_output == "json":
+        from dovetail.bench.structured import run_constrained
+
+        result["structured_output"] = run_constrained(llm, prompts, params, result["dovetail"])
     if args.compare_hf:
         from dovetail.bench.hf_peer import hf_throughput, load_hf_model
 
+        device = str(engine.device)
         del llm, engine
-        device = str(result["environment"]["gpu"] and "cuda" or "cpu")
         model = load_hf_model(model_dir, kwargs.get("dtype", "auto"), device, kwargs.get("load_format") == "dummy")
         hf_throughput(model, requests[:2], 2, device)  # warm-up
         result["hf"] = hf_throughput(model, requests, hf_batch, device)

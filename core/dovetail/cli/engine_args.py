@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from dovetail.config import DTYPE_CHOICES, KV_CACHE_DTYPE_CHOICES
+from dovetail.reasoning import reasoning_parser_names
 
 
 def _bool(value: str) -> bool:
@@ -23,6 +24,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser, model_positional: bool
     else:
         parser.add_argument("--model", default=None, help="model directory (default: the bundled model)")
     g = parser.add_argument_group("engine")
+    g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
     g.add_argument("--device", default=None, help="platform: cpu, cuda, rocm, xpu, ... (env DOVETAIL_DEVICE)")
     g.add_argument("--attention-backend", default=None,
                    help="REFERENCE, TRITON, CPU_SIMD, FLASHINFER, FLASH_ATTN, ROCM_AITER, ... "
@@ -57,15 +59,18 @@ def add_engine_arguments(parser: argparse.ArgumentParser, model_positional: bool
                    help="how ranks run: uni (in process, one rank), mp (a process per device on this host), "
                         "ray (Ray actors, across machines; pip install 'dovetail[ray]'); default: uni for one "
                         "rank, mp for more")
+    g.add_argument("--reasoning-parser", default=None, choices=reasoning_parser_names(),
+                   help="how the model's reasoning is delimited: qwen3, deepseek_r1 (structured outputs apply "
+                        "after it; the server returns it as reasoning_content)")
 
 
 ENGINE_KEYS = (
-    "device", "attention_backend", "quantization", "dtype", "max_model_len", "block_size",
+    "tokenizer", "device", "attention_backend", "quantization", "dtype", "max_model_len", "block_size",
     "gpu_memory_utilization", "kv_cache_memory_bytes", "kv_cache_dtype", "num_gpu_blocks_override",
     "enable_prefix_caching", "enable_chunked_prefill", "max_num_seqs", "max_num_batched_tokens",
     "scheduling_policy", "async_scheduling", "seed", "load_format", "enforce_eager",
     "cudagraph_capture_sizes", "max_cudagraph_capture_size", "cpu_threads", "tensor_parallel_size",
-    "distributed_executor_backend",
+    "distributed_executor_backend", "reasoning_parser",
 )
 
 

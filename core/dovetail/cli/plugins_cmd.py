@@ -82,6 +82,7 @@ def collect(tensor_parallel_size: int = 1, executor: str | None = None) -> dict:
         auto["device"] = chosen
         order = selection.attention_backend_candidates(platform, manager)
         auto["attention_backends_in_order"] = order
+        auto["order_reason"] = platform.attention_backend_order_reason()
         auto["attention_backend"] = next((b for b in order if backends.get(b, {}).get("usable")), None)
         dtype = platform.supported_dtypes()[0]
     except DovetailError as exc:
@@ -149,6 +150,8 @@ def render(data: dict) -> str:
     else:
         lines.append(f"  device: {auto['device']}; attention backend: {auto['attention_backend']} "
                      f"(tried in order: {', '.join(auto['attention_backends_in_order'])})")
+        if auto.get("order_reason"):
+            lines.append(f"  why this order: {auto['order_reason']}")
     par = data["parallelism"]
     devices = f"; {par['devices']} device(s) visible, collectives over {par['dist_backend']}" if "devices" in par else ""
     lines.append(f"  parallelism: world size {par['world_size']}, executor {par['executor']}{devices}")

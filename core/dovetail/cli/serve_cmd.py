@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 
 from dovetail.cli.engine_args import add_engine_arguments, engine_kwargs
+from dovetail.server.tool_parsers import tool_parser_names
 
 
 def add_parser(sub) -> None:
@@ -19,11 +21,22 @@ def add_parser(sub) -> None:
     s.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health (env DOVETAIL_API_KEY)")
     s.add_argument("--max-waiting-requests", type=int, default=None,
-                   help="answer 503 while this many sequences wait to be scheduled (default: no limit)")
+                   help="answer 503 to a request whose sequences would make more than this many wait to be "
+                        "scheduled (default: no limit)")
+    s.add_argument("--max-sequences-per-request", type=int, default=256,
+                   help="answer 400 to a request of more sequences (n times the number of prompts; default 256)")
+    s.add_argument("--allowed-hosts", nargs="+", default=None, metavar="HOST",
+                   help="answer only requests whose Host header names one of these ('*.example.com' for "
+                        "subdomains, '*' for any); default: localhost, 127.0.0.1 and [::1] when listening on "
+                        "a loopback address without --api-key, else any")
     s.add_argument("--max-body-bytes", type=int, default=32 * 1024 * 1024,
                    help="answer 413 to larger request bodies (default 32 MiB)")
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let running requests finish before aborting them (default 30)")
+    s.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='let the model choose to call tools (tool_choice "auto"); needs --tool-call-parser')
+    s.add_argument("--tool-call-parser", default=None, choices=tool_parser_names(),
+                   help="how the model writes tool calls: hermes (Qwen2.5, Qwen3, Hermes), llama3_json, mistral")
     s.add_argument("--uvicorn-log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug", "trace"))
     s.add_argument("--disable-uvicorn-access-log", action="store_true", help="do not log each HTTP request")
@@ -33,10 +46,16 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     from dovetail.errors import ConfigError
 
-    for flag, low in (("port", 0), ("max_waiting_requests", 1), ("max_body_bytes", 1), ("shutdown_timeout", 0)):
+    for flag, low in (("port", 0), ("max_waiting_requests", 1), ("max_sequences_per_request", 1),
+                      ("max_body_bytes", 1), ("shutdown_timeout", 0)):
         value = getattr(args, flag)
         if value is not None and not value >= low:
             raise ConfigError(f"--{flag.replace('_', '-')}: must be at least {low} (got {value})")
+    if args.port > 65535:
+        raise ConfigError(f"--port: must be at most 65535 (got {args.port})")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ConfigError("--enable-auto-tool-choice: needs --tool-call-parser (one of "
+                          f"{', '.join(tool_parser_names())})")
 
     from dovetail.llm import default_model
     from dovetail.server.launcher import serve
@@ -48,7 +67,28 @@ def run(args: argparse.Namespace) -> int:
     if args.max_waiting_requests is not None:
         kwargs["max_waiting_requests"] = args.max_waiting_requests
     kwargs.setdefault("served_model_name", names[0])
-    settings = ServerSettings(served_model_names=names, api_key=args.api_key or os.environ.get("DOVETAIL_API_KEY"),
-                              max_body_bytes=args.max_body_bytes)
+    api_key = args.api_key or os.environ.get("DOVETAIL_API_KEY")
+    settings = ServerSettings(served_model_names=names, api_key=api_key, max_body_bytes=args.max_body_bytes,
+                              max_sequences_per_request=args.max_sequences_per_request,
+                              allowed_hosts=allowed_hosts(args.allowed_hosts, args.host, api_key),
+                              tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
     return serve(model, kwargs, settings, host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout,
                  uvicorn_log_level=args.uvicorn_log_level, access_log=not args.disable_uvicorn_access_log)
+
+
+#: The names a browser on this machine uses for a server listening on loopback.
+LOOPBACK_NAMES = ["localhost", "127.0.0.1", "[::1]"]
+
+
+def allowed_hosts(given: list[str] | None, host: str, api_key: str | None) -> list[str] | None:
+    """The Host header allow-list (None: any host): ``--allowed-hosts``, else the loopback names for a
+    loopback server without an API key (a web page cannot send the key, but can reach loopback)."""
+    if given is not None:
+        return None if "*" in given else given
+    if api_key:
+        return None
+    try:
+        loopback = ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        loopback = host.lower() == "localhost"
+    return list(LOOPBACK_NAMES) if loopback else None

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Sequence
 
 from dovetail.engine.llm_engine import LLMEngine, PromptType
-from dovetail.errors import DovetailError, WorkerError
+from dovetail.errors import DovetailError, RequestError, WorkerError
 from dovetail.outputs import RequestOutput
 from dovetail.sampling_params import SamplingParams
 
@@ -32,7 +32,7 @@ logger = logging.getLogger("dovetail.async_engine")
 
 
 class QueueFullError(DovetailError):
-    """The engine's waiting queue already holds ``max_waiting_requests`` sequences."""
+    """The engine's waiting queue cannot take the request's sequences now (``max_waiting_requests``)."""
 
 
 class EngineStepError(DovetailError):
@@ -123,8 +123,8 @@ class AsyncLLMEngine:
     """Serves one :class:`LLMEngine` to many coroutines through a single engine loop.
 
     ``max_waiting_requests`` (default: the engine's ``scheduler.max_waiting_requests``)
-    caps the sequences waiting to be scheduled; past it, :meth:`add` raises
-    :class:`QueueFullError`.
+    caps the sequences waiting to be scheduled: :meth:`add` raises :class:`QueueFullError`
+    for requests whose sequences (``n`` each) would take the queue past it.
     """
 
     def __init__(self, engine: LLMEngine, max_waiting_requests: int | None = None,
@@ -239,12 +239,18 @@ class AsyncLLMEngine:
     # -- the engine thread ------------------------------------------------------------------------
 
     def _check_capacity(self, engine: LLMEngine, requests: Sequence[NewRequest]) -> None:
-        if self.max_waiting_requests is None:
+        """Refuse requests whose sequences (``n`` each) would not fit the waiting queue's limit."""
+        limit = self.max_waiting_requests
+        if limit is None:
             return
-        waiting = engine.stats()["waiting"]
-        if waiting >= self.max_waiting_requests:
-            raise QueueFullError(f"the waiting queue is full ({waiting} of max_waiting_requests="
-                                 f"{self.max_waiting_requests}); retry later")
+        adding = sum(r.params.n for r in requests)
+        if adding > limit:
+            raise RequestError(f"n: the request makes {adding} sequences, more than the server ever queues "
+                               f"(max_waiting_requests={limit})", field="n")
+        waiting = len(engine.scheduler.waiting)
+        if waiting + adding > limit:
+            raise QueueFullError(f"the waiting queue is full ({waiting} sequences waiting, {adding} more asked for, "
+                                 f"max_waiting_requests={limit}); retry later")
 
     def _run(self) -> None:
         engine = self.engine

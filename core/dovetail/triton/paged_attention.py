@@ -34,6 +34,7 @@ batches too small to fill it (batch 1 has only ``num_kv_heads`` programs otherwi
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 
@@ -46,6 +47,8 @@ from dovetail.triton import next_power_of_2, unaligned
 from dovetail.triton.pdl import launch_kwargs, pdl_prologue, use_pdl
 from dovetail.triton import rotary as rotary_kernel
 from dovetail.triton.rotary import normalised
+
+logger = logging.getLogger("dovetail")
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -364,18 +367,22 @@ def default_config(head_size: int, queries_per_kv: int, decode: bool, dtype: tor
 _SM_COUNT: dict[torch.device, int] = {}
 
 
-def _multiprocessor_count(device: torch.device) -> int:
+def multiprocessor_count(device: torch.device) -> int:
+    """The compute units a launch on ``device`` spreads over, as its platform says (``Platform.multiprocessor_count``;
+    the CPU's cores for triton's interpreter); 64 where unknown. Asked once per device."""
     if device not in _SM_COUNT:
         count = 0
-        try:
-            if device.type == "cuda":
-                count = torch.cuda.get_device_properties(device).multi_processor_count
-            elif device.type == "xpu":
-                count = torch.xpu.get_device_properties(device).gpu_subslice_count
-            elif device.type == "cpu":  # the interpreter
-                count = os.cpu_count() or 1
-        except Exception:
-            count = 0
+        if device.type == "cpu":  # the interpreter
+            count = os.cpu_count() or 1
+        else:
+            from dovetail.selection import platform_for_device
+
+            platform = platform_for_device(device.type)
+            try:
+                count = platform.multiprocessor_count(device.index) if platform is not None else 0
+            except Exception:
+                logger.warning("the %s platform could not count the multiprocessors of %s; assuming 64",
+                               device.type, device, exc_info=True)
         _SM_COUNT[device] = count or 64
     return _SM_COUNT[device]
 
@@ -390,7 +397,7 @@ def default_num_splits(num_seqs: int, num_kv_heads: int, device: torch.device) -
     launch was best or close to it (benchmarks/RESULTS.md, Kernels).
     """
     programs = max(1, num_seqs * num_kv_heads)
-    multiprocessors = _multiprocessor_count(device)
+    multiprocessors = multiprocessor_count(device)
     splits = 1
     while splits < 16 and programs * splits <= multiprocessors:
         splits *= 2
