@@ -87,9 +87,16 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Optio
     :attr:`StepDescription.token_bitmask`): row ``i`` of ``bitmask`` constrains row ``rows[i]`` of ``logits``
     (default: row ``i``); the other rows are left alone, at no cost. Applied by xgrammar's kernel for the
     logits' device."""
+    bitmask = bitmask.to(logits.device, non_blocking=True)
+    if logits.device.type == "cpu" and logits.shape[-1] % 32:
+        # xgrammar's CPU kernel writes past the end of a row that is not a whole number of words.
+        index = slice(None) if rows is None else torch.tensor(rows, dtype=torch.long)
+        shifts = torch.arange(32, dtype=torch.int32)
+        allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :logits.shape[-1]].bool()
+        logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+        return
     import xgrammar as xgr
 
-    bitmask = bitmask.to(logits.device, non_blocking=True)
     if rows is None or len(rows) == logits.shape[0]:
         xgr.apply_token_bitmask_inplace(logits, bitmask)
         return

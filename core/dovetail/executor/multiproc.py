@@ -292,6 +292,9 @@ class MultiprocExecutor(Executor):
     def _fail(self, error: BaseException) -> BaseException:
         if self._failure is None:
             self._failure = error if isinstance(error, WorkerError) else WorkerError(str(error))
+        for proc in self._processes:  # the others may wait in a collective for the one that failed
+            if proc.is_alive():
+                proc.terminate()
         self.shutdown()
         return error
 
