@@ -20,6 +20,7 @@
 #   FLAGS      extra `dovetail bench` flag sets, separated by "|"; each set is one variant, and the variants
 #              alternate within a round. FLAGS="|--quantization fp8|--kv-cache-dtype fp8"    default: ""
 #   ROUNDS     rounds of the bench loop                                     default: 1
+#   TP         tensor-parallel size of the startup step                     default: 1
 #   TESTS      pytest arguments                                             default: "-m gpu -rs tests"
 #   HF_B1_PROMPTS  how many of B1's 256 requests HF runs                    default: 64
 #   VLLM_TP    vLLM's tensor-parallel size                                  default: 1
@@ -53,6 +54,7 @@ BACKENDS=${BACKENDS:-TRITON}
 KINDS=${KINDS:-"latency throughput"}
 FLAGS=${FLAGS:-}
 ROUNDS=${ROUNDS:-1}
+TP=${TP:-1}
 TESTS=${TESTS:-"-m gpu -rs tests"}
 HF_B1_PROMPTS=${HF_B1_PROMPTS:-64}
 VLLM_TP=${VLLM_TP:-1}
@@ -125,6 +127,8 @@ elif step == "latency":
     figures.append(("B2", d["ms_per_token"], "ms/token", {"runs": d["ms_per_token_runs"]}))
 elif step == "startup":
     base["backend"] = data.get("attention_backend", backend)
+    if data.get("tensor_parallel_size", 1) > 1:
+        base["flags"] = f"-tp {data['tensor_parallel_size']}"
     figures.append(("start-up", data["startup_to_first_token_s"], "s", {"engine_s": round(data["engine_s"], 1)}))
 else:  # peers
     for name, unit, key in (("B1", "output tok/s", "output_tokens_per_s"), ("B2", "ms/token", "ms_per_token")):
@@ -193,8 +197,8 @@ for step in ${@:-tests bench}; do
         for backend in $BACKENDS; do
           log "start-up $model $backend"
           extra=(); [ "$backend" != auto ] && extra=(--attention-backend "$backend")
-          run_python startup "$model" "$backend" "$OUT/raw/startup_${model//\//_}_$backend.json" \
-            benchmarks/startup.py --model "$model" "${extra[@]}"
+          run_python startup "$model" "$backend" "$OUT/raw/startup_${model//\//_}_${backend}_tp$TP.json" \
+            benchmarks/startup.py --model "$model" -tp "$TP" "${extra[@]}"
         done
       done ;;
     hf)
