@@ -8,6 +8,8 @@ ranks' weights must be their slices and their outputs the dense output's slices
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -122,6 +124,7 @@ def test_sizes_the_ranks_cannot_share_are_one_line_errors(monkeypatch):
     from dovetail.distributed import parallel_state
     from dovetail.errors import ConfigError
     from dovetail.layers.linear import ColumnParallelLinear, QKVParallelLinear
+    from dovetail.layers.moe import FusedMoE
 
     monkeypatch.setattr(parallel_state, "_size", 4)  # construction reads the size; no collective runs
     with pytest.raises(ConfigError, match=r"^num_attention_heads 6 is not divisible by tensor_parallel_size 4$"):
@@ -130,6 +133,8 @@ def test_sizes_the_ranks_cannot_share_are_one_line_errors(monkeypatch):
         QKVParallelLinear(HIDDEN, 4, 12, 3, False, _ctx(), "qkv")
     with pytest.raises(ConfigError, match=r"^layer up: output size 10 is not divisible by tensor_parallel_size 4$"):
         ColumnParallelLinear(HIDDEN, 10, False, _ctx(), "up")
+    with pytest.raises(ConfigError, match=r"^num_experts 6 is not divisible by tensor_parallel_size 4$"):
+        FusedMoE(6, 2, HIDDEN, 8, _ctx(), "experts")
 
 
 def read_tally_job(path: str) -> dict[str, int]:
@@ -154,17 +159,38 @@ def read_tally_job(path: str) -> dict[str, int]:
     return reads
 
 
-def test_each_rank_reads_only_its_slices_of_the_checkpoint(tp_ranks, tiny_llama_dir):
-    """Matrices (projections, embedding, LM head) are read half per rank, vectors (norms) whole: a rank's
-    reads add up to half the weights plus the norms, never a whole matrix."""
+@pytest.fixture(scope="module")
+def tiny_moe_dir(tmp_path_factory):
+    from test_models_vs_hf import CASES, save_checkpoint
+
+    return save_checkpoint(tmp_path_factory.mktemp("tp-moe"), CASES["qwen3moe-normtopk-dense-layer"]())
+
+
+def expected_reads(name: str, dim: int, nbytes: int, rank: int, num_experts: int = 4) -> int:
+    """What rank ``rank`` of two reads of a tensor: half of a matrix, a whole vector or router, an expert's
+    tensors only on the rank that holds the expert (the first half of them on rank 0)."""
+    expert = re.search(r"\.experts\.(\d+)\.", name)
+    if expert:
+        return nbytes if int(expert[1]) // (num_experts // 2) == rank else 0
+    if dim == 1 or name.endswith(".mlp.gate.weight"):
+        return nbytes
+    return nbytes // 2
+
+
+@pytest.mark.parametrize("model", ["llama", "qwen3-moe"])
+def test_each_rank_reads_only_its_slices_of_the_checkpoint(tp_ranks, tiny_llama_dir, tiny_moe_dir, model):
+    """Matrices (projections, embedding, LM head) are read half per rank, vectors (norms) and the MoE router
+    whole, each expert by the rank that holds it: a rank never reads a whole matrix it keeps part of."""
     from safetensors import safe_open
 
+    path = tiny_llama_dir if model == "llama" else tiny_moe_dir
     sizes = {}
-    for file in tiny_llama_dir.glob("*.safetensors"):
+    for file in path.glob("*.safetensors"):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
                 tensor = f.get_tensor(name)
                 sizes[name] = (tensor.dim(), tensor.numel() * tensor.element_size())
     assert any(dim == 1 for dim, _ in sizes.values()) and any(dim == 2 for dim, _ in sizes.values())
-    for reads in tp_ranks(2).run(read_tally_job, str(tiny_llama_dir)):
-        assert reads == {name: nbytes // 2 if dim == 2 else nbytes for name, (dim, nbytes) in sizes.items()}
+    for rank, reads in enumerate(tp_ranks(2).run(read_tally_job, str(path))):
+        expected = {name: expected_reads(name, dim, nbytes, rank) for name, (dim, nbytes) in sizes.items()}
+        assert reads == {name: nbytes for name, nbytes in expected.items() if nbytes}
