@@ -194,3 +194,45 @@ def test_each_rank_reads_only_its_slices_of_the_checkpoint(tp_ranks, tiny_llama_
     for rank, reads in enumerate(tp_ranks(2).run(read_tally_job, str(path))):
         expected = {name: expected_reads(name, dim, nbytes, rank) for name, (dim, nbytes) in sizes.items()}
         assert reads == {name: nbytes for name, nbytes in expected.items() if nbytes}
+
+
+def all_reduce_kernel_job() -> dict:
+    """On each rank: all-reduces with a platform kernel that takes only small tensors (summing them its own
+    way, through an all-gather) and what each path returned."""
+    from dovetail import distributed
+
+    taken = []
+
+    def kernel(tensor):
+        if tensor.numel() > 4:
+            return False
+        taken.append(tensor.numel())
+        tensor.copy_(distributed.all_gather(tensor.unsqueeze(0), dim=0).sum(0))
+        return True
+
+    rank = distributed.tp_rank()
+    small, large = torch.arange(4.0) + 10 * rank, torch.arange(6.0) + 10 * rank
+    distributed.set_all_reduce_kernel(kernel)
+    try:
+        results = (distributed.all_reduce(small.clone()), distributed.all_reduce(large.clone()))
+    finally:
+        distributed.set_all_reduce_kernel(None)
+    return {"small": results[0], "large": results[1], "taken": taken}
+
+
+def test_a_platform_all_reduce_kernel_takes_the_messages_it_accepts(tp_ranks):
+    for got in tp_ranks(2).run(all_reduce_kernel_job):
+        assert got["taken"] == [4], "the kernel sums what it takes; the backend the rest"
+        torch.testing.assert_close(got["small"], 2 * torch.arange(4.0) + 10)
+        torch.testing.assert_close(got["large"], 2 * torch.arange(6.0) + 10)
+
+
+def test_the_all_reduce_choice_is_validated(monkeypatch):
+    from dovetail.errors import ConfigError
+    from dovetail_cuda.symm_mem_all_reduce import all_reduce_choice, all_reduce_kernel
+
+    monkeypatch.delenv("DOVETAIL_ALL_REDUCE", raising=False)
+    assert all_reduce_choice() == "nccl" and all_reduce_kernel(None, torch.device("cpu")) is None
+    monkeypatch.setenv("DOVETAIL_ALL_REDUCE", "custom")
+    with pytest.raises(ConfigError, match=r"^DOVETAIL_ALL_REDUCE='custom': expected one of nccl, symm_mem$"):
+        all_reduce_choice()
