@@ -19,6 +19,8 @@
 #   KINDS      throughput (B1) and/or latency (B2)                          default: "latency throughput"
 #   FLAGS      extra `dovetail bench` flag sets, separated by "|"; each set is one variant, and the variants
 #              alternate within a round. FLAGS="|--quantization fp8|--kv-cache-dtype fp8"    default: ""
+#              Leading NAME=VALUE words of a set are environment variables for its command:
+#              FLAGS="-tp 2|DOVETAIL_ALL_REDUCE=symm_mem -tp 2"
 #   ROUNDS     rounds of the bench loop                                     default: 1
 #   TP         tensor-parallel size of the startup step                     default: 1
 #   TESTS      pytest arguments                                             default: "-m gpu -rs tests"
@@ -151,7 +153,7 @@ run_tests() {
 }
 
 run_bench() {
-  local round model backend variant kind args n=0
+  local round model backend variant kind args word n=0
   IFS='|' read -r -a variants <<<"$FLAGS"
   [ ${#variants[@]} -eq 0 ] && variants=("")
   for round in $(seq "$ROUNDS"); do
@@ -163,8 +165,13 @@ run_bench() {
             args=(bench "$kind" --model "$model" --output-json "$OUT/raw/bench_$n.json")
             [ "$backend" != auto ] && args+=(--attention-backend "$backend")
             log "round $round: dovetail ${args[*]:0:4} $backend $variant"
+            local envs=() flags=()
             # shellcheck disable=SC2086  # a flag set is split into its words on purpose
-            if timeout "$TIMEOUT" dovetail --log-level WARNING "${args[@]}" $variant >/dev/null 2>>"$OUT/bench.log"; then
+            for word in $variant; do
+              if [ ${#flags[@]} -eq 0 ] && [[ $word =~ ^[A-Z_][A-Z0-9_]*= ]]; then envs+=("$word"); else flags+=("$word"); fi
+            done
+            if timeout "$TIMEOUT" env "${envs[@]}" dovetail --log-level WARNING "${args[@]}" "${flags[@]}" \
+                >/dev/null 2>>"$OUT/bench.log"; then
               record "$kind" "$model" "$backend" "$variant" "$round" "$OUT/raw/bench_$n.json"
               tail -1 "$OUT/results.jsonl" | cut -c1-220
             else

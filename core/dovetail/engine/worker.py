@@ -137,6 +137,8 @@ class Worker:
         self.device = platform.device(self.local_rank)
         distributed.init_tensor_parallel(world_size, rank, platform.dist_backend, distributed_init_method or "",
                                          self.device)
+        if world_size > 1:
+            distributed.set_all_reduce_kernel(platform.all_reduce_kernel(distributed.tp_group(), self.device))
         platform.seed_everything(config.model.seed)
 
         path = model_loader.resolve_model_path(spec.model_path)
