@@ -268,3 +268,50 @@ def test_the_gpu_path_reads_no_device_value_on_the_host():
     assert_moe_close(out, moe_reference(x, w13, w2, weights, ids, expert_map=layer.expert_map_device))
     with pytest.raises(testing.HostSyncError), testing.forbid_host_sync():
         FusedOps().fused_moe(x, w13, w2, weights, ids)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the engine's CPU platform with a stand-in graph capture")
+def test_moe_decode_steps_run_in_a_stand_in_capture_without_host_synchronisation(tmp_path):
+    """A tiny Qwen3-MoE on the engine, its MoE layers on the Triton path, decode steps "captured" by a platform
+    whose capture and replays run under :func:`dovetail.testing.forbid_host_sync`; tokens as HF's."""
+    from transformers import Qwen3MoeConfig
+
+    from dovetail import LLM, SamplingParams
+    from dovetail.layers.moe import FusedMoE
+    from test_cuda_graph_runner import DeviceOnlyDecodeImpl, ReplayGraph, ReplayPlatform
+    from tiny_models import assert_greedy_matches, hf_greedy, load_hf, save_model
+
+    class GuardedReplayPlatform(ReplayPlatform):
+        """Captures and replays raise where Dovetail's code reads a device value on the host."""
+
+        def capture_graph(self, fn, pool=None):
+            def guarded():
+                with testing.forbid_host_sync():
+                    return fn()
+
+            return ReplayGraph(guarded), guarded()
+
+    config = Qwen3MoeConfig(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
+                            num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+                            max_position_embeddings=256, initializer_range=0.1, bos_token_id=0, eos_token_id=1)
+    path = save_model(tmp_path / "qwen3moe", config)
+    prompts, max_tokens = [[5, 6, 7, 8], list(range(20, 41)), [3]], [6, 5, 4]
+    hf = load_hf(path)
+    reference = [hf_greedy(hf, p, n) for p, n in zip(prompts, max_tokens)]
+    llm = LLM(str(path), device="cpu", attention_backend="REFERENCE", max_num_seqs=4)
+    runner = llm.llm_engine.runner
+    layers = [m for m in runner.model.modules() if isinstance(m, FusedMoE)]
+    assert len(layers) == 2
+    for layer in layers:
+        layer.ops = TritonFusedOps()
+    for layer in runner.attention_layers:
+        layer.impl = DeviceOnlyDecodeImpl(layer.spec)
+    runner.platform, runner.use_graphs = GuardedReplayPlatform(), True
+    runner.capture_graphs()
+    assert runner.graphs.sizes == [1, 2, 4]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in max_tokens]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for out, (tokens, logprobs) in zip(outputs, reference):
+        assert_greedy_matches(out.outputs[0].token_ids, tokens, logprobs)
+    assert sum(graph.replays for graph in runner.graphs.graphs.values()) >= 4
