@@ -1,6 +1,6 @@
 """An upper bound on C1 throughput on this CPU: the time of C1's matrix products alone.
 
-C1 (``BENCHMARKS.md``) runs 64 requests of the C1 model. Whatever the attention backend, every prompt token
+C1 (docs/benchmarks.md) runs 64 requests of the C1 model. Whatever the attention backend, every prompt token
 and every fed-back output token goes through each layer's seven linears, and every sampled row through the
 LM head. This replays exactly those products, with the engine's own request set: prompts in prefill chunks
 of ``--chunk`` tokens, then one decode step per output position over the requests still running. It leaves

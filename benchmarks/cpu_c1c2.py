@@ -1,9 +1,9 @@
-"""C1 (offline throughput) and C2 (batch-1 decode latency) of BENCHMARKS.md on the CPU, against HF.
+"""C1 (offline throughput) and C2 (batch-1 decode latency) of docs/benchmarks.md on the CPU, against HF.
 
 Builds the C1 model (Llama: hidden 512, 8 layers, 8 heads, 4 KV heads, intermediate 1376,
 vocab 32000, float32, random weights) once under ``--model-dir``, then in one process:
 
-- C1: 64 requests (prompt 64-256, output 64-128 tokens, ``random.Random(round)``, random token ids,
+- C1: 64 requests (prompt 64-256, output 64-128 tokens, seeded with the round, random token ids,
   ``ignore_eos``) through ``LLM.generate`` after a warm-up call on other prompts; output tokens / wall time. HF
   ``generate`` runs the same requests as one left-padded batch (greedy, ``max_new_tokens`` = the
   longest output); only the tokens each request asked for count.
@@ -12,7 +12,7 @@ vocab 32000, float32, random weights) once under ``--model-dir``, then in one pr
 - C2: one 128-token prompt, 256 output tokens; ms per output token with prefill excluded (from the
   request's first and last token times; for HF, generating 257 tokens minus generating 1).
 
-With ``--llamacpp-bin`` and ``--gguf`` the same run also measures llama.cpp (cpu_llamacpp.py). Each
+With ``--llamacpp-bin`` and ``--gguf`` the same run also measures llama.cpp (peer_llamacpp.py). Each
 figure is measured ``--repeat`` times, interleaved, with the 1-minute load average before it (the
 machine is shared: figures taken under load are not comparable).
 
@@ -52,12 +52,10 @@ def build_model(path: Path) -> Path:
 
 
 def c1_requests(num: int = 64, seed: int = 0) -> list[tuple[list[int], int]]:
-    rng = random.Random(seed)
-    requests = []
-    for _ in range(num):
-        prompt_len, output_len = rng.randint(64, 256), rng.randint(64, 128)
-        requests.append(([rng.randrange(2, 32000) for _ in range(prompt_len)], output_len))
-    return requests
+    """C1's requests as ``dovetail bench throughput --model c1`` draws them (``--workload-seed`` = ``seed``)."""
+    from dovetail.bench.workload import random_requests
+
+    return [(r.prompt_token_ids, r.output_len) for r in random_requests(num, (64, 256), (64, 128), 32000, seed)]
 
 
 def c1_like_requests(num: int = 32, prompt: int = 160, output: int = 96, seed: int = 0):
@@ -144,7 +142,7 @@ def main() -> None:
     parser.add_argument("--skip-c2", action="store_true")
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--llamacpp-bin", help="llama.cpp's build/bin (llama-bench, llama-batched-bench)")
-    parser.add_argument("--gguf", help="the C1 model as f32 GGUF (../shared/peers/c1_gguf.py)")
+    parser.add_argument("--gguf", help="the C1 model as f32 GGUF (peer_llamacpp.py --write-gguf)")
     args = parser.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     path = build_model(Path(args.model_dir))
@@ -189,13 +187,13 @@ def main() -> None:
             if not args.skip_c1:
                 record("HF C1 tok/s", lambda: hf_c1(hf, requests))
         if args.llamacpp_bin and args.gguf:
-            import cpu_llamacpp
+            import peer_llamacpp
 
             if not args.skip_c2:
-                record("llama.cpp C2 ms/tok", lambda: cpu_llamacpp.c2_ms_per_token(args.llamacpp_bin, args.gguf,
+                record("llama.cpp C2 ms/tok", lambda: peer_llamacpp.c2_ms_per_token(args.llamacpp_bin, args.gguf,
                                                                                    threads))
             if not args.skip_c1:
-                record("llama.cpp C1-like tok/s", lambda: cpu_llamacpp.c1_like(args.llamacpp_bin, args.gguf,
+                record("llama.cpp C1-like tok/s", lambda: peer_llamacpp.c1_like(args.llamacpp_bin, args.gguf,
                                                                                threads)["output_tok_s"])
     summary = {k: statistics.median(v) for k, v in results.items()}
     print("threads:", threads, "median:", json.dumps(summary))

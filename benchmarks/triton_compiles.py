@@ -1,4 +1,4 @@
-"""Which Triton kernels compile when, during one ``dovetail`` command (on the H200: ``dovetail bench``).
+"""Which Triton kernels compile when, during one ``dovetail`` command (``dovetail bench`` on a GPU, say).
 
 A kernel variant first met inside a benchmark's timed ``LLM.generate`` is compiled there (or loaded from
 triton's disk cache) and its cost is counted as the engine's. This runs the command given after the script's

@@ -10,6 +10,15 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+# DOVETAIL_CPU_ISA=avx2|portable runs the suite as on a CPU whose best path that is (the CPU plugin hides
+# the faster ones); torch's own kernels are capped to match, before torch is imported.
+_TORCH_CPU_CAPABILITY = {"avx512_bf16": ("avx512", "AVX512_CORE_BF16"), "avx512": ("avx512", "AVX512_CORE"),
+                         "avx2": ("avx2", "AVX2"), "portable": ("default", "SSE41")}
+if os.environ.get("DOVETAIL_CPU_ISA", "").strip().lower() in _TORCH_CPU_CAPABILITY:
+    _aten, _onednn = _TORCH_CPU_CAPABILITY[os.environ["DOVETAIL_CPU_ISA"].strip().lower()]
+    os.environ.setdefault("ATEN_CPU_CAPABILITY", _aten)
+    os.environ.setdefault("ONEDNN_MAX_CPU_ISA", _onednn)
+
 import tiny_models  # noqa: E402
 
 
@@ -45,3 +54,22 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not has_cuda:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def tp_ranks():
+    """``tp_ranks(world)``: a group of ``world`` rank processes over gloo (see tests/spmd.py), shared by the
+    session's tests and replaced after a failure."""
+    from spmd import SpmdRanks
+
+    groups: dict[int, SpmdRanks] = {}
+
+    def get(world: int) -> SpmdRanks:
+        group = groups.get(world)
+        if group is None or group.broken:
+            group = groups[world] = SpmdRanks(world)
+        return group
+
+    yield get
+    for group in groups.values():
+        group.close()

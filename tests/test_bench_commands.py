@@ -3,9 +3,35 @@
 from __future__ import annotations
 
 import json
+import random
 
-from dovetail.bench.workload import greedy_inputs, random_requests
-from dovetail.cli.main import main
+from dovetail.bench.throughput import workload
+from dovetail.bench.workload import b1_requests, greedy_inputs, random_requests
+from dovetail.cli.main import build_parser, main
+
+
+def test_b1_is_the_peers_request_list():
+    requests = b1_requests(128256)
+    rng = random.Random(0)
+    pairs = [(rng.randint(100, 1024), rng.randint(100, 1024)) for _ in range(256)]
+    assert [(len(r.prompt_token_ids), r.output_len) for r in requests] == pairs
+    assert sum(r.output_len for r in requests) == 140_797
+    assert sum(len(r.prompt_token_ids) for r in requests) == 148_194
+    ids = random.Random(1)
+    assert requests[0].prompt_token_ids == [ids.randrange(10, 128256 - 10) for _ in range(pairs[0][0])]
+    assert requests[1].prompt_token_ids == [ids.randrange(10, 128256 - 10) for _ in range(pairs[1][0])]
+
+
+def test_throughput_runs_b1_on_every_gpu_shape_and_c1_on_c1():
+    for model in ("qwen3-0.6b", "llama-3.1-8b", "qwen3-32b", "llama-3.1-70b"):
+        args = build_parser().parse_args(["bench", "throughput", "--model", model])
+        requests, _, _ = workload(args, 151936)
+        assert [(len(r.prompt_token_ids), r.output_len) for r in requests] == \
+            [(len(r.prompt_token_ids), r.output_len) for r in b1_requests(151936)]
+    args = build_parser().parse_args(["bench", "throughput", "--model", "c1"])
+    requests, in_range, out_range = workload(args, 32000)
+    assert len(requests) == 64 and (in_range, out_range) == ((64, 256), (64, 128))
+    assert all(64 <= len(r.prompt_token_ids) <= 256 and 64 <= r.output_len <= 128 for r in requests)
 
 
 def test_greedy_inputs_ask_for_each_requests_output_length():

@@ -116,7 +116,86 @@ def test_env_var_forces_the_path_and_dovetail_plugins_reports_it():
     assert "attention backend: CPU_SIMD" in out
 
 
+@pytest.mark.parametrize("path", ["avx512", "avx2", "portable"])
+def test_forced_path_behaves_as_a_cpu_whose_best_path_it_is(path):
+    """Forcing a path hides the faster ones, so the suite run that way proves what such a CPU would do."""
+    if path not in isa.supported_isas():
+        pytest.skip(f"this CPU (or build) lacks the {path} path; it runs: {', '.join(isa.supported_isas())}")
+    out = _run("import json, torch; from dovetail_cpu import cpu_info, isa; "
+               "from dovetail_cpu.platform import CpuPlatform; "
+               "print(json.dumps({'selected': isa.selected_isa(), 'supported': isa.supported_isas(), "
+               "'auto': isa.select_isa('auto'), 'flags': sorted(cpu_info.cpu_flags()), "
+               "'dtypes': [str(d) for d in CpuPlatform().supported_dtypes()], 'probe': cpu_info.probe().reason}))",
+               DOVETAIL_CPU_ISA=path)
+    import json
+
+    seen = json.loads(out.strip().splitlines()[-1])
+    order = list(cpu_info.ISA_ORDER)
+    assert seen["selected"] == seen["auto"] == path
+    assert seen["supported"] == [p for p in isa.supported_isas() if order.index(p) >= order.index(path)]
+    assert seen["dtypes"] == ["torch.float32"], "bfloat16 is offered only where the CPU has AVX-512 BF16"
+    assert not any(f.startswith("avx512_bf16") or f.startswith("amx") for f in seen["flags"])
+    if path != "avx512":
+        assert not any(f.startswith("avx512") for f in seen["flags"])
+        assert f"capped at {path}" in seen["probe"] and "avx512" not in seen["probe"]
+    if path == "portable":
+        assert "avx2" not in seen["flags"] and "fma" not in seen["flags"]
+
+
+def test_faster_path_than_the_forced_one_is_refused(monkeypatch):
+    monkeypatch.setenv("DOVETAIL_CPU_ISA", "portable")
+    with pytest.raises(ConfigError, match="cannot run the 'avx2' kernels.*DOVETAIL_CPU_ISA=portable caps it"):
+        isa.select_isa("avx2")
+    assert isa.supported_isas() == ["portable"]
+
+
+def test_suite_under_a_forced_path_runs_torch_at_that_level_too():
+    forced = cpu_info.isa_ceiling()
+    if forced is None:
+        pytest.skip("DOVETAIL_CPU_ISA is not set: torch runs at the CPU's own level")
+    expected = {"avx512_bf16": "AVX512", "avx512": "AVX512", "avx2": "AVX2", "portable": "DEFAULT"}[forced]
+    assert torch.backends.cpu.get_cpu_capability() == expected
+
+
+def test_int8_products_are_exact_whatever_the_cpu_has():
+    """torch._int_mm saturates on CPUs without VNNI (oneDNN's AVX2 kernels); the platform's kernels never do."""
+    kernels = CpuPlatform().quant_kernels()
+    assert kernels.uses_int_mm == cpu_info.has_int8_dot_product()
+    gen = torch.Generator().manual_seed(0)
+    for k in (64, 1024, 3000):
+        a = torch.randint(-127, 128, (5, k), generator=gen, dtype=torch.int8)
+        b = torch.randint(-127, 128, (24, k), generator=gen, dtype=torch.int8)
+        a[0], b[0] = 127, -127  # the largest partial sums
+        out = kernels.int8_matmul(a, b)
+        assert out.dtype == torch.int32
+        assert torch.equal(out, (a.long() @ b.long().t()).int()), f"K={k}"
+
+
+def test_int8_dot_products_are_hidden_below_avx512_when_forced(monkeypatch):
+    monkeypatch.setenv("DOVETAIL_CPU_ISA", "avx2")
+    assert not cpu_info.has_int8_dot_product(), "the plainest AVX2 CPU (Haswell to Zen 3) has no VNNI"
+    assert CpuPlatform().quant_kernels().uses_int_mm is False
+
+
 def test_importing_the_plugin_loads_no_kernels():
     out = _run("import sys, dovetail_cpu.plugin; from dovetail.plugin_manager import get_plugin_manager; "
                "get_plugin_manager(); print('dovetail_cpu._native' in sys.modules, 'torch' in sys.modules)")
     assert out.split()[0] == "False"
+
+
+def test_dovetail_plugins_says_why_the_chosen_backend_comes_first(monkeypatch):
+    import re
+    from pathlib import Path
+
+    from dovetail.cli.plugins_cmd import collect, render
+
+    monkeypatch.delenv("DOVETAIL_DEVICE", raising=False)
+    data = collect()
+    auto = data["auto_selection"]
+    assert auto["device"] == "cpu" and auto["attention_backend"] == "CPU_SIMD"
+    assert auto["order_reason"] == CpuPlatform().attention_backend_order_reason()
+    assert auto["order_reason"].startswith("CPU_SIMD comes first")
+    assert f"  why this order: {auto['order_reason']}" in render(data).splitlines()
+    results = (Path(__file__).resolve().parents[1] / "benchmarks" / "RESULTS.md").read_text()
+    assert re.findall(r"\b\d{3}\b", auto["order_reason"]) == ["711", "497"]
+    assert "**711.0** (CPU_SIMD), REFERENCE 496.9" in results  # the C1 row these figures round

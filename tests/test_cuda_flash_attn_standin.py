@@ -1,7 +1,7 @@
 """FLASH_ATTN's argument marshalling on the CPU, against stand-in ``flash_attn`` modules.
 
 No FlashAttention build is installed where CI runs (FlashAttention-4 ran on an
-H100: ``tests/test_cuda_backends.py``, ``benchmarks/h200_flash_attn4.sh``), so the
+H100: ``tests/test_cuda_backends.py``, ``benchmarks/gpu.sh``), so the
 stand-ins check the arguments as the packages document them (shapes, int32
 metadata, FA2's blocks of a multiple of 256) and compute the documented
 semantics: keys gathered through the block table, ``causal`` aligned to the

@@ -201,6 +201,29 @@ def test_auto_selection_order_on_cuda(installed):
     assert selection.select_attention_backend(platform, _requirements(head_size=96), None, manager).name == "TRITON"
 
 
+def test_on_hopper_auto_selection_puts_the_fastest_measured_backend_first(installed, monkeypatch):
+    import re
+    from pathlib import Path
+
+    from dovetail_cuda import platform as cuda_platform
+
+    manager = get_plugin_manager()
+    monkeypatch.setattr(cuda_platform, "visible_capability_major", lambda: 9)
+    platform = CudaPlatform()
+    assert platform.default_attention_backends() == ["TRITON", "FLASH_ATTN", "FLASHINFER", "REFERENCE"]
+    assert selection.attention_backend_candidates(platform, manager)[:4] == [
+        "TRITON", "FLASH_ATTN", "FLASHINFER", "REFERENCE"]
+    assert selection.select_attention_backend(platform, _requirements(), None, manager).name == "TRITON"
+    reason = platform.attention_backend_order_reason()
+    assert reason.startswith("on Hopper TRITON comes first") and "benchmarks/RESULTS.md" in reason
+    results = (Path(__file__).resolve().parents[1] / "benchmarks" / "RESULTS.md").read_text()
+    figures = re.findall(r"\d+,\d{3}", reason)
+    assert len(figures) == 6 and all(figure in results for figure in figures)
+    monkeypatch.setattr(cuda_platform, "visible_capability_major", lambda: 8)
+    assert platform.default_attention_backends() == ["FLASH_ATTN", "FLASHINFER", "TRITON", "REFERENCE"]
+    assert platform.attention_backend_order_reason().startswith("not measured on sm_8x")
+
+
 def test_validation_reasons_name_the_backend_and_the_rule(installed):
     assert FlashInferBackend.validate(_requirements()) == []
     reasons = FlashInferBackend.validate(_requirements(head_size=80, dtype=torch.float32, num_heads=12,

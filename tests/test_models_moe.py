@@ -148,7 +148,7 @@ def test_transformers5_stacked_expert_layout_loads(tmp_path, config_name, overri
     from transformers import AutoModelForCausalLM
 
     import test_models_vs_hf as common
-    from tiny_models import build_tokenizer, hf_greedy
+    from tiny_models import build_tokenizer, completions, hf_greedy
 
     config = common._config(config_name, **overrides)
     torch.manual_seed(0)
@@ -163,4 +163,4 @@ def test_transformers5_stacked_expert_layout_loads(tmp_path, config_name, overri
     prompts = common.PROMPTS[:2]
     reference = [hf_greedy(hf, p, common.MAX_TOKENS) for p in prompts]
     _, outputs = common.run_engine(tmp_path, prompts)
-    common.check_matches_hf(outputs, reference)
+    common.check_matches_hf(completions(outputs), reference)

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from dovetail import LLM, SamplingParams
-from tiny_models import assert_greedy_matches, build_tokenizer, first_divergence, hf_greedy, load_hf
+from tiny_models import (assert_greedy_matches, build_tokenizer, check_matches, completions, first_divergence,
+                         hf_greedy, load_hf)
 
 VOCAB = 320
 WINDOW = 8
@@ -105,22 +106,71 @@ def run_engine(path, prompts=PROMPTS, **kwargs):
     return llm, llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
 
 
-def check_matches_hf(outputs, reference, tol: float = 1e-4):
-    for out, (tokens, hf_logprobs) in zip(outputs, reference):
-        completion = out.outputs[0]
-        assert_greedy_matches(completion.token_ids, tokens, hf_logprobs)
-        same_until = first_divergence(completion.token_ids, tokens)
-        for step in range(len(tokens) if same_until is None else same_until):
-            entry, hf_step = completion.logprobs[step], hf_logprobs[step]
-            token = completion.token_ids[step]
-            assert abs(entry[token].logprob - float(hf_step[token])) < tol, f"step {step}"
+def check_matches_hf(completed, reference, tol: float = 1e-4):
+    for (tokens, logprobs), (hf_tokens, hf_logprobs) in zip(completed, reference):
+        assert_greedy_matches(tokens, hf_tokens, hf_logprobs)
+        same_until = first_divergence(tokens, hf_tokens)
+        for step in range(len(hf_tokens) if same_until is None else same_until):
+            entry, hf_step = logprobs[step], hf_logprobs[step]
+            token = tokens[step]
+            assert abs(entry[token] - float(hf_step[token])) < tol, f"step {step}"
             top = hf_step.topk(3)
             for tid, lp in zip(top.indices.tolist(), top.values.tolist()):
-                assert tid in entry and abs(entry[tid].logprob - lp) < tol, f"step {step}, token {tid}"
+                assert tid in entry and abs(entry[tid] - lp) < tol, f"step {step}, token {tid}"
 
 
-def test_engine_matches_hf(case):
+@pytest.fixture(scope="module")
+def one_rank(case):
+    """The engine's completions of the case on one rank."""
+    _, path, _ = case
+    return completions(run_engine(path)[1])
+
+
+def test_engine_matches_hf(case, one_rank):
     name, path, reference = case
     assert len(list(path.glob("*.safetensors"))) > 1, "the checkpoint must be sharded"
-    _, outputs = run_engine(path)
-    check_matches_hf(outputs, reference)
+    check_matches_hf(one_rank, reference)
+
+
+def tp_generate(path: str) -> list:
+    """On each rank of a tensor-parallel group: the engine's completions (run by tests/spmd.py)."""
+    return completions(run_engine(path, cpu_threads=1)[1])
+
+
+def tp_shapes(path: str) -> dict[str, tuple[int, ...]]:
+    llm = LLM(path, attention_backend="REFERENCE", max_model_len=256, num_gpu_blocks_override=64, block_size=4,
+              cpu_threads=1)
+    return {name: tuple(p.shape) for name, p in llm.llm_engine.model.named_parameters()}
+
+
+def check_tensor_parallel(ranks, one_rank, reference):
+    assert all(r == ranks[0] for r in ranks[1:]), "the ranks sampled different tokens or log-probabilities"
+    check_matches_hf(ranks[0], reference)
+    check_matches(ranks[0], one_rank)
+
+
+def test_engine_matches_hf_at_tensor_parallel_2(case, one_rank, tp_ranks):
+    """Every architecture with its weights split over two ranks (real processes over gloo): the same greedy
+    tokens as HF and as one rank, and the same on both ranks."""
+    name, path, reference = case
+    check_tensor_parallel(tp_ranks(2).run(tp_generate, str(path)), one_rank, reference)
+
+
+def test_tensor_parallel_4_replicates_kv_heads(tmp_path, tp_ranks):
+    """Four ranks and two KV heads: each KV head on two ranks; each rank one of the four query heads."""
+    config = CASES["llama-tied-head_dim-bias"]()
+    path = save_checkpoint(tmp_path / "llama", config)
+    reference = [hf_greedy(load_hf(path), p, MAX_TOKENS) for p in PROMPTS]
+    group = tp_ranks(4)
+    try:
+        shapes = group.run(tp_shapes, str(path))
+        check_tensor_parallel(group.run(tp_generate, str(path)), completions(run_engine(path)[1]), reference)
+    finally:
+        group.close()
+    head = config.head_dim
+    for rank_shapes in shapes:
+        assert rank_shapes["model.layers.0.self_attn.qkv_proj.weight"] == ((1 + 1 + 1) * head, config.hidden_size)
+        assert rank_shapes["model.layers.0.self_attn.o_proj.weight"] == (config.hidden_size, head)
+        assert rank_shapes["model.layers.0.mlp.down_proj.weight"] == (config.hidden_size,
+                                                                      config.intermediate_size // 4)
+        assert rank_shapes["model.embed_tokens.weight"] == (VOCAB // 4, config.hidden_size)

@@ -140,16 +140,23 @@ def test_a_failing_step_fails_only_the_requests_in_flight_and_the_loop_goes_on(l
     assert stats["kv_cache_usage"] == 0.0 and stats["running"] == 0
 
 
-def test_waiting_queue_limit(llm):
+def test_waiting_queue_limit_counts_sequences(llm):
+    long = SamplingParams(max_tokens=50, ignore_eos=True)
+
     async def scenario(engine):
-        # max_num_seqs is 4: five sequences leave one waiting, and the limit is one.
-        first = await engine.add([NewRequest("many", [5, 6], SamplingParams(n=5, max_tokens=50, ignore_eos=True))])
-        with pytest.raises(QueueFullError, match="max_waiting_requests=1"):
-            await engine.add([NewRequest("one-more", [5, 6], GREEDY)])
+        # max_num_seqs is 4 and at most 4 sequences may wait: four of a first request run once a step has
+        # taken them, three of a second then wait, and two more would make five waiting.
+        first = await engine.add([NewRequest("running", [5, 6], long.model_copy(update={"n": 4}))])
+        await first.__aiter__().__anext__()  # a step ran: the four sequences are running, none waits
+        await engine.add([NewRequest("waiting", [5, 6], long.model_copy(update={"n": 3}))])
+        with pytest.raises(QueueFullError, match="3 sequences waiting, 2 more asked for, max_waiting_requests=4"):
+            await engine.add([NewRequest("two-more", [5, 6], GREEDY.model_copy(update={"n": 2}))])
+        with pytest.raises(RequestError, match="n: the request makes 5 sequences"):
+            await engine.add([NewRequest("never-fits", [5, 6], GREEDY.model_copy(update={"n": 5}))])
         first.abort()
         return await _final(await engine.add([NewRequest("after", [5, 6], GREEDY)]))
 
-    assert run(llm, scenario, max_waiting_requests=1).finished
+    assert run(llm, scenario, max_waiting_requests=4).finished
 
 
 def test_abort_all_and_stopped_engine(llm):

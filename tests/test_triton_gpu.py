@@ -194,9 +194,9 @@ def test_mixed_steps_compile_nothing_beyond_start_up():
 @pytest.mark.parametrize("dtype", HALF + [torch.float32])
 def test_fused_ops_conformance_on_gpu(dtype):
     from dovetail import testing
-    from dovetail.triton.fused_ops import TritonFusedOps
+    from dovetail.triton.fused_ops import GEMV_MAX_ROWS, TritonFusedOps
 
-    testing.check_fused_ops(TritonFusedOps(), "cuda", dtype)
+    testing.check_fused_ops(TritonFusedOps(gemv_max_rows=GEMV_MAX_ROWS), "cuda", dtype)
 
 
 @pytest.mark.parametrize("dtype", HALF)

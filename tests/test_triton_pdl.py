@@ -26,7 +26,7 @@ def test_pdl_is_off_on_the_cpu_and_the_options_follow_the_flag():
 
 def test_the_environment_switch_turns_pdl_off():
     code = ("import torch; from dovetail.triton.pdl import _use_pdl_on; "
-            "print('off' if not _use_pdl_on(0) else 'on')")
+            "print('off' if not _use_pdl_on('cuda', 0) else 'on')")
     env = dict(os.environ, DOVETAIL_TRITON_PDL="0")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode == 0 and result.stdout.strip() == "off", result.stderr
@@ -78,11 +78,15 @@ def test_a_chain_of_pdl_kernels_matches_torch_eagerly_and_in_a_graph():
 
 def test_linear_routing_to_the_triton_gemv():
     """Few 16-bit tokens on a Hopper GPU go to the GEMV; anything else (CPU, float32, many tokens) to F.linear."""
-    from dovetail.triton.fused_ops import GEMV_MAX_N, GEMV_MAX_ROWS, gemv_applies
+    from dovetail.triton.fused_ops import GEMV_MAX_N, GEMV_MAX_ROWS, TritonFusedOps, gemv_applies
 
     w = torch.randn(8, 16, dtype=torch.bfloat16)
     assert not gemv_applies(torch.randn(1, 16, dtype=torch.bfloat16), w, None)  # a CPU tensor
+    assert TritonFusedOps().gemv_max_rows == 0  # only a platform that measured the GEMV faster turns it on
     if torch.cuda.is_available() and torch.version.hip is None and torch.cuda.get_device_capability()[0] == 9:
+        from dovetail_cuda.platform import CudaPlatform
+
+        assert CudaPlatform().fused_ops().gemv_max_rows == GEMV_MAX_ROWS
         w = w.cuda()
         assert gemv_applies(torch.randn(GEMV_MAX_ROWS, 16, device="cuda", dtype=torch.bfloat16), w, None)
         assert not gemv_applies(torch.randn(GEMV_MAX_ROWS + 1, 16, device="cuda", dtype=torch.bfloat16), w, None)
@@ -104,7 +108,7 @@ def test_triton_fused_ops_linear_matches_f_linear_on_the_gpu(m):
     w = torch.randn(6144, 4096, device="cuda", generator=gen).bfloat16() * 0.02
     b = torch.randn(6144, device="cuda", generator=gen).bfloat16()
     want = x.float() @ w.float().t() + b.float()
-    got = TritonFusedOps().linear(x, w, b)
+    got = TritonFusedOps(gemv_max_rows=1).linear(x, w, b)
     assert got.dtype == torch.bfloat16 and got.shape == (m, 6144)
     torch.testing.assert_close(got.float(), want, atol=0.03, rtol=0.01)
     torch.testing.assert_close(got, F.linear(x, w, b), atol=0.03, rtol=0.01)

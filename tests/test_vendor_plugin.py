@@ -83,7 +83,22 @@ def test_vendor_quantization_method_through_the_flag(acme_model_dir):
 
 
 def test_vendor_quantization_refused_where_it_cannot_run(acme_model_dir):
-    from dovetail.errors import SelectionError
+    import torch
 
+    from dovetail import selection
+    from dovetail.errors import SelectionError
+    from dovetail_cpu.platform import CpuPlatform
+
+    # toy_int8 takes float32 activations only. Asked for bfloat16 on the CPU, the engine stops at the dtype
+    # where the CPU lacks bfloat16 (AVX2) and at the quantization method where it has it; the method's own
+    # refusal is checked directly so that it is proven on every CPU.
     with pytest.raises(SelectionError, match=r"toy_int8.*activation dtype bfloat16"):
-        LLM(str(acme_model_dir), quantization="toy_int8", dtype="bfloat16")
+        selection.select_quant_method(CpuPlatform(), torch.bfloat16, "toy_int8", None)
+    if torch.bfloat16 in CpuPlatform().supported_dtypes():
+        with pytest.raises(SelectionError, match=r"toy_int8.*activation dtype bfloat16"):
+            LLM(str(acme_model_dir), quantization="toy_int8", dtype="bfloat16")
+    else:
+        from dovetail.errors import ConfigError
+
+        with pytest.raises(ConfigError, match=r"dtype: bfloat16 is not supported on device 'cpu'"):
+            LLM(str(acme_model_dir), quantization="toy_int8", dtype="bfloat16")

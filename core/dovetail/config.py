@@ -91,15 +91,20 @@ class DeviceConfig(_Section):
 
 
 class ParallelConfig(_Section):
-    """Parallelism across devices."""
+    """Parallelism across devices: ranks of tensor parallelism and the executor that runs them."""
 
     tensor_parallel_size: int = Field(default=1, ge=1)
+    #: ``uni`` (in process; one rank), ``mp`` (a process per device on this host) or ``ray`` (Ray actors,
+    #: across machines); None: ``uni`` for one rank, ``mp`` for more.
+    distributed_executor_backend: Optional[Literal["uni", "mp", "ray"]] = None
 
-    @field_validator("tensor_parallel_size")
+    @field_validator("distributed_executor_backend")
     @classmethod
-    def _only_single_device(cls, value):
-        if value != 1:
-            raise ValueError("must be 1: tensor parallelism is not implemented yet")
+    def _uni_runs_one_rank(cls, value, info):
+        size = info.data.get("tensor_parallel_size", 1)
+        if value == "uni" and size > 1:
+            raise ValueError(f"'uni' runs one rank in the engine's process; tensor_parallel_size={size} "
+                             "needs 'mp' or 'ray'")
         return value
 
 

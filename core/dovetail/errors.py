@@ -27,3 +27,11 @@ class RequestError(DovetailError, ValueError):
     def __init__(self, message: str, field: str | None = None):
         super().__init__(message)
         self.field = field
+
+
+class WorkerError(DovetailError):
+    """A worker (one rank of the engine) died or failed; the engine cannot go on and stops."""
+
+    def __init__(self, message: str, rank: int | None = None):
+        super().__init__(message)
+        self.rank = rank

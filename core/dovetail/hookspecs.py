@@ -43,6 +43,23 @@ The abstract classes a plugin implements live in:
 - :mod:`dovetail.quantization.base` -- :class:`~dovetail.quantization.base.QuantMethod`
 - :mod:`dovetail.model_interface` -- :class:`~dovetail.model_interface.DovetailModel`
 
+Where a platform makes models fast -- the speed surface for vendors. The core computes everything in
+plain torch unless the selected platform returns something faster:
+
+- ``Platform.fused_ops()`` -- a :class:`dovetail.ops.FusedOps` subclass: the dense linear layers and LM
+  head (``linear``), RMSNorm with the residual add, rotary (with per-head q/k norms), the gated
+  activations, the mixture-of-experts layer (``fused_moe``) and greedy sampling's ``argmax``. Every
+  model layer calls these; override what the hardware does faster. GPU platforms built on
+  :class:`dovetail.torch_device_platform.TorchDevicePlatform` get the core's Triton kernels
+  (:class:`dovetail.triton.fused_ops.TritonFusedOps`) and may tune them (``gemv_max_rows``).
+- ``Platform.quant_kernels()`` -- a :class:`dovetail.quantization.kernels.QuantKernels` subclass: the
+  products of the quantized formats (FP8, INT8, GPTQ/AWQ) that every quantization method calls, and
+  ``fp8_linear_gated`` for a projection fused with its activation.
+- The attention backends registered for the platform (``register_attention_backends``).
+- Questions the core's Triton kernels ask about a device, answered by its platform:
+  ``Platform.multiprocessor_count`` (how wide a launch must be to fill it) and ``Platform.supports_pdl``
+  (programmatic dependent launch). The core never asks the vendor's runtime itself.
+
 The conformance kit :mod:`dovetail.testing` checks an implementation against the
 contract and against the ``REFERENCE`` backend.
 """

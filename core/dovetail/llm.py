@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from typing import Any, Sequence, Union
 
 from tqdm.auto import tqdm
@@ -53,13 +54,15 @@ class LLM:
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
-        params = [p if p.output_kind == RequestOutputKind.FINAL_ONLY
-                  else p.model_copy(update={"output_kind": RequestOutputKind.FINAL_ONLY})
-                  for p in self._params_list(sampling_params, len(prompts))]
+        params = self._final_only(self._params_list(sampling_params, len(prompts)))
         if priority is not None and len(priority) != len(prompts):
             raise RequestError(f"priority: got {len(priority)} priorities for {len(prompts)} prompts", field="priority")
         engine = self.llm_engine
+        prompts = self._tokenized(prompts)
         ids = []
+        # Thousands of new requests, none of them garbage: the collector would only walk the heap again and again.
+        collecting = gc.isenabled()
+        gc.disable()
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
                 rid = f"llm-{self._counter}"
@@ -69,6 +72,9 @@ class LLM:
         except Exception:
             engine.abort_request(ids)
             raise
+        finally:
+            if collecting:
+                gc.enable()
         return self._run(ids, use_tqdm)
 
     def chat(self, messages: Union[list[Message], list[list[Message]]],
@@ -91,6 +97,30 @@ class LLM:
                 ids = ids["input_ids"]
             prompts.append({"prompt_token_ids": list(ids)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _tokenized(self, prompts: list[PromptType]) -> list[PromptType]:
+        """Text prompts with their token ids, tokenised together (the tokenizer's batch call is much
+        cheaper than one call per prompt)."""
+        texts = [i for i, p in enumerate(prompts) if isinstance(p, str)
+                 or (isinstance(p, dict) and "prompt_token_ids" not in p and isinstance(p.get("prompt"), str))]
+        if len(texts) < 2 or self.llm_engine.tokenizer is None:
+            return prompts
+        strings = [prompts[i] if isinstance(prompts[i], str) else prompts[i]["prompt"] for i in texts]
+        ids = self.llm_engine.prompt_tokenizer.encode_many(strings, ["prompt"] * len(strings))
+        prompts = list(prompts)
+        for i, text, token_ids in zip(texts, strings, ids):
+            prompts[i] = {"prompt": text, "prompt_token_ids": token_ids}
+        return prompts
+
+    @staticmethod
+    def _final_only(params: list[SamplingParams]) -> list[SamplingParams]:
+        """The parameters with ``output_kind`` FINAL_ONLY: one copy per distinct object, not one per prompt."""
+        copies: dict[int, SamplingParams] = {}
+        for p in params:
+            if id(p) not in copies:
+                copies[id(p)] = p if p.output_kind == RequestOutputKind.FINAL_ONLY \
+                    else p.model_copy(update={"output_kind": RequestOutputKind.FINAL_ONLY})
+        return [copies[id(p)] for p in params]
 
     @staticmethod
     def _params_list(sampling_params, count: int) -> list[SamplingParams]:

@@ -15,6 +15,8 @@ from typing import Iterator
 
 import torch
 
+from dovetail.checkpoint_tensor import CheckpointTensor
+from dovetail.distributed import tp_size
 from dovetail.errors import ModelLoadError
 
 logger = logging.getLogger("dovetail")
@@ -67,9 +69,26 @@ def load_hf_config(path: Path):
         raise ModelLoadError(f"cannot read {path / 'config.json'}: {exc}") from exc
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def resolve_tokenizer_path(tokenizer: str) -> Path:
+    """The directory of the ``tokenizer`` engine argument: a path, or a hub id in the local hub cache, holding
+    a tokenizer (an error naming the argument otherwise)."""
+    path = Path(tokenizer).expanduser()
+    if not path.is_dir() and tokenizer.count("/") == 1 and not tokenizer.startswith((".", "/", "~")):
+        path = _from_hub_cache(tokenizer) or path
+    if not path.is_dir():
+        raise ModelLoadError(f"tokenizer: {tokenizer!r} is not a directory (nor a model in the local Hugging Face "
+                             "cache); pass the directory that holds the tokenizer")
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise ModelLoadError(f"tokenizer: {str(path)!r} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)})")
+    return path
+
+
 def load_tokenizer(path: Path):
     """The tokenizer through transformers, or None when the directory has none."""
-    if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
         return None
     from transformers import AutoTokenizer
 
@@ -115,14 +134,18 @@ def safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def iterate_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every checkpoint tensor, one at a time, memory-mapped from its file."""
+def iterate_weights(path: Path, lazy: bool = False) -> Iterator[tuple[str, torch.Tensor | CheckpointTensor]]:
+    """Every checkpoint tensor, one at a time, memory-mapped from its file.
+
+    ``lazy`` yields :class:`~dovetail.checkpoint_tensor.CheckpointTensor` objects, read
+    only in the part the model keeps (tensor parallelism: each rank its slice).
+    """
     from safetensors import safe_open
 
     for file in safetensors_files(path):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                yield name, CheckpointTensor(f.get_slice(name), name) if lazy else f.get_tensor(name)
 
 
 def quantization_config(hf_config) -> dict | None:
@@ -164,8 +187,12 @@ def process_weights_after_loading(model: torch.nn.Module) -> None:
 
 
 def load_weights(model, path: Path) -> None:
-    """Fill ``model`` from the checkpoint; any parameter left unfilled is an error naming it."""
-    loaded = model.load_weights(iterate_weights(path))
+    """Fill ``model`` from the checkpoint; any parameter left unfilled is an error naming it.
+
+    With several tensor-parallel ranks the model receives lazy tensors, so each rank
+    reads only its shards (:meth:`dovetail.model_interface.DovetailModel.load_weights`).
+    """
+    loaded = model.load_weights(iterate_weights(path, lazy=tp_size() > 1))
     expected = {name for name, p in model.named_parameters() if not getattr(p, "load_optional", False)}
     missing = sorted(expected - set(loaded))
     if missing:

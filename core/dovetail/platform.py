@@ -98,6 +98,7 @@ class Platform(ABC):
       (``kv_cache_memory_bytes``), as on the CPU.
     - ``supports_graph_capture``: whether decode steps can be captured and
       replayed (CUDA graphs); the engine disables capture otherwise.
+    - ``ray_device_key``: the Ray resource a rank's actor reserves (``"GPU"``).
 
     The engine makes one instance per process, after selection, with no
     arguments. The constructor may touch the device; the class body and the
@@ -113,6 +114,8 @@ class Platform(ABC):
     supports_graph_capture: ClassVar[bool] = False
     #: Bytes the KV-cache sizing leaves free for captured graphs (when not ``enforce_eager``).
     graph_memory_reserve: ClassVar[int] = 0
+    #: The Ray resource one rank takes (``GPU``, ``CPU`` or a custom resource) under ``--distributed-executor-backend ray``.
+    ray_device_key: ClassVar[str] = "GPU"
 
     # -- discovery -------------------------------------------------------------------
 
@@ -127,6 +130,19 @@ class Platform(ABC):
     def device_count(self) -> int:
         """Number of devices of this platform visible to the process."""
 
+    def check_world_size(self, world_size: int) -> None:
+        """Refuse ``world_size`` ranks (one process per device on this host) when fewer devices are visible.
+
+        Raise :class:`dovetail.errors.ConfigError` naming both counts. Platforms whose ranks share
+        a device (the CPU, where a rank is a process) accept any size.
+        """
+        count = self.device_count()
+        if world_size > count:
+            from dovetail.errors import ConfigError
+
+            raise ConfigError(f"tensor_parallel_size: {world_size} ranks need {world_size} {self.name} devices, "
+                              f"but {count} {'is' if count == 1 else 'are'} visible")
+
     def device(self, index: int = 0) -> "torch.device":
         """The torch device for device ``index``."""
         import torch
@@ -137,14 +153,14 @@ class Platform(ABC):
         """Make device ``index`` current for this process (no-op by default)."""
 
     @abstractmethod
-    def memory_total(self, index: int = 0) -> int:
-        """Total memory of device ``index`` in bytes."""
+    def memory_total(self, index: int | None = None) -> int:
+        """Total memory of device ``index`` (None: the current device) in bytes."""
 
     @abstractmethod
-    def memory_free(self, index: int = 0) -> int:
-        """Free memory of device ``index`` in bytes."""
+    def memory_free(self, index: int | None = None) -> int:
+        """Free memory of device ``index`` (None: the current device) in bytes."""
 
-    def memory_stats(self, index: int = 0) -> dict[str, int]:
+    def memory_stats(self, index: int | None = None) -> dict[str, int]:
         """Allocator statistics in bytes; at least ``allocated`` and ``peak_allocated`` when known."""
         return {}
 
@@ -156,8 +172,19 @@ class Platform(ABC):
         """
         return 8192, 256
 
-    def reset_peak_memory_stats(self, index: int = 0) -> None:
+    def reset_peak_memory_stats(self, index: int | None = None) -> None:
         """Start a new peak-memory measurement (used by the profiling run)."""
+
+    def multiprocessor_count(self, index: int | None = None) -> int:
+        """Independent compute units of device ``index`` (None: the current device) that a kernel's programs
+        spread over: multiprocessors, compute units, subslices. The core's Triton kernels size their grids by it
+        (KV splits of decode attention); 0, the default, means unknown and they assume 64."""
+        return 0
+
+    def supports_pdl(self, index: int | None = None) -> bool:
+        """Whether device ``index`` (None: the current one) runs the core's Triton kernels with programmatic
+        dependent launch (``triton.language.extra.cuda.gdc_wait``; NVIDIA Hopper and newer). False by default."""
+        return False
 
     def copy_to_host_async(self, tensor: "torch.Tensor") -> HostCopy:
         """Start copying ``tensor`` to the host without waiting for work queued after it.
@@ -209,7 +236,13 @@ class Platform(ABC):
 
     @abstractmethod
     def default_attention_backends(self) -> list[str]:
-        """Attention backend names to try, most preferred first (installed or not)."""
+        """Attention backend names to try, most preferred first (installed or not): the fastest valid backend
+        first, by what was measured on this hardware (say why in :meth:`attention_backend_order_reason`)."""
+
+    def attention_backend_order_reason(self) -> str:
+        """Why :meth:`default_attention_backends` is in its order here: the measurement it rests on (with where
+        it is recorded), or that none was made. ``dovetail plugins`` shows it."""
+        return ""
 
     def check_and_update_config(self, config: "EngineConfig") -> None:
         """Check the engine config against this platform and adjust what it must.

@@ -98,10 +98,35 @@ def resolve_platform_name(requested: str | None = None, manager: PluginManager |
     return chosen
 
 
+#: The platform created last for each torch device type: what the core's kernels ask about that device.
+_DEVICE_PLATFORMS: dict[str, Platform] = {}
+
+
 def create_platform(name: str, manager: PluginManager | None = None) -> Platform:
+    """An instance of the registered platform ``name``; it answers, from now on, the kernels' questions about
+    tensors on its device type (:func:`platform_for_device`)."""
     manager = manager or get_plugin_manager()
     cls = manager.registry.platforms[name].load()
-    return cls()
+    platform = cls()
+    _DEVICE_PLATFORMS[platform.device_type] = platform
+    return platform
+
+
+def platform_for_device(device_type: str, manager: PluginManager | None = None) -> Platform | None:
+    """The platform that answers questions about tensors on ``device_type`` (the core's Triton kernels ask it
+    whether to launch with PDL and how many multiprocessors a device has): the one created last for that
+    device type, else the usable platform of highest priority that computes on it, else None."""
+    if device_type not in _DEVICE_PLATFORMS:
+        manager = manager or get_plugin_manager()
+        for name, reg in sorted(manager.registry.platforms.items(), key=lambda item: -item[1].priority):
+            try:
+                computes_here = reg.load().device_type == device_type
+            except Exception:
+                continue
+            if computes_here and probe_platform(name, manager).usable:
+                create_platform(name, manager)
+                break
+    return _DEVICE_PLATFORMS.get(device_type)
 
 
 # -- attention backends -------------------------------------------------------------------

@@ -30,6 +30,9 @@ class TorchDeviceGraph(DeviceGraph):
 class TorchDevicePlatform(Platform):
     """A GPU whose runtime is ``torch.<device_type>``: memory, synchronisation and graphs from that module.
 
+    Memory queries without an index are about the current device (the one :meth:`set_device` chose for
+    this rank).
+
     Half-precision checkpoints keep their dtype and the others run in the first 16-bit dtype of
     :meth:`supported_dtypes`; the fused ops are the core's Triton kernels when triton imports.
     """
@@ -46,19 +49,26 @@ class TorchDevicePlatform(Platform):
     def set_device(self, index: int = 0) -> None:
         self.runtime.set_device(index)
 
-    def memory_total(self, index: int = 0) -> int:
+    def memory_total(self, index: int | None = None) -> int:
         return self.runtime.mem_get_info(index)[1]
 
-    def memory_free(self, index: int = 0) -> int:
+    def memory_free(self, index: int | None = None) -> int:
         return self.runtime.mem_get_info(index)[0]
 
-    def memory_stats(self, index: int = 0) -> dict[str, int]:
+    def memory_stats(self, index: int | None = None) -> dict[str, int]:
         runtime = self.runtime
         return {"allocated": runtime.memory_allocated(index), "peak_allocated": runtime.max_memory_allocated(index),
                 "reserved": runtime.memory_reserved(index)}
 
-    def reset_peak_memory_stats(self, index: int = 0) -> None:
+    def reset_peak_memory_stats(self, index: int | None = None) -> None:
         self.runtime.reset_peak_memory_stats(index)
+
+    def multiprocessor_count(self, index: int | None = None) -> int:
+        """The ``multi_processor_count`` of the device's properties (multiprocessors on NVIDIA GPUs, compute
+        units on AMD ones)."""
+        runtime = self.runtime
+        props = runtime.get_device_properties(runtime.current_device() if index is None else index)
+        return int(getattr(props, "multi_processor_count", 0))
 
     def synchronize(self) -> None:
         self.runtime.synchronize()

@@ -126,11 +126,9 @@ class TritonAttentionImpl(AttentionImpl):
     def _fuses_into_decode_launch(self, num_decodes: int, q) -> bool:
         """Whether the decode launch stores the decodes' own keys and values (and, from :meth:`forward_rotary`,
         rotates their q and k) instead of separate launches doing it first: only when it splits the keys
-        (small batches). There the launches saved count: on the H200, B2 went from 4.338 to 4.277 ms
-        (llama-3.1-8b), 2.954 to 2.877 (its fp8) and 0.961 to 0.910 (qwen3-0.6b). A launch that fills the
-        device has many programs, each of which would do that work before its first key read: with the cache
-        write and the rotation in every decode launch, B1 lost 0.14% (llama-3.1-8b) and 1.5% (qwen3-0.6b)
-        (``benchmarks/h200_variants.sh``, 2026-11-21, eighth session, no compile in the timed calls)."""
+        (small batches), where the launches saved shorten batch-1 decode. A launch that fills the device has
+        many programs, each of which would do that work before its first key read, and B1 lost with the cache
+        write and the rotation in every decode launch (benchmarks/RESULTS.md, "Tried and rejected")."""
         if not num_decodes:
             return False
         return self._paged_attention.default_num_splits(num_decodes, self.spec.num_kv_heads, q.device) > 1
@@ -186,8 +184,8 @@ class TritonBackend(AttentionBackend):
     sliding window and logit soft-capping; float16, bfloat16 and float32."""
 
     name = "TRITON"
-    verification = ("ran on one NVIDIA H200 (triton 3.6) on 2026-11-20 and 2026-11-21 (launched with programmatic "
-                    "dependent launch): the current kernels (5ac8018) against REFERENCE case by case (head sizes "
+    verification = ("ran on NVIDIA H200 and H100 GPUs (triton 3.6, launched with programmatic "
+                    "dependent launch): the kernels against REFERENCE case by case (head sizes "
                     "64-256, block sizes, window, soft-capping, GQA, the split decode launch's own cache write and "
                     "rotation, the rotary kernel's cache write), in whole models (greedy output against HF, "
                     "CUDA-graph decode on and off, batch-1 decode) and in the B1/B2 benchmarks. In CI: against "

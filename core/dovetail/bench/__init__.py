@@ -1,1 +1,1 @@
-"""Benchmarks of BENCHMARKS.md: ``dovetail bench throughput|latency|serve``."""
+"""The benchmarks of docs/benchmarks.md: ``dovetail bench throughput|latency|serve``."""

@@ -32,7 +32,8 @@ def build_llm(args):
     return llm, model_dir, kwargs, time.perf_counter() - t0
 
 
-def environment() -> dict:
+def environment(platform=None) -> dict:
+    """Where a benchmark ran: date, versions, commit, host and, given the engine's platform, its devices."""
     import torch
 
     try:
@@ -43,7 +44,7 @@ def environment() -> dict:
     return {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "python": sys.version.split()[0],
             "torch": torch.__version__, "machine": _platform.machine(), "processor": _platform.processor(),
             "threads": torch.get_num_threads(), "commit": commit,
-            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+            "device": platform.describe() if platform is not None else None}
 
 
 def emit(result: dict, path: str | None) -> None:

@@ -23,8 +23,8 @@ def load_hf_model(model_dir: str, dtype: str, device: str, dummy: bool):
 
 
 def _sync(device: str):
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
+    if torch.device(device).type != "cpu":
+        torch.accelerator.synchronize()
 
 
 @torch.inference_mode()

@@ -43,18 +43,19 @@ def run(args) -> int:
     _decode_ms(engine, prompt, 8, "warmup")
     runs = [_decode_ms(engine, prompt, args.output_len, f"r{i}") for i in range(args.repeats)]
     result = {
-        "benchmark": "latency", "model": args.model or "c1", "engine_args": kwargs, "environment": environment(),
+        "benchmark": "latency", "model": args.model or "c1", "engine_args": kwargs, "environment": environment(engine.platform),
         "input_len": args.input_len, "output_len": args.output_len,
         "dovetail": {"ms_per_token": statistics.median(r[1] for r in runs),
                      "ms_per_token_runs": [r[1] for r in runs], "prefill_ms": statistics.median(r[0] for r in runs),
                      "device": engine.platform.name, "attention_backend": engine.attention_backend.name,
+                     "world_size": engine.world_size, "executor": engine.executor_name,
                      "load_seconds": load_s},
     }
     if args.compare_hf:
         from dovetail.bench.hf_peer import hf_latency, load_hf_model
 
+        device = str(engine.device)
         del llm, engine
-        device = str(result["environment"]["gpu"] and "cuda" or "cpu")
         model = load_hf_model(model_dir, kwargs.get("dtype", "auto"), device, kwargs.get("load_format") == "dummy")
         result["hf"] = hf_latency(model, prompt, args.output_len, device)
         result["hf_over_dovetail"] = result["hf"]["ms_per_token"] / result["dovetail"]["ms_per_token"]

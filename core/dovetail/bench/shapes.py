@@ -1,4 +1,4 @@
-"""Named benchmark shapes of BENCHMARKS.md, built as HF configs with dummy weights."""
+"""Named benchmark shapes (docs/benchmarks.md), built as HF configs with dummy weights."""
 
 from __future__ import annotations
 
@@ -30,6 +30,18 @@ class Shape:
                                rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
                                architectures=["LlamaForCausalLM"])
+        if self.name == "qwen3-32b":
+            return Qwen3Config(hidden_size=5120, num_hidden_layers=64, num_attention_heads=64, num_key_value_heads=8,
+                               head_dim=128, intermediate_size=25600, vocab_size=151936, tie_word_embeddings=False,
+                               max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                               architectures=["Qwen3ForCausalLM"])
+        if self.name == "llama-3.1-70b":
+            return LlamaConfig(hidden_size=8192, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+                               intermediate_size=28672, vocab_size=128256, rope_theta=500000.0,
+                               max_position_embeddings=131072, rms_norm_eps=1e-5,
+                               rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+                               architectures=["LlamaForCausalLM"])
         if self.name in ("qwen3-moe-15b-a3b", "qwen3-30b-a3b"):
             # Qwen3-30B-A3B's layer; the 15B shape keeps half of its 48 layers.
             return Qwen3MoeConfig(hidden_size=2048, num_hidden_layers=24 if self.name == "qwen3-moe-15b-a3b" else 48,
@@ -48,6 +60,8 @@ class Shape:
 SHAPES = {
     "qwen3-0.6b": Shape("qwen3-0.6b", "bfloat16", "Qwen3 0.6B shape (B1/B2 on GPUs)"),
     "llama-3.1-8b": Shape("llama-3.1-8b", "bfloat16", "Llama 3.1 8B shape (B1/B2 on GPUs)"),
+    "qwen3-32b": Shape("qwen3-32b", "bfloat16", "Qwen3 32B shape (B1/B2 with tensor parallelism)"),
+    "llama-3.1-70b": Shape("llama-3.1-70b", "bfloat16", "Llama 3.1 70B shape (B1/B2 with tensor parallelism)"),
     "qwen3-moe-15b-a3b": Shape("qwen3-moe-15b-a3b", "bfloat16",
                                "Qwen3-30B-A3B's layers, 24 of them: 128 experts, 8 per token (B1/B2 on GPUs)"),
     "qwen3-30b-a3b": Shape("qwen3-30b-a3b", "bfloat16", "Qwen3-30B-A3B shape: 48 MoE layers (B1/B2 on GPUs)"),

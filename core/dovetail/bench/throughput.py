@@ -9,9 +9,10 @@ from __future__ import annotations
 import time
 
 from dovetail.bench.common import add_common_arguments, build_llm, emit, environment
-from dovetail.bench.workload import greedy_inputs, parse_range, random_requests, warm_up
+from dovetail.bench.workload import BenchRequest, greedy_inputs, parse_range, random_requests, warm_up
 
-#: Defaults per named shape: (requests, prompt range, output range, HF batch size).
+#: Defaults per named shape: (requests, prompt range, output range, HF batch size). Every GPU shape runs B1
+#: (with seed 0: the peer's 256 requests, 140,797 output tokens), ``c1`` runs C1.
 DEFAULTS = {"c1": (64, "64:256", "64:128", 64), None: (256, "100:1024", "100:1024", 64)}
 
 
@@ -25,16 +26,22 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def run(args) -> int:
-    num, in_range, out_range, hf_batch = DEFAULTS.get(args.model or "c1", DEFAULTS[None])
+def workload(args, vocab_size: int) -> tuple[list[BenchRequest], tuple[int, int], tuple[int, int]]:
+    """The requests ``args`` ask for and their length ranges: B1's for a GPU shape, C1's for ``c1``, unless
+    ``--num-prompts``/``--input-len``/``--output-len``/``--workload-seed`` say otherwise."""
+    num, in_range, out_range, _ = DEFAULTS.get(args.model or "c1", DEFAULTS[None])
     num = args.num_prompts or num
     in_range = parse_range(args.input_len or in_range)
     out_range = parse_range(args.output_len or out_range)
-    hf_batch = args.hf_batch_size or hf_batch
+    return random_requests(num, in_range, out_range, vocab_size, args.workload_seed), in_range, out_range
 
+
+def run(args) -> int:
+    hf_batch = args.hf_batch_size or DEFAULTS.get(args.model or "c1", DEFAULTS[None])[3]
     llm, model_dir, kwargs, load_s = build_llm(args)
     engine = llm.llm_engine
-    requests = random_requests(num, in_range, out_range, engine.vocab_size, args.workload_seed)
+    requests, in_range, out_range = workload(args, engine.vocab_size)
+    num = len(requests)
     prompts, params = greedy_inputs(requests)
     warm_up(llm, prompts, params)
     t0 = time.perf_counter()
@@ -43,18 +50,19 @@ def run(args) -> int:
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     in_tokens = sum(len(r.prompt_token_ids) for r in requests)
     result = {
-        "benchmark": "throughput", "model": args.model or "c1", "engine_args": kwargs, "environment": environment(),
+        "benchmark": "throughput", "model": args.model or "c1", "engine_args": kwargs, "environment": environment(engine.platform),
         "num_requests": num, "input_len": list(in_range), "output_len": list(out_range),
         "dovetail": {"output_tokens": out_tokens, "prompt_tokens": in_tokens, "seconds": elapsed,
                      "output_tokens_per_s": out_tokens / elapsed, "total_tokens_per_s": (out_tokens + in_tokens) / elapsed,
                      "device": engine.platform.name, "attention_backend": engine.attention_backend.name,
+                     "world_size": engine.world_size, "executor": engine.executor_name,
                      "load_seconds": load_s, "preemptions": engine.scheduler.num_preemptions},
     }
     if args.compare_hf:
         from dovetail.bench.hf_peer import hf_throughput, load_hf_model
 
+        device = str(engine.device)
         del llm, engine
-        device = str(result["environment"]["gpu"] and "cuda" or "cpu")
         model = load_hf_model(model_dir, kwargs.get("dtype", "auto"), device, kwargs.get("load_format") == "dummy")
         hf_throughput(model, requests[:2], 2, device)  # warm-up
         result["hf"] = hf_throughput(model, requests, hf_batch, device)

@@ -1,4 +1,4 @@
-"""``dovetail bench throughput|latency|serve``: the benchmarks of BENCHMARKS.md."""
+"""``dovetail bench throughput|latency|serve``: the benchmarks of docs/benchmarks.md."""
 
 from __future__ import annotations
 

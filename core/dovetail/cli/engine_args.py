@@ -23,6 +23,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser, model_positional: bool
     else:
         parser.add_argument("--model", default=None, help="model directory (default: the bundled model)")
     g = parser.add_argument_group("engine")
+    g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
     g.add_argument("--device", default=None, help="platform: cpu, cuda, rocm, xpu, ... (env DOVETAIL_DEVICE)")
     g.add_argument("--attention-backend", default=None,
                    help="REFERENCE, TRITON, CPU_SIMD, FLASHINFER, FLASH_ATTN, ROCM_AITER, ... "
@@ -51,15 +52,21 @@ def add_engine_arguments(parser: argparse.ArgumentParser, model_positional: bool
     g.add_argument("--max-cudagraph-capture-size", type=int, default=None,
                    help="largest decode batch captured by default (default: 512)")
     g.add_argument("--cpu-threads", type=int, default=None, help="CPU threads (default: OMP_NUM_THREADS or all)")
-    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=None)
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
+                   help="ranks of tensor parallelism, one device each (default 1)")
+    g.add_argument("--distributed-executor-backend", default=None, choices=("uni", "mp", "ray"),
+                   help="how ranks run: uni (in process, one rank), mp (a process per device on this host), "
+                        "ray (Ray actors, across machines; pip install 'dovetail[ray]'); default: uni for one "
+                        "rank, mp for more")
 
 
 ENGINE_KEYS = (
-    "device", "attention_backend", "quantization", "dtype", "max_model_len", "block_size",
+    "tokenizer", "device", "attention_backend", "quantization", "dtype", "max_model_len", "block_size",
     "gpu_memory_utilization", "kv_cache_memory_bytes", "kv_cache_dtype", "num_gpu_blocks_override",
     "enable_prefix_caching", "enable_chunked_prefill", "max_num_seqs", "max_num_batched_tokens",
     "scheduling_policy", "async_scheduling", "seed", "load_format", "enforce_eager",
     "cudagraph_capture_sizes", "max_cudagraph_capture_size", "cpu_threads", "tensor_parallel_size",
+    "distributed_executor_backend",
 )
 
 

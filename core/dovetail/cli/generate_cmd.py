@@ -30,7 +30,11 @@ def run(args: argparse.Namespace) -> int:
     from dovetail.llm import LLM
     from dovetail.sampling_params import SamplingParams
 
+    from dovetail.errors import RequestError
+
     prompts = args.prompts or [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    if "" in prompts:  # before the model loads
+        raise RequestError(f"prompt: prompt {prompts.index('') + 1} is empty", field="prompt")
     llm = LLM(args.model, **engine_kwargs(args))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, n=args.n, seed=args.sampling_seed, stop=args.stop)

@@ -11,10 +11,38 @@ from dovetail.errors import DovetailError
 def add_parser(sub) -> None:
     p = sub.add_parser("plugins", help="list installed plugins, what they register and what is usable here")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="say how an engine of this many ranks would run here (default 1)")
+    p.add_argument("--distributed-executor-backend", default=None, choices=("uni", "mp", "ray"))
     p.set_defaults(func=run)
 
 
-def collect() -> dict:
+def parallelism(platform, tensor_parallel_size: int = 1, requested: str | None = None) -> dict:
+    """The world size and the executor an engine of ``tensor_parallel_size`` ranks gets here, and what
+    each executor needs."""
+    from importlib import metadata
+
+    from dovetail.executor import executor_backend
+
+    executor = executor_backend(tensor_parallel_size, requested)
+    try:
+        ray = f"installed ({metadata.version('ray')})"
+    except metadata.PackageNotFoundError:
+        ray = "not installed (pip install 'dovetail[ray]')"
+    info = {"world_size": tensor_parallel_size, "executor": executor,
+            "executors": {"uni": "one rank in the engine's process", "mp": "a process per device on this host",
+                          "ray": f"Ray actors, across machines: {ray}"}}
+    if platform is not None:
+        info.update(devices=platform.device_count(), dist_backend=platform.dist_backend)
+        if executor == "mp":
+            try:
+                platform.check_world_size(tensor_parallel_size)
+            except DovetailError as exc:
+                info["error"] = str(exc)
+    return info
+
+
+def collect(tensor_parallel_size: int = 1, executor: str | None = None) -> dict:
     """Everything ``dovetail plugins`` reports, as plain data."""
     import torch
 
@@ -54,6 +82,7 @@ def collect() -> dict:
         auto["device"] = chosen
         order = selection.attention_backend_candidates(platform, manager)
         auto["attention_backends_in_order"] = order
+        auto["order_reason"] = platform.attention_backend_order_reason()
         auto["attention_backend"] = next((b for b in order if backends.get(b, {}).get("usable")), None)
         dtype = platform.supported_dtypes()[0]
     except DovetailError as exc:
@@ -77,7 +106,8 @@ def collect() -> dict:
                 "registers": [f"{r.kind} {r.name}" for r in p.registrations]}
                for p in manager.plugins.values()]
     return {"plugins": plugins, "platforms": platforms, "attention_backends": backends,
-            "quantization_methods": methods, "models": models, "auto_selection": auto}
+            "quantization_methods": methods, "models": models, "auto_selection": auto,
+            "parallelism": parallelism(platform, tensor_parallel_size, executor)}
 
 
 def _yes_no(value) -> str:
@@ -120,10 +150,23 @@ def render(data: dict) -> str:
     else:
         lines.append(f"  device: {auto['device']}; attention backend: {auto['attention_backend']} "
                      f"(tried in order: {', '.join(auto['attention_backends_in_order'])})")
+        if auto.get("order_reason"):
+            lines.append(f"  why this order: {auto['order_reason']}")
+    par = data["parallelism"]
+    devices = f"; {par['devices']} device(s) visible, collectives over {par['dist_backend']}" if "devices" in par else ""
+    lines.append(f"  parallelism: world size {par['world_size']}, executor {par['executor']}{devices}")
+    if "error" in par:
+        lines.append(f"  {par['error']}")
+    lines.append("  executors (--distributed-executor-backend): "
+                 + "; ".join(f"{name}: {what}" for name, what in par["executors"].items()))
     return "\n".join(lines)
 
 
 def run(args: argparse.Namespace) -> int:
-    data = collect()
+    from dovetail.config import EngineArgs
+
+    EngineArgs("m", tensor_parallel_size=args.tensor_parallel_size,
+               distributed_executor_backend=args.distributed_executor_backend).create_engine_config()
+    data = collect(args.tensor_parallel_size, args.distributed_executor_backend)
     print(json.dumps(data, indent=2, default=str) if args.json else render(data))
     return 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 
 from dovetail.cli.engine_args import add_engine_arguments, engine_kwargs
@@ -19,7 +20,14 @@ def add_parser(sub) -> None:
     s.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health (env DOVETAIL_API_KEY)")
     s.add_argument("--max-waiting-requests", type=int, default=None,
-                   help="answer 503 while this many sequences wait to be scheduled (default: no limit)")
+                   help="answer 503 to a request whose sequences would make more than this many wait to be "
+                        "scheduled (default: no limit)")
+    s.add_argument("--max-sequences-per-request", type=int, default=256,
+                   help="answer 400 to a request of more sequences (n times the number of prompts; default 256)")
+    s.add_argument("--allowed-hosts", nargs="+", default=None, metavar="HOST",
+                   help="answer only requests whose Host header names one of these ('*.example.com' for "
+                        "subdomains, '*' for any); default: localhost, 127.0.0.1 and [::1] when listening on "
+                        "a loopback address without --api-key, else any")
     s.add_argument("--max-body-bytes", type=int, default=32 * 1024 * 1024,
                    help="answer 413 to larger request bodies (default 32 MiB)")
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
@@ -33,10 +41,13 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     from dovetail.errors import ConfigError
 
-    for flag, low in (("port", 0), ("max_waiting_requests", 1), ("max_body_bytes", 1), ("shutdown_timeout", 0)):
+    for flag, low in (("port", 0), ("max_waiting_requests", 1), ("max_sequences_per_request", 1),
+                      ("max_body_bytes", 1), ("shutdown_timeout", 0)):
         value = getattr(args, flag)
         if value is not None and not value >= low:
             raise ConfigError(f"--{flag.replace('_', '-')}: must be at least {low} (got {value})")
+    if args.port > 65535:
+        raise ConfigError(f"--port: must be at most 65535 (got {args.port})")
 
     from dovetail.llm import default_model
     from dovetail.server.launcher import serve
@@ -48,7 +59,27 @@ def run(args: argparse.Namespace) -> int:
     if args.max_waiting_requests is not None:
         kwargs["max_waiting_requests"] = args.max_waiting_requests
     kwargs.setdefault("served_model_name", names[0])
-    settings = ServerSettings(served_model_names=names, api_key=args.api_key or os.environ.get("DOVETAIL_API_KEY"),
-                              max_body_bytes=args.max_body_bytes)
+    api_key = args.api_key or os.environ.get("DOVETAIL_API_KEY")
+    settings = ServerSettings(served_model_names=names, api_key=api_key, max_body_bytes=args.max_body_bytes,
+                              max_sequences_per_request=args.max_sequences_per_request,
+                              allowed_hosts=allowed_hosts(args.allowed_hosts, args.host, api_key))
     return serve(model, kwargs, settings, host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout,
                  uvicorn_log_level=args.uvicorn_log_level, access_log=not args.disable_uvicorn_access_log)
+
+
+#: The names a browser on this machine uses for a server listening on loopback.
+LOOPBACK_NAMES = ["localhost", "127.0.0.1", "[::1]"]
+
+
+def allowed_hosts(given: list[str] | None, host: str, api_key: str | None) -> list[str] | None:
+    """The Host header allow-list (None: any host): ``--allowed-hosts``, else the loopback names for a
+    loopback server without an API key (a web page cannot send the key, but can reach loopback)."""
+    if given is not None:
+        return None if "*" in given else given
+    if api_key:
+        return None
+    try:
+        loopback = ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        loopback = host.lower() == "localhost"
+    return list(LOOPBACK_NAMES) if loopback else None

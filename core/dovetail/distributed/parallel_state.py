@@ -16,12 +16,15 @@ import torch.distributed as dist
 _group: Optional[dist.ProcessGroup] = None
 _rank = 0
 _size = 1
+#: Whether the backend gathers into one tensor (gloo has no ``all_gather_into_tensor``); read once, so a
+#: gather captured in a device graph asks the host nothing.
+_gathers_into_tensor = True
 
 
 def init_tensor_parallel(world_size: int, rank: int, backend: str, init_method: str,
                          device: torch.device | None = None) -> None:
     """Join the group of ``world_size`` ranks at ``init_method`` (e.g. ``tcp://127.0.0.1:PORT``) as ``rank``."""
-    global _group, _rank, _size
+    global _group, _rank, _size, _gathers_into_tensor
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside a world of size {world_size}")
     _rank, _size = rank, world_size
@@ -32,6 +35,7 @@ def init_tensor_parallel(world_size: int, rank: int, backend: str, init_method: 
         kwargs = {"device_id": device} if device is not None and device.type != "cpu" else {}
         dist.init_process_group(backend, init_method=init_method, world_size=world_size, rank=rank, **kwargs)
     _group = dist.group.WORLD
+    _gathers_into_tensor = dist.get_backend(_group) != "gloo"
 
 
 def destroy_tensor_parallel() -> None:
@@ -72,8 +76,8 @@ def all_gather(tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
     dim = dim % tensor.dim()
     tensor = tensor.contiguous()
     out = torch.empty((_size, *tensor.shape), dtype=tensor.dtype, device=tensor.device)
-    if dist.get_backend(_group) == "gloo":  # gloo has no all_gather_into_tensor
-        dist.all_gather(list(out.unbind(0)), tensor, group=_group)
-    else:
+    if _gathers_into_tensor:
         dist.all_gather_into_tensor(out, tensor, group=_group)
+    else:
+        dist.all_gather(list(out.unbind(0)), tensor, group=_group)
     return out.movedim(0, dim).flatten(dim, dim + 1)

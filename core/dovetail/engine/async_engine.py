@@ -5,7 +5,10 @@ after another, so the engine itself needs no locks. Coroutines hand it
 commands through a thread-safe queue and read their requests' outputs from
 a :class:`RequestStream` each, which the thread fills through the event loop. An
 exception raised by a step fails the requests in flight with
-:class:`EngineStepError`; the loop itself keeps serving.
+:class:`EngineStepError`; the loop itself keeps serving, unless a worker died
+or failed (:class:`dovetail.errors.WorkerError`): then the engine cannot go on,
+so the loop fails the requests in flight, refuses new ones, stops, and calls
+``on_failure`` (the server exits on it).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Sequence
 
 from dovetail.engine.llm_engine import LLMEngine, PromptType
-from dovetail.errors import DovetailError
+from dovetail.errors import DovetailError, RequestError, WorkerError
 from dovetail.outputs import RequestOutput
 from dovetail.sampling_params import SamplingParams
 
@@ -29,7 +32,7 @@ logger = logging.getLogger("dovetail.async_engine")
 
 
 class QueueFullError(DovetailError):
-    """The engine's waiting queue already holds ``max_waiting_requests`` sequences."""
+    """The engine's waiting queue cannot take the request's sequences now (``max_waiting_requests``)."""
 
 
 class EngineStepError(DovetailError):
@@ -120,12 +123,17 @@ class AsyncLLMEngine:
     """Serves one :class:`LLMEngine` to many coroutines through a single engine loop.
 
     ``max_waiting_requests`` (default: the engine's ``scheduler.max_waiting_requests``)
-    caps the sequences waiting to be scheduled; past it, :meth:`add` raises
-    :class:`QueueFullError`.
+    caps the sequences waiting to be scheduled: :meth:`add` raises :class:`QueueFullError`
+    for requests whose sequences (``n`` each) would take the queue past it.
     """
 
-    def __init__(self, engine: LLMEngine, max_waiting_requests: int | None = None):
+    def __init__(self, engine: LLMEngine, max_waiting_requests: int | None = None,
+                 on_failure: Callable[[BaseException], None] | None = None):
         self.engine = engine
+        #: Called (in the engine thread) once the engine stopped for good: a worker died or failed.
+        self.on_failure = on_failure
+        #: The error that stopped the engine for good, if one did.
+        self.failure: BaseException | None = None
         self.max_waiting_requests = (max_waiting_requests if max_waiting_requests is not None
                                      else engine.config.scheduler.max_waiting_requests)
         self._commands: queue.SimpleQueue[Callable[[], Any] | None] = queue.SimpleQueue()
@@ -145,6 +153,7 @@ class AsyncLLMEngine:
             raise RuntimeError("the engine loop is already started")
         self._loop = loop or asyncio.get_running_loop()
         self._accepting = True
+        self.engine.executor.on_worker_death = lambda: self._commands.put(self._check_health)
         self._thread = threading.Thread(target=self._run, name="dovetail-engine-loop", daemon=True)
         self._thread.start()
 
@@ -230,12 +239,18 @@ class AsyncLLMEngine:
     # -- the engine thread ------------------------------------------------------------------------
 
     def _check_capacity(self, engine: LLMEngine, requests: Sequence[NewRequest]) -> None:
-        if self.max_waiting_requests is None:
+        """Refuse requests whose sequences (``n`` each) would not fit the waiting queue's limit."""
+        limit = self.max_waiting_requests
+        if limit is None:
             return
-        waiting = engine.stats()["waiting"]
-        if waiting >= self.max_waiting_requests:
-            raise QueueFullError(f"the waiting queue is full ({waiting} of max_waiting_requests="
-                                 f"{self.max_waiting_requests}); retry later")
+        adding = sum(r.params.n for r in requests)
+        if adding > limit:
+            raise RequestError(f"n: the request makes {adding} sequences, more than the server ever queues "
+                               f"(max_waiting_requests={limit})", field="n")
+        waiting = len(engine.scheduler.waiting)
+        if waiting + adding > limit:
+            raise QueueFullError(f"the waiting queue is full ({waiting} sequences waiting, {adding} more asked for, "
+                                 f"max_waiting_requests={limit}); retry later")
 
     def _run(self) -> None:
         engine = self.engine
@@ -243,12 +258,17 @@ class AsyncLLMEngine:
             while True:
                 if not self._drain_commands(block=not engine.has_unfinished_requests()):
                     break
-                if engine.has_unfinished_requests():
+                if self.failure is None and engine.has_unfinished_requests():
                     self._step()
                 self._stats = dict(engine.stats())
+                if self.failure is not None:
+                    break
         finally:
+            self._accepting = False
             self._abort_all(EngineStoppedError("the engine stopped before the request finished"))
             self._stats = dict(engine.stats())
+        if self.failure is not None and self.on_failure is not None:
+            self.on_failure(self.failure)
 
     def _drain_commands(self, block: bool) -> bool:
         """Run queued commands (waiting for one when ``block``); False once asked to stop."""
@@ -265,9 +285,26 @@ class AsyncLLMEngine:
             except queue.Empty:
                 return True
 
+    def _check_health(self) -> None:
+        try:
+            self.engine.check_health()
+        except WorkerError as exc:
+            self._stop_for_good(exc)
+
+    def _stop_for_good(self, exc: WorkerError) -> None:
+        self.failure = exc
+        self._accepting = False
+        logger.error("the engine stopped: %s; failing the %d request(s) in flight", exc,
+                     self.engine.num_unfinished_requests())
+        self._abort_all(EngineStepError(f"the engine failed while running this request: {exc}"))
+
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
+        except WorkerError as exc:
+            self.num_step_errors += 1
+            self._stop_for_good(exc)
+            return
         except Exception as exc:
             self.num_step_errors += 1
             logger.exception("engine step failed; failing the %d request(s) in flight",

@@ -1,15 +1,16 @@
-"""LLMEngine: selection, model loading, and the add-request / step loop.
+"""LLMEngine: selection, the workers, and the add-request / step loop.
 
 Start-up: load plugins, choose the platform, read the model's config, resolve
 dtype and ``max_model_len``, choose the attention backend, the quantization
-method and the model class, build and load the model, size the KV cache, and
-set up the scheduler. Each :meth:`LLMEngine.step` schedules a batch, runs the
-model once, samples, applies stop rules and returns the requests' progress.
+method and the model class, start the workers through the executor (each builds
+and loads its model shard), size the KV cache (the minimum over the ranks), and
+set up the scheduler. Each :meth:`LLMEngine.step` schedules a batch, hands its
+description to the workers (they run the model and sample), applies the sampled
+tokens and the stop rules, and returns the requests' progress.
 """
 
 from __future__ import annotations
 
-import gc
 import itertools
 import logging
 import time
@@ -18,16 +19,16 @@ from typing import Iterable, Union
 
 import torch
 
-from dovetail.attention.backend import AttentionRequirements
 from dovetail.config import EngineArgs, EngineConfig
 from dovetail.engine.kv_cache_manager import KVCacheManager
-from dovetail.engine.model_runner import ModelRunner
 from dovetail.engine.output_processor import OutputProcessor
+from dovetail.engine.prompt_tokenizer import PromptTokenizer
 from dovetail.engine.request import Request
-from dovetail.engine.sampler import PendingSample, launch_sample
-from dovetail.engine.scheduler import Scheduler
-from dovetail.errors import ConfigError, RequestError
-from dovetail.model_interface import ModelContext
+from dovetail.engine.scheduler import ScheduledBatch, Scheduler
+from dovetail.engine.step import NewRequestData, StepDescription
+from dovetail.engine.worker import WorkerSpec, attention_requirements, check_heads_divide
+from dovetail.errors import ConfigError, RequestError, WorkerError
+from dovetail.executor import create_executor, executor_backend
 from dovetail import model_loader
 from dovetail.outputs import RequestOutput
 from dovetail.plugin_manager import get_plugin_manager
@@ -44,9 +45,8 @@ PromptType = Union[str, list[int], dict]
 
 @dataclass
 class _InFlight:
-    """A launched step: its sampling on the device and the requests of its rows."""
+    """A launched step: the requests of the rows it samples, in order."""
 
-    sample: PendingSample
     requests: list[Request]
 
 
@@ -77,41 +77,44 @@ class LLMEngine:
         self.platform = selection.create_platform(platform_name, manager)
         config.device.device = platform_name
         self.platform.check_and_update_config(config)
-        self.device = self.platform.device(0)
-        self.platform.set_device(0)
+        parallel = config.parallel
+        self.world_size = parallel.tensor_parallel_size
+        self.executor_name = executor_backend(self.world_size, parallel.distributed_executor_backend)
+        if self.executor_name == "mp":
+            self.platform.check_world_size(self.world_size)
+        if self.executor_name == "uni":
+            self.platform.set_device(0)
 
         self.dtype = self._resolve_dtype()
         self.max_model_len = self._resolve_max_model_len()
         self._resolve_scheduler_limits()
-        self.platform.seed_everything(mc.seed)
 
         self.model_choice = selection.select_model_class(getattr(self.hf_config, "architectures", None) or [], manager)
         shape = self.model_choice.cls.attention_shape(self.hf_config)
-        requirements = AttentionRequirements(
-            platform=platform_name, device_type=self.platform.device_type, dtype=self.dtype,
-            kv_cache_dtype=config.cache.kv_cache_dtype, block_size=config.cache.block_size,
-            head_size=shape.head_size, num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads,
-            uses_sliding_window=shape.uses_sliding_window, uses_logit_softcap=shape.uses_logit_softcap)
+        check_heads_divide(shape, self.world_size)
+        spec = WorkerSpec(config, str(self.model_path), self.dtype, self.max_model_len)
         self.attention_backend = selection.select_attention_backend(
-            self.platform, requirements, config.device.attention_backend, manager)
+            self.platform, attention_requirements(spec, self.platform, shape), config.device.attention_backend,
+            manager)
         config.device.attention_backend = self.attention_backend.name
         self.quant_method = selection.select_quant_method(
             self.platform, self.dtype, mc.quantization, model_loader.quantization_config(self.hf_config), manager)
 
-        self.tokenizer = model_loader.load_tokenizer(self.model_path)
-        self.model = self._build_model()
+        #: Where the tokenizer comes from: the ``tokenizer`` argument, else the model's directory.
+        self.tokenizer_path = model_loader.resolve_tokenizer_path(mc.tokenizer) if mc.tokenizer else self.model_path
+        self.tokenizer = model_loader.load_tokenizer(self.tokenizer_path)
+        self.prompt_tokenizer = PromptTokenizer(self.tokenizer, self.max_model_len)
         self.vocab_size = int(self.hf_config.vocab_size)
         self.eos_token_ids = self._eos_token_ids()
+        self._eos_frozen = frozenset(self.eos_token_ids)
 
-        self.runner = ModelRunner(self.model, self.platform, self.attention_backend, config.cache.block_size,
-                                  self.dtype, config.cache.kv_cache_dtype, self.device,
-                                  max_num_seqs=config.scheduler.max_num_seqs, max_model_len=self.max_model_len,
-                                  enforce_eager=config.device.enforce_eager,
-                                  cudagraph_capture_sizes=config.device.cudagraph_capture_sizes,
-                                  max_cudagraph_capture_size=config.device.max_cudagraph_capture_size)
-        self.num_blocks = self._num_kv_blocks()
-        self.runner.allocate_kv_cache(self.num_blocks)
-        self.runner.capture_graphs()
+        self.executor = create_executor(spec, self.platform)
+        try:
+            self.num_blocks = self.executor.determine_num_blocks()
+            self.executor.initialize_cache(self.num_blocks)
+        except BaseException:
+            self.executor.shutdown()
+            raise
         self.kv_manager = KVCacheManager(self.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv_manager, self.max_model_len)
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
@@ -119,13 +122,16 @@ class LLMEngine:
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._in_flight: _InFlight | None = None
+        self._forget: list[str] = []  # requests the workers drop before the next step
+        self.failure: WorkerError | None = None
         async_scheduling = config.scheduler.async_scheduling
         self.overlap = self.platform.is_accelerator if async_scheduling is None else async_scheduling
         self.startup_seconds = time.monotonic() - t0
-        logger.info("engine ready in %.1fs: model %s (%s) on %s, dtype %s, attention %s, %d KV blocks of %d tokens",
-                    self.startup_seconds, self.model_path, self.model_choice.architecture, platform_name,
-                    str(self.dtype).removeprefix("torch."), self.attention_backend.name, self.num_blocks,
-                    config.cache.block_size)
+        logger.info("engine ready in %.1fs: model %s (%s) on %s, dtype %s, attention %s, %d KV blocks of %d tokens, "
+                    "world size %d (executor %s)", self.startup_seconds, self.model_path,
+                    self.model_choice.architecture, platform_name, str(self.dtype).removeprefix("torch."),
+                    self.attention_backend.name, self.num_blocks, config.cache.block_size, self.world_size,
+                    self.executor_name)
 
     @classmethod
     def from_engine_args(cls, model: str, **kwargs) -> "LLMEngine":
@@ -171,20 +177,6 @@ class LLMEngine:
                 f"max_num_batched_tokens: {sched.max_num_batched_tokens} is smaller than max_model_len "
                 f"({self.max_model_len}); without chunked prefill a whole prompt must fit in one step")
 
-    def _build_model(self):
-        self.ops = self.platform.fused_ops()
-        ctx = ModelContext(dtype=self.dtype, device=self.device, quant=self.quant_method,
-                           attention_backend=self.attention_backend, ops=self.ops,
-                           quant_kernels=self.platform.quant_kernels())
-        with torch.device(self.device):
-            model = self.model_choice.cls(self.hf_config, "", ctx=ctx)
-        if self.config.model.load_format == "dummy":
-            model_loader.fill_dummy_weights(model, self.config.model.seed)
-        else:
-            model_loader.load_weights(model, self.model_path)
-        model_loader.process_weights_after_loading(model)
-        return model.eval()
-
     def _eos_token_ids(self) -> set[int]:
         ids: set[int] = set()
         value = getattr(self.hf_config, "eos_token_id", None)
@@ -205,48 +197,19 @@ class LLMEngine:
             ids.add(int(self.tokenizer.eos_token_id))
         return ids
 
-    def _num_kv_blocks(self) -> int:
-        cache = self.config.cache
-        per_block = self.runner.bytes_per_block()
-        need_one = -(-self.max_model_len // cache.block_size)
-        if cache.num_gpu_blocks_override:
-            num_blocks = cache.num_gpu_blocks_override
-        elif self.platform.is_accelerator:
-            gc.collect()  # an engine dropped earlier in this process must not count in the profile
-            self.platform.empty_cache()
-            sched = self.config.scheduler
-            budget = self.platform.kv_cache_bytes(self.config, lambda: self.runner.profile(
-                sched.max_num_batched_tokens, sched.max_num_seqs, self.max_model_len))
-            num_blocks = budget // per_block
-        else:
-            budget = self.platform.kv_cache_bytes(self.config, lambda: 0) if cache.kv_cache_memory_bytes is None \
-                else cache.kv_cache_memory_bytes
-            num_blocks = budget // per_block
-            if cache.kv_cache_memory_bytes is None:
-                # No point zeroing more than every sequence at full length can use.
-                num_blocks = min(num_blocks, need_one * self.config.scheduler.max_num_seqs + need_one)
-        if num_blocks < need_one:
-            raise ConfigError(
-                f"the KV cache holds {num_blocks} blocks of {cache.block_size} tokens "
-                f"({num_blocks * per_block} bytes), fewer than one sequence of max_model_len={self.max_model_len} "
-                f"needs ({need_one}); raise kv_cache_memory_bytes / gpu_memory_utilization or lower max_model_len")
-        return int(num_blocks)
-
     # -- requests ---------------------------------------------------------------------------
 
     def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
-        if self.tokenizer is None:
-            raise RequestError("prompt: this model has no tokenizer; pass prompt_token_ids", field="prompt")
-        return list(self.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids)
+        return self.prompt_tokenizer.encode(prompt, add_special_tokens, allow_empty=True)
 
     def _prompt_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
-            return prompt, self.tokenize(prompt)
+            return prompt, self.prompt_tokenizer.encode(prompt)
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])
             if "prompt" in prompt:
-                return prompt["prompt"], self.tokenize(prompt["prompt"])
+                return prompt["prompt"], self.prompt_tokenizer.encode(prompt["prompt"])
             raise RequestError("prompt: a dict prompt needs 'prompt' or 'prompt_token_ids'", field="prompt")
         if isinstance(prompt, (list, tuple)):
             return None, list(prompt)
@@ -315,6 +278,7 @@ class LLMEngine:
                 if not child.is_finished:
                     self.scheduler.abort(child)
                     self.outputs.finish(child, "abort")
+                    self._drop_from_workers(child)
 
     def has_unfinished_requests(self) -> bool:
         """Whether any request is unfinished, or a launched step still has to be applied."""
@@ -328,17 +292,35 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step; return the progress of every request that advanced or finished.
 
-        With overlapped (async) scheduling, a step launches its batch on the device
+        With overlapped (async) scheduling, a step launches its batch on the workers
         and then applies the tokens of the step before, so the host schedules and
-        prepares while the device computes; a request's newest token then feeds
+        prepares while the devices compute; a request's newest token then feeds
         the next step from the device. Requests whose penalties need the host to
         know every token so far wait for the step in flight first.
+
+        A worker that died or failed raises :class:`WorkerError` naming its rank;
+        the engine is stopped from then on (every later step raises it again).
         """
+        if self.failure is not None:
+            raise WorkerError(f"the engine stopped: {self.failure}", self.failure.rank)
+        try:
+            return self._step()
+        except WorkerError as exc:
+            self.failure = exc
+            self._in_flight = None
+            raise
+        except BaseException:
+            self._reset_workers()
+            raise
+
+    def _step(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
         if self._in_flight is not None and (not self.overlap or self._needs_every_token()):
             outputs += self._apply(self._in_flight)
             self._in_flight = None
         batch = self.scheduler.schedule()
+        for req in batch.preempted:
+            self._drop_from_workers(req)
         launched = self._launch(batch) if batch else None
         if self._in_flight is not None:
             outputs += self._apply(self._in_flight)
@@ -352,30 +334,70 @@ class LLMEngine:
         return any(r.num_pending and (r.params.repetition_penalty != 1.0 or r.params.presence_penalty
                                       or r.params.frequency_penalty) for r in self.scheduler.running)
 
-    def _launch(self, batch) -> "_InFlight":
-        """Run the model on ``batch`` and queue the sampling; nothing waits for the device."""
-        tables = [self.kv_manager.block_ids(r.request_id) for r in batch.requests]
-        prev = self._in_flight.sample.tokens if self._in_flight is not None else None
-        logits = self.runner.execute(batch, tables, prev)
-        for req, n in zip(batch.requests, batch.num_new_tokens):
-            req.num_computed_tokens += n
-        for request_id, (prompt_logits, predicted) in logits.prompt_logits.items():
-            self.outputs.add_prompt_logprobs(self._requests[request_id], prompt_logits, predicted)
-        requests = logits.sample_requests
-        if not requests:
-            return None
-        pending = launch_sample(logits.sample_logits, requests, self.vocab_size, self.ops.argmax)
-        pending.start_transfer(self.platform)
-        for row, req in enumerate(requests):
-            req.num_pending += 1
-            req.pending_row = row
-            if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
-                req.stop_scheduling = True  # it finishes with this token whatever its value
-        return _InFlight(pending, requests)
+    def _drop_from_workers(self, req: Request) -> None:
+        """The workers forget ``req`` before the next step (finished, aborted or preempted)."""
+        if req.on_workers:
+            req.on_workers = False
+            self._forget.append(req.request_id)
 
-    def _apply(self, in_flight: "_InFlight") -> list[RequestOutput]:
+    def _reset_workers(self) -> None:
+        """After a failed step: the workers drop every request and launched step (the caller aborts the
+        requests); a worker that cannot be reset stops the engine."""
+        self._in_flight = None
+        self._forget = []
+        for req in self._requests.values():
+            req.on_workers = False
+            req.num_pending = 0
+        try:
+            self.executor.collective_rpc("reset")
+        except WorkerError as exc:
+            self.failure = exc
+
+    def describe_step(self, batch: ScheduledBatch) -> StepDescription:
+        """The workers' view of ``batch``: new requests in full, then only the blocks each one gained."""
+        new_requests, new_blocks = [], {}
+        block_ids = self.kv_manager.block_ids
+        for req in batch.requests:
+            blocks = block_ids(req.request_id)
+            if not req.on_workers:
+                if req.num_pending:
+                    raise RuntimeError(f"request {req.request_id} is sent to the workers with tokens pending")
+                new_requests.append(NewRequestData(req.request_id, req.prompt_token_ids, req.output_token_ids[:],
+                                                   req.params, self._eos_frozen, blocks[:], req.num_computed_tokens))
+                req.on_workers = True
+                req.num_sent_blocks = len(blocks)
+            elif len(blocks) > req.num_sent_blocks:
+                new_blocks[req.request_id] = blocks[req.num_sent_blocks:]
+                req.num_sent_blocks = len(blocks)
+        forget, self._forget = self._forget, []
+        return StepDescription([r.request_id for r in batch.requests], batch.num_new_tokens, new_requests,
+                               new_blocks, forget)
+
+    def _launch(self, batch: ScheduledBatch) -> _InFlight:
+        """Hand the step to the workers; nothing waits for them. Returns the requests whose rows sample."""
+        self.executor.execute_model(self.describe_step(batch))
+        rows = []
+        for req, n in zip(batch.requests, batch.num_new_tokens):
+            if req.num_computed_tokens + n == req.num_tokens:
+                rows.append(req)
+            req.num_computed_tokens += n
+        max_model_len = self.max_model_len
+        for req in rows:
+            req.num_pending += 1
+            if req.num_output_tokens >= req.max_tokens or req.num_tokens >= max_model_len:
+                req.stop_scheduling = True  # it finishes with this token whatever its value
+        return _InFlight(rows)
+
+    def _apply(self, in_flight: _InFlight) -> list[RequestOutput]:
         """Wait for a launched step's tokens, apply them and the stop rules, and build the outputs."""
-        result = in_flight.sample.result()
+        result = self.executor.take_output()
+        if len(result.token_ids) != len(in_flight.requests):
+            raise RuntimeError(f"rank 0 sampled {len(result.token_ids)} tokens for a step of "
+                               f"{len(in_flight.requests)} sampled rows")
+        for request_id, (positions, infos) in result.prompt_logprobs.items():
+            req = self._requests.get(request_id)
+            if req is not None:
+                self.outputs.add_prompt_logprobs(req, positions, infos)
         now = time.monotonic()
         touched: dict[str, None] = {}
         for req, token, info in zip(in_flight.requests, result.token_ids, result.logprobs):
@@ -385,6 +407,7 @@ class LLMEngine:
             self.outputs.append_token(req, token, info, now)
             if req.is_finished:
                 self.scheduler.finish(req)
+                self._drop_from_workers(req)
             touched[req.parent_id] = None
         outputs = []
         for pid in touched:
@@ -408,6 +431,42 @@ class LLMEngine:
         return output
 
     # -- introspection --------------------------------------------------------------------------
+
+    def _local_worker(self):
+        worker = getattr(self.executor, "worker", None)
+        if worker is None:
+            raise AttributeError(f"the model lives in {self.world_size} worker processes (executor "
+                                 f"{self.executor_name!r}), not in the engine's process")
+        return worker
+
+    @property
+    def model(self):
+        """The model (executor ``uni`` only: other executors hold it in their workers)."""
+        return self._local_worker().model
+
+    @property
+    def runner(self):
+        """The model runner (executor ``uni`` only)."""
+        return self._local_worker().runner
+
+    @property
+    def device(self):
+        return self._local_worker().device
+
+    def check_health(self) -> None:
+        """Raise :class:`WorkerError` if a worker is gone (the engine is then stopped for good)."""
+        if self.failure is not None:
+            raise WorkerError(f"the engine stopped: {self.failure}", self.failure.rank)
+        try:
+            self.executor.check_health()
+        except WorkerError as exc:
+            self.failure = exc
+            self._in_flight = None
+            raise
+
+    def shutdown(self) -> None:
+        """Stop the workers (their processes, with executors other than ``uni``)."""
+        self.executor.shutdown()
 
     def stats(self) -> dict:
         """Queue sizes and cache usage (for metrics)."""

@@ -17,17 +17,20 @@ from __future__ import annotations
 import itertools
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from dovetail.attention.backend import AttentionBackend
 from dovetail.attention.batch import AttentionBatch
-from dovetail.engine.request import Request
 from dovetail.engine.scheduler import ScheduledBatch
 from dovetail.forward_context import set_forward_context
 from dovetail.layers.attention import Attention
 from dovetail.platform import DeviceGraph, Platform
+
+if TYPE_CHECKING:
+    from dovetail.engine.worker import RequestState
 
 logger = logging.getLogger("dovetail")
 
@@ -63,7 +66,7 @@ class StepLogits:
     """Logits of one step: the sampling rows, and per request its prompt-logprob rows."""
 
     sample_logits: torch.Tensor | None
-    sample_requests: list[Request]
+    sample_requests: list[RequestState]
     # request -> (logits for prompt positions, the prompt positions they predict)
     prompt_logits: dict[str, tuple[torch.Tensor, list[int]]]
 
@@ -345,7 +348,7 @@ class DecodeGraphs:
         self.graphs[size].replay()
         return self.logits[:n]
 
-    def _load(self, requests: list[Request], block_tables: list[list[int]], size: int) -> AttentionBatch:
+    def _load(self, requests: list[RequestState], block_tables: list[list[int]], size: int) -> AttentionBatch:
         """Write a decode batch padded to ``size`` into the static buffers; return its attention batch."""
         runner, bs, spare = self.runner, self.runner.block_size, self.runner.spare_block
         n = len(requests)

@@ -9,8 +9,6 @@ that could still become a stop string is held back.
 
 from __future__ import annotations
 
-import torch
-
 from dovetail.engine.detokenizer import IncrementalDetokenizer
 from dovetail.engine.request import Request, RequestStatus
 from dovetail.outputs import CompletionOutput, Logprob, RequestOutput
@@ -45,17 +43,11 @@ class OutputProcessor:
                 entry[token] = Logprob(lp, r, self._token_text(token))
         return entry
 
-    def add_prompt_logprobs(self, req: Request, logits: torch.Tensor, predicted_positions: list[int]) -> None:
-        logprobs = torch.log_softmax(logits.float(), dim=-1)
-        targets = torch.tensor([req.prompt_token_ids[p] for p in predicted_positions], device=logprobs.device)
-        chosen = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1)
-        ranks = ((logprobs > chosen.unsqueeze(1)).sum(dim=1) + 1).tolist()
-        k = req.params.prompt_logprobs
-        top_vals, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long())
-        chosen, top_vals, top_ids = chosen.tolist(), top_vals.tolist(), top_ids.tolist()
-        for i, pos in enumerate(predicted_positions):
-            req.prompt_logprobs.append(self._position_logprobs(
-                req.prompt_token_ids[pos], chosen[i], ranks[i], list(zip(top_ids[i], top_vals[i]))))
+    def add_prompt_logprobs(self, req: Request, predicted_positions: list[int], infos: list) -> None:
+        """Append the logprobs of the prompt tokens at ``predicted_positions`` (computed by a worker:
+        per position the token's logprob, its rank and the top ``(token, logprob)``)."""
+        for pos, (chosen_lp, rank, top) in zip(predicted_positions, infos):
+            req.prompt_logprobs.append(self._position_logprobs(req.prompt_token_ids[pos], chosen_lp, rank, top))
 
     def append_token(self, req: Request, token: int, logprob_info, now: float) -> None:
         req.append_token(token)

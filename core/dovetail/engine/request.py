@@ -6,8 +6,6 @@ import enum
 import time
 from typing import Optional
 
-import torch
-
 from dovetail.outputs import PositionLogprobs, RequestMetrics
 from dovetail.sampling_params import SamplingParams
 
@@ -48,20 +46,19 @@ class Request:
         self.cumulative_logprob: float = 0.0
         self.prompt_logprobs: Optional[list[Optional[PositionLogprobs]]] = (
             [None] if params.prompt_logprobs is not None else None)
-        self.generator: Optional[torch.Generator] = None
-        if params.seed is not None:
-            self.generator = torch.Generator()
-            self.generator.manual_seed(params.seed % (2**64))
         self.detokenizer = None  # set by the engine when a tokenizer exists
         self.sent_text_len = 0
         self.sent_token_len = 0
         self.max_tokens = params.max_tokens
-        # Tokens sampled on the device whose values the host has not seen yet (overlapped steps):
-        # the newest is row ``pending_row`` of the step in flight. ``stop_scheduling`` marks a request
-        # that will reach its length limit with them.
+        # Tokens sampled on the device whose values the host has not seen yet (overlapped steps).
+        # ``stop_scheduling`` marks a request that will reach its length limit with them.
         self.num_pending = 0
-        self.pending_row = -1
         self.stop_scheduling = False
+        # What the workers hold of this request: whether they know it, and how many of its blocks.
+        self.on_workers = False
+        self.num_sent_blocks = 0
+        #: Its place in the scheduler's waiting queue while it waits there, else None.
+        self.queue_key: Optional[tuple] = None
 
     @property
     def num_tokens(self) -> int:

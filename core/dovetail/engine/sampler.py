@@ -12,15 +12,20 @@ the batch nor on the device's random state, and a recomputed (preempted) step
 draws the same noise. Everything runs on the logits' device; per-request values
 travel in one non-blocking copy, and the only synchronisation is the single
 transfer of the results to the host at the end of :func:`sample`.
+
+The rows are a worker's request mirrors (:class:`~dovetail.engine.worker.RequestState`),
+or anything with their fields.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from dovetail.engine.request import Request
+if TYPE_CHECKING:
+    from dovetail.engine.worker import RequestState
 
 
 @dataclass
@@ -71,7 +76,7 @@ def _signed64(seed: int) -> int:
 # -- logit processing -------------------------------------------------------------------------
 
 
-def _bias_and_bans(logits: torch.Tensor, requests: list[Request]) -> None:
+def _bias_and_bans(logits: torch.Tensor, requests: list[RequestState]) -> None:
     vocab = logits.shape[1]
     rows, tokens, values, ban_rows, ban_tokens = [], [], [], [], []
     for row, req in enumerate(requests):
@@ -97,7 +102,7 @@ def _bias_and_bans(logits: torch.Tensor, requests: list[Request]) -> None:
         logits.index_put_(index, torch.full((1,), float("-inf"), dtype=logits.dtype, device=dev))
 
 
-def _penalties(logits: torch.Tensor, requests: list[Request]) -> None:
+def _penalties(logits: torch.Tensor, requests: list[RequestState]) -> None:
     """Repetition (over prompt and output), presence and frequency (over the output) penalties."""
     rows_n, vocab, dev = logits.shape[0], logits.shape[1], logits.device
     rep_rows, rep_tokens, out_rows, out_tokens = [], [], [], []
@@ -151,7 +156,7 @@ def _filter(logits: torch.Tensor, top_k: list[int], top_p: list[float], min_p: l
     return logits
 
 
-def _sample_random(logits: torch.Tensor, sampled: torch.Tensor, requests: list[Request]) -> None:
+def _sample_random(logits: torch.Tensor, sampled: torch.Tensor, requests: list[RequestState]) -> None:
     """Draw the non-greedy rows of ``sampled`` in place."""
     random_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
     if not random_rows:
@@ -188,7 +193,7 @@ def _top_logprobs(logprobs: torch.Tensor, sampled: torch.Tensor, rows: list[int]
     return chosen_lp, ranks, top_vals, top_ids
 
 
-def _plain_greedy(p, req: Request) -> bool:
+def _plain_greedy(p, req: RequestState) -> bool:
     """Greedy with nothing that changes the logits or asks for logprobs: the argmax of the raw logits."""
     return (p.greedy and p.logprobs is None and not p.logit_bias and req.num_output_tokens >= p.min_tokens
             and p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty)
@@ -216,7 +221,7 @@ class PendingSample:
         return self.decode(host.tolist())
 
 
-def launch_sample(logits: torch.Tensor, requests: list[Request], vocab_size: int | None = None,
+def launch_sample(logits: torch.Tensor, requests: list[RequestState], vocab_size: int | None = None,
                   argmax=None) -> PendingSample:
     """Queue the sampling of one token per row of ``logits`` (``[rows, vocab]``); nothing waits for the device.
 
@@ -265,6 +270,16 @@ def launch_sample(logits: torch.Tensor, requests: list[Request], vocab_size: int
     return PendingSample(sampled, packed, decode)
 
 
-def sample(logits: torch.Tensor, requests: list[Request], vocab_size: int | None = None) -> SampleResult:
+def prompt_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[tuple[float, int, list]]:
+    """Per row of ``logits``: the logprob of ``targets[row]``, its rank, and the top ``k`` ``(token, logprob)``."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs.gather(1, torch.tensor(targets, device=logprobs.device).unsqueeze(1)).squeeze(1)
+    ranks = ((logprobs > chosen.unsqueeze(1)).sum(dim=1) + 1).tolist()
+    top_vals, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long())
+    chosen, top_vals, top_ids = chosen.tolist(), top_vals.tolist(), top_ids.tolist()
+    return [(chosen[i], ranks[i], list(zip(top_ids[i], top_vals[i]))) for i in range(len(targets))]
+
+
+def sample(logits: torch.Tensor, requests: list[RequestState], vocab_size: int | None = None) -> SampleResult:
     """Sample one token per row of ``logits`` and wait for the result (one transfer to the host)."""
     return launch_sample(logits, requests, vocab_size).result()

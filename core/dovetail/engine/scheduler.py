@@ -6,13 +6,21 @@ were chunked, then waiting requests in priority order (chunked to fit when
 ``enable_chunked_prefill``). When blocks run out, the lowest-priority running
 request is preempted: its blocks are freed and it is recomputed later, keeping
 the tokens it already generated.
+
+Queues stay cheap however many sequences wait: ``waiting`` is a sorted list keyed
+by (priority, arrival, order of insertion), so adding and removing a request
+take O(log N); ``running`` is an insertion-ordered set (a dict), so aborting a
+running request takes O(1).
 """
 
 from __future__ import annotations
 
-import bisect
+import itertools
+import operator
 import time
 from dataclasses import dataclass, field
+
+from sortedcontainers import SortedKeyList
 
 from dovetail.config import EngineConfig
 from dovetail.engine.kv_cache_manager import KVCacheManager
@@ -47,9 +55,12 @@ class Scheduler:
         self.token_budget = sched.max_num_batched_tokens
         self.chunked = sched.enable_chunked_prefill
         self.by_priority = sched.scheduling_policy == "priority"
-        self.waiting: list[Request] = []  # sorted by sort_key
-        self.running: list[Request] = []
+        #: Requests not running, first to be scheduled first (index 0); O(log N) insert and removal.
+        self.waiting: SortedKeyList = SortedKeyList(key=operator.attrgetter("queue_key"))
+        #: Running requests in the order they were scheduled (a dict used as an ordered set).
+        self.running: dict[Request, None] = {}
         self.num_preemptions = 0
+        self._insertions = itertools.count()
 
     # -- queue management -------------------------------------------------------------
 
@@ -58,16 +69,18 @@ class Scheduler:
         self._insert_waiting(request)
 
     def _insert_waiting(self, request: Request) -> None:
-        key = request.sort_key() if self.by_priority else (0, request.metrics.arrival_time)
-        keys = [r.sort_key() if self.by_priority else (0, r.metrics.arrival_time) for r in self.waiting]
-        self.waiting.insert(bisect.bisect_right(keys, key), request)
+        # Equal priority and arrival (the n samples of one request, a re-queued preempted one) keep insertion order.
+        priority = request.priority if self.by_priority else 0
+        request.queue_key = (priority, request.metrics.arrival_time, next(self._insertions))
+        self.waiting.add(request)
 
     def abort(self, request: Request) -> None:
         """Remove a request wherever it is and free its blocks at once."""
         if request in self.running:
-            self.running.remove(request)
-        elif request in self.waiting:
-            self.waiting.remove(request)
+            del self.running[request]
+        elif request.queue_key is not None:
+            self.waiting.discard(request)
+        request.queue_key = None
         self.kv.free(request)
 
     def finish(self, request: Request) -> None:
@@ -82,10 +95,10 @@ class Scheduler:
     def _victim(self) -> Request:
         if self.by_priority:
             return max(self.running, key=lambda r: r.sort_key())
-        return self.running[-1]
+        return next(reversed(self.running))
 
     def _preempt(self, victim: Request, batch: ScheduledBatch, budget: list[int]) -> None:
-        self.running.remove(victim)
+        del self.running[victim]
         self.kv.free(victim)
         if victim in batch.requests:
             i = batch.requests.index(victim)
@@ -133,11 +146,12 @@ class Scheduler:
                 request.num_computed_tokens = 0
                 break
             self.waiting.pop(0)
+            request.queue_key = None
             request.num_cached_tokens = num_cached
             request.status = RequestStatus.RUNNING
             if request.metrics.first_scheduled_time is None:
                 request.metrics.first_scheduled_time = now
-            self.running.append(request)
+            self.running[request] = None
             batch.requests.append(request)
             batch.num_new_tokens.append(num_new)
             budget[0] -= num_new

@@ -20,6 +20,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from dovetail.checkpoint_tensor import read
 from dovetail.errors import ConfigError, ModelLoadError, SelectionError
 from dovetail.model_interface import ModelContext
 from dovetail.moe_ops import ACTIVATIONS, Fp8ExpertScales
@@ -174,7 +175,7 @@ class FusedMoE(nn.Module):
         if tuple(target.shape) != tuple(tensor.shape):
             raise ModelLoadError(f"tensor {name!r} has shape {tuple(tensor.shape)}, but {self.prefix}.{what} "
                                  f"expects {tuple(target.shape)}")
-        target.copy_(tensor)
+        target.copy_(read(tensor))
 
     def process_weights_after_loading(self) -> None:
         """``--quantization fp8`` on a 16/32-bit checkpoint: each expert to FP8 with one scale per output channel."""

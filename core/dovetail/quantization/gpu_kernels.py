@@ -19,7 +19,7 @@ from dovetail.quantization.fp8_scaled_mm import ScaledMMQuantKernels
 from dovetail.triton import triton_missing_reason
 
 #: Most tokens (rows of the flattened activations) for which an FP8 linear runs :func:`fp8_gemv
-#: <dovetail.triton.gemv.fp8_gemv>` rather than ``torch._scaled_mm`` (benchmarks/fp8_gemv_h200.py).
+#: <dovetail.triton.gemv.fp8_gemv>` rather than ``torch._scaled_mm`` (benchmarks/kernels_linear.py compares them).
 FP8_GEMV_MAX_M = 16
 
 

@@ -69,18 +69,20 @@ class QuantKernels:
         - ``input_scale``: a float32 per-tensor scale for static activations; None
           quantizes each token dynamically.
 
-        The product accumulates in int32 (``torch._int_mm`` where it runs: on the CPU
-        as fast as a float32 matmul for one token and 2-7x faster for 16 to 256 tokens,
-        benchmarks/quant_int8_cpu.py, one thread).
+        The product accumulates in int32 (:meth:`int8_matmul`).
         """
         x2 = x.reshape(-1, x.shape[-1])
         if input_scale is not None:
             xq, x_scale = quant_ops.quantize_int8_static(x2, input_scale), input_scale.float().reshape(1, 1)
         else:
             xq, x_scale = quant_ops.quantize_int8_per_token(x2)
-        acc = int8_matmul(xq, weight)
+        acc = self.int8_matmul(xq, weight)
         out = acc.float() * x_scale * weight_scale.float().reshape(1, -1)
         return _finish(out, bias, x)
+
+    def int8_matmul(self, xq: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """Exact int32 ``xq @ weight.T`` for int8 ``xq`` ``[M, K]`` and ``weight`` ``[N, K]`` (:func:`int8_matmul`)."""
+        return int8_matmul(xq, weight)
 
     def wna16_linear(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                      g_idx: torch.Tensor, bits: int, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -101,24 +103,39 @@ class QuantKernels:
 
 
 def int8_matmul(xq: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """int32 ``xq @ weight.T`` for int8 ``xq`` ``[M, K]`` and ``weight`` ``[N, K]``.
+    """Exact int32 ``xq @ weight.T`` for int8 ``xq`` ``[M, K]`` and ``weight`` ``[N, K]``.
 
-    ``torch._int_mm`` on the CPU and on CUDA (whose kernel needs more than 16
-    rows and K, N multiples of 8: rows are padded, other shapes go through
-    float32, exact for K up to 1024 and within float32 rounding beyond).
+    ``torch._int_mm`` on CUDA (whose kernel needs more than 16 rows and K, N
+    multiples of 8: rows are padded); float32 products elsewhere
+    (:func:`int8_matmul_in_float32`). Not ``torch._int_mm`` on the CPU: there it
+    goes through oneDNN, whose kernels for CPUs without int8 dot products (VNNI),
+    such as AVX2-only ones, saturate 16-bit partial sums; a CPU platform that
+    knows its CPU has them overrides :meth:`QuantKernels.int8_matmul`.
     """
-    device = xq.device.type
     m, k = xq.shape
     n = weight.shape[0]
-    if device == "cpu":
-        return torch._int_mm(xq, weight.t())
-    if device == "cuda" and k % 8 == 0 and n % 8 == 0:
+    if xq.device.type == "cuda" and k % 8 == 0 and n % 8 == 0:
         if m <= 16:
             padded = xq.new_zeros(17, k)
             padded[:m] = xq
             return torch._int_mm(padded, weight.t())[:m]
         return torch._int_mm(xq, weight.t())
-    return torch.round(xq.float() @ weight.float().t()).to(torch.int32)
+    return int8_matmul_in_float32(xq, weight)
+
+
+#: Products of int8 values are at most 2**14 in size, so 1,024 of them sum within float32's exact integers (2**24).
+_EXACT_FLOAT32_CHUNK = 1024
+
+
+def int8_matmul_in_float32(xq: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Exact int32 ``xq @ weight.T`` through float32 matrix products over chunks of K of at most 1,024."""
+    k = xq.shape[1]
+    acc = None
+    for start in range(0, k, _EXACT_FLOAT32_CHUNK):
+        end = min(start + _EXACT_FLOAT32_CHUNK, k)
+        part = (xq[:, start:end].float() @ weight[:, start:end].float().t()).to(torch.int32)
+        acc = part if acc is None else acc.add_(part)
+    return acc
 
 
 def _finish(out: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ from dovetail.server.chat import create_chat_completion
 from dovetail.server.completions import create_completion
 from dovetail.server.errors import APIError, install_error_handlers
 from dovetail.server.metrics import ServerMetrics
-from dovetail.server.middleware import APIKeyMiddleware, BodyLimitMiddleware
+from dovetail.server.middleware import AllowedHostsMiddleware, APIKeyMiddleware, BodyLimitMiddleware
 from dovetail.server.state import ServerSettings, ServerState
 from dovetail.server.tokens import detokenize, tokenize
 
@@ -59,7 +59,7 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
 
     llm = engine.engine
     # The HTTP layer tokenizes with its own tokenizer object; the engine thread keeps the engine's.
-    tokenizer = model_loader.load_tokenizer(llm.model_path) if llm.tokenizer is not None else None
+    tokenizer = model_loader.load_tokenizer(llm.tokenizer_path) if llm.tokenizer is not None else None
     state = ServerState(engine=engine, settings=settings, metrics=ServerMetrics(engine.stats), tokenizer=tokenizer,
                         max_model_len=llm.max_model_len, vocab_size=llm.vocab_size, model_path=str(llm.model_path),
                         created=int(time.time()))
@@ -71,6 +71,7 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
             yield
         finally:
             await engine.shutdown()
+            state.preparer.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="Dovetail", version=__version__, lifespan=lifespan,
                   description="OpenAI-compatible server of the Dovetail inference engine")
@@ -79,8 +80,10 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     if settings.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
+    if settings.allowed_hosts is not None:
+        app.add_middleware(AllowedHostsMiddleware, allowed_hosts=settings.allowed_hosts)
 
-    app.get("/health")(health)
+    app.api_route("/health", methods=["GET", "HEAD"])(health)
     app.get("/version")(version)
     app.get("/metrics")(metrics)
     app.get("/v1/models")(list_models)

@@ -25,6 +25,7 @@ class _Chat:
         self.id = state.new_id("chatcmpl")
         self.created = int(time.time())
         self.n = body.n or 1
+        state.check_sequences(self.n, 1)
         body.check_stream_options()
         body.check_supported()
         self.top_logprobs = (body.top_logprobs or 0) if body.logprobs else None

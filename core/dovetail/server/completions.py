@@ -51,6 +51,7 @@ class _Completion:
     def _prompts(self) -> list[_Prompt]:
         p = self.body.prompt
         items = [p] if isinstance(p, str) or isinstance(p[0], int) else list(p)
+        self.state.check_sequences(self.n, len(items))
         prompts = []
         for i, item in enumerate(items):
             field = "prompt" if len(items) == 1 else f"prompt.{i}"

@@ -99,6 +99,18 @@ def validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]]
     return f"{field}: {message}{shown}", field if loc else None
 
 
+def unparsable_body_message(cause: Optional[BaseException]) -> str:
+    """Why the JSON parser gave up on a body, in the client's terms."""
+    if isinstance(cause, RecursionError):
+        return "body: the JSON nests arrays or objects too deeply to be parsed"
+    if isinstance(cause, UnicodeDecodeError):
+        return f"body: not valid UTF-8 (byte {cause.start}: {cause.reason})"
+    if isinstance(cause, ValueError) and "digits" in str(cause):
+        return f"body: a number in the JSON has too many digits ({str(cause).split(';')[0]})"
+    detail = f": {type(cause).__name__}: {cause}" if cause is not None else ""
+    return f"body: cannot be parsed as JSON{detail}"[:300]
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Answer every error, including FastAPI's own, in OpenAI's format."""
 
@@ -118,7 +130,10 @@ def install_error_handlers(app: FastAPI) -> None:
         elif exc.status_code == 405:
             message = f"method: {request.method} is not allowed on {request.url.path}"
         elif exc.status_code == 400 and message == "There was an error parsing the body":
-            message = "body: cannot be read as JSON (is it valid UTF-8?)"
+            message = unparsable_body_message(exc.__cause__)
+            state = getattr(request.app.state, "server", None)
+            if state is not None and request.url.path in GENERATION_PATHS:
+                state.metrics.requests.labels("rejected").inc()
         return error_response(exc.status_code, message, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(APIError)

@@ -1,4 +1,4 @@
-"""ASGI middleware: the API key check (401) and the request-body size limit (413).
+"""ASGI middleware: the Host allow-list (400), the API key check (401) and the request-body size limit (413).
 
 Both are plain ASGI so that streaming responses and disconnect detection pass
 through untouched.
@@ -100,3 +100,38 @@ class BodyLimitMiddleware:
     async def _reject(self, send) -> None:
         await _send_error(send, 413, f"body: the request body exceeds the limit of {self.max_bytes} bytes "
                           "(--max-body-bytes)", "request_too_large")
+
+
+def host_name(host_header: str) -> str:
+    """The host of a Host header, without its port, lower-cased (``[::1]:8000`` -> ``[::1]``)."""
+    host = host_header.strip().lower()
+    if host.startswith("["):
+        return host[:host.find("]") + 1] if "]" in host else host
+    return host.rsplit(":", 1)[0].rstrip(".") if ":" in host else host.rstrip(".")
+
+
+class AllowedHostsMiddleware:
+    """Answers 400 to requests whose Host header names a host not in ``allowed_hosts``.
+
+    A web page can make a browser send requests to a server on the user's machine by pointing its own
+    domain name at 127.0.0.1 (DNS rebinding); such requests carry the page's domain in the Host header,
+    so answering only the names the server is reached by closes that door. Entries are host names or
+    addresses (any port), ``*.example.com`` for the subdomains of a domain, or ``*`` for any host.
+    """
+
+    def __init__(self, app, allowed_hosts: Iterable[str]):
+        self.app = app
+        self.allowed = [h.strip().lower() for h in allowed_hosts]
+
+    def allows(self, host: str) -> bool:
+        return any(pattern == "*" or host == pattern or (pattern.startswith("*.") and host.endswith(pattern[1:]))
+                   for pattern in self.allowed)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        given = dict(scope["headers"]).get(b"host", b"").decode("latin-1")
+        if self.allows(host_name(given)):
+            return await self.app(scope, receive, send)
+        return await _send_error(send, 400, f"host: {given!r} is not a name this server answers to (allowed: "
+                                 f"{', '.join(self.allowed)}; --allowed-hosts)", "host_not_allowed")

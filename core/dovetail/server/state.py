@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from dovetail.engine.async_engine import AsyncLLMEngine
+from dovetail.engine.prompt_tokenizer import PromptTokenizer
 from dovetail.errors import RequestError
 from dovetail.server.errors import APIError
 from dovetail.server.metrics import ServerMetrics
@@ -21,6 +24,10 @@ class ServerSettings:
     max_body_bytes: int = 32 * 1024 * 1024
     #: Completions' ``max_tokens`` when the request gives none (OpenAI's default).
     default_completion_max_tokens: int = 16
+    #: The most sequences (``n`` times the number of prompts) one request may ask for (400 beyond).
+    max_sequences_per_request: int = 256
+    #: Host header values answered (``--allowed-hosts``); None answers any.
+    allowed_hosts: Optional[list[str]] = None
 
 
 @dataclass
@@ -35,6 +42,16 @@ class ServerState:
     vocab_size: int
     model_path: str
     created: int = 0
+    #: Tokenises request text: the character bound first, errors named by field (built from ``tokenizer``).
+    prompt_tokenizer: Optional[PromptTokenizer] = None
+    #: Where requests are prepared (chat template, tokenisation), so that a long prompt never holds the event loop.
+    preparer: Optional[ThreadPoolExecutor] = None
+
+    def __post_init__(self):
+        if self.prompt_tokenizer is None:
+            self.prompt_tokenizer = PromptTokenizer(self.tokenizer, self.max_model_len)
+        if self.preparer is None:
+            self.preparer = ThreadPoolExecutor(max_workers=4, thread_name_prefix="dovetail-prepare")
 
     @property
     def model_name(self) -> str:
@@ -55,9 +72,23 @@ class ServerState:
             raise RequestError(f"{field_name}: this model has no tokenizer; send token ids", field=field_name)
         return self.tokenizer
 
-    def tokenize(self, text: str, add_special_tokens: bool, field_name: str = "prompt") -> list[int]:
-        tokenizer = self.require_tokenizer(field_name)
-        return list(tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
+    def tokenize(self, text: str, add_special_tokens: bool, field_name: str = "prompt",
+                 allow_empty: bool = False) -> list[int]:
+        """The text's token ids; 400 naming the field for an empty text (unless allowed), one whose length
+        alone exceeds the context (refused before tokenising), or one the tokenizer fails on."""
+        return self.prompt_tokenizer.encode(text, add_special_tokens, field_name, allow_empty=allow_empty)
+
+    async def off_loop(self, fn: Callable[[], Any]) -> Any:
+        """``fn()`` in the preparing threads: the event loop keeps answering meanwhile."""
+        return await asyncio.get_running_loop().run_in_executor(self.preparer, fn)
+
+    def check_sequences(self, n: int, num_prompts: int) -> None:
+        """400 for a request of more than ``max_sequences_per_request`` sequences, before any work on it."""
+        limit = self.settings.max_sequences_per_request
+        if n * num_prompts > limit:
+            prompts = f" for each of {num_prompts} prompts" if num_prompts > 1 else ""
+            raise RequestError(f"n: {n} samples{prompts} make {n * num_prompts} sequences, more than this server "
+                               f"takes in one request ({limit}, --max-sequences-per-request)", field="n")
 
     def check_token_ids(self, ids: list[int], field_name: str) -> None:
         for t in ids:
@@ -89,6 +120,7 @@ class ServerState:
     def render_chat(self, conversation: list[dict], add_generation_prompt: bool) -> tuple[str, list[int]]:
         """Apply the chat template; return the prompt text and its token ids."""
         tokenizer = self.require_tokenizer("messages")
+        check_message_text(conversation)
         if getattr(tokenizer, "chat_template", None) is None:
             raise RequestError("messages: this model's tokenizer has no chat template; use /v1/completions",
                                field="messages")
@@ -100,8 +132,21 @@ class ServerState:
                                field="messages") from None
         if not isinstance(text, str):
             raise RequestError("messages: the chat template did not render to text", field="messages")
-        return text, self.tokenize(text, add_special_tokens=False, field_name="messages")
+        return text, self.tokenize(text, add_special_tokens=False, field_name="messages", allow_empty=True)
 
     @staticmethod
     def new_id(prefix: str) -> str:
         return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def check_message_text(conversation: list[dict]) -> None:
+    """400 naming ``messages.i.content`` for text no tokenizer can take (a lone surrogate is not Unicode text)."""
+    for i, message in enumerate(conversation):
+        content = message.get("content")
+        if isinstance(content, str):
+            try:
+                content.encode("utf-8")
+            except UnicodeEncodeError as bad:
+                field = f"messages.{i}.content"
+                raise RequestError(f"{field}: the text is not valid Unicode: a lone surrogate "
+                                   f"{content[bad.start]!r} at character {bad.start}", field=field) from None

@@ -41,9 +41,10 @@ def outcome_of(api: APIError, started: bool = True) -> str:
 
 async def start(state: ServerState, tracker: RequestTracker,
                 prepare: Callable[[], list[NewRequest]]) -> RequestStream:
-    """Prepare and queue the engine requests; count a refusal and raise it as an :class:`APIError`."""
+    """Prepare (off the event loop) and queue the engine requests; count a refusal and raise it as an
+    :class:`APIError`."""
     try:
-        return await state.engine.add(prepare(), tracker.arrival)
+        return await state.engine.add(await state.off_loop(prepare), tracker.arrival)
     except Exception as exc:
         api = to_api_error(exc)
         tracker.finish(outcome_of(api, started=False))

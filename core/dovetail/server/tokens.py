@@ -14,10 +14,13 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict:
     state.check_model(body.model)
     if (body.prompt is None) == (body.messages is None):
         raise RequestError("prompt: give exactly one of prompt and messages", field="prompt")
-    if body.messages is not None:
-        _, ids = state.render_chat(conversation(body.messages), body.add_generation_prompt is not False)
-    else:
-        ids = state.tokenize(body.prompt, body.add_special_tokens is not False)
+
+    def token_ids() -> list[int]:
+        if body.messages is not None:
+            return state.render_chat(conversation(body.messages), body.add_generation_prompt is not False)[1]
+        return state.tokenize(body.prompt, body.add_special_tokens is not False, allow_empty=True)
+
+    ids = await state.off_loop(token_ids)
     result = {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
     if body.return_token_strs:
         result["token_strs"] = state.tokenizer.convert_ids_to_tokens(ids)

@@ -1,7 +1,8 @@
 """Greedy sampling's argmax over a vocabulary-sized row, for a few rows, in two short Triton launches.
 
-torch's ``argmax(dim=-1)`` reduces each row in one thread block: on an H200 it took 36.7 us for one
-row of llama-3.1-8b's 128,256 logits, 1.4% of an FP8 decode step (``benchmarks/h200_profile_decode.py``).
+torch's ``argmax(dim=-1)`` reduces each row in one thread block, which leaves a GPU nearly idle for a
+vocabulary-sized row: a visible share of a batch-1 decode step (``benchmarks/profile_step.py``;
+benchmarks/RESULTS.md, Kernels).
 Here the first launch splits each row into ``BLOCK``-wide chunks, one program each, and keeps each
 chunk's maximum and its first index; the second reduces the chunks of a row. Ties go to the lowest
 index, as torch's do.

@@ -3,52 +3,56 @@
 A GPU platform returns ``TritonFusedOps()`` from ``Platform.fused_ops()``. Each
 operation equals the torch definition it overrides (within the dtype's
 rounding); inputs a kernel does not cover (empty tensors, unusual dtype mixes)
-go to that definition. Unquantized linears of up to :data:`GEMV_MAX_ROWS` tokens on
-a Hopper GPU run :func:`dovetail.triton.gemv.gemv` instead of cuBLAS.
+go to that definition. Unquantized linears of up to ``gemv_max_rows`` tokens run
+:func:`dovetail.triton.gemv.gemv` instead of the vendor's GEMM where the platform turns that on
+(it measured faster there).
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 
 from dovetail.ops import FusedOps
 from dovetail.triton import activation, argmax, fused_moe, gemv, moe_routing, norm, rotary
 
-#: Most tokens for which a 16-bit unquantized linear on an NVIDIA GPU runs the Triton GEMV, and most
-#: output features (vocabulary-sized LM heads stay on cuBLAS). At one token the GEMV beat cuBLAS on 7 of
-#: llama-3.1-8b's and qwen3-0.6b's 8 layer linears (by 4-74%) and was 2% behind on llama's gate_up
-#: (benchmarks/gemv_pdl_h200.py, H200); at 2 and 4 tokens cuBLAS was faster on 3 of llama's 4, and on
-#: qwen3-0.6b's LM head at any count.
+#: Most tokens for which a 16-bit unquantized linear runs the Triton GEMV where a platform turns it on
+#: (the cuda platform on Hopper), and most output features (vocabulary-sized LM heads stay on cuBLAS). At
+#: one token the GEMV beat cuBLAS on nearly every layer linear of llama-3.1-8b and qwen3-0.6b; at 2 and 4
+#: tokens cuBLAS was faster on most, and on the LM heads at any count (benchmarks/RESULTS.md, Kernels).
 GEMV_MAX_ROWS = 1
 GEMV_MAX_N = 65536
 
 
-def gemv_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether :meth:`TritonFusedOps.linear` runs ``F.linear(x, weight, bias)`` on the Triton GEMV: few
-    16-bit tokens on a Hopper GPU (sm_90, where it was measured; cuBLAS elsewhere)."""
-    return (x.device.type == "cuda" and weight.dim() == 2
+def gemv_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 max_rows: int = GEMV_MAX_ROWS) -> bool:
+    """Whether the Triton GEMV takes ``F.linear(x, weight, bias)``: at most ``max_rows`` 16-bit tokens on a
+    GPU (not the CPU, where triton only interprets), a weight of x's dtype and at most :data:`GEMV_MAX_N`
+    outputs."""
+    return (x.device.type != "cpu" and weight.dim() == 2
             and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
-            and x.shape[-1] == weight.shape[1] and 0 < x.numel() <= GEMV_MAX_ROWS * x.shape[-1]
+            and x.shape[-1] == weight.shape[1] and 0 < x.numel() <= max_rows * x.shape[-1]
             and weight.shape[0] <= GEMV_MAX_N
-            and (bias is None or bias.dtype == x.dtype) and _is_hopper(x.device.index))
-
-
-@functools.lru_cache(maxsize=None)
-def _is_hopper(index: int | None) -> bool:
-    return torch.version.hip is None and torch.cuda.get_device_capability(index)[0] == 9
+            and (bias is None or bias.dtype == x.dtype))
 
 
 class TritonFusedOps(FusedOps):
     """RMSNorm (with the residual add), NeoX rotary (with per-head q/k norms), SiLU-and-mul,
-    GELU-tanh-and-mul, greedy sampling's argmax and the mixture of experts (routing and the fused experts)
-    in Triton; batch-1 linears on the Triton GEMV."""
+    GELU-tanh-and-mul, greedy sampling's argmax and the mixture of experts (routing and the fused
+    experts) in Triton; batch-1 linears on the Triton GEMV
+    where the platform asks for it.
+
+    ``gemv_max_rows``: the most tokens for which 16-bit linears run the Triton GEMV (0, the default:
+    never; the platform that creates these ops sets it where the GEMV beat its GEMM library).
+    """
 
     name = "triton"
 
+    def __init__(self, gemv_max_rows: int = 0):
+        super().__init__()
+        self.gemv_max_rows = gemv_max_rows
+
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if gemv_applies(x, weight, bias):
+        if self.gemv_max_rows and gemv_applies(x, weight, bias, self.gemv_max_rows):
             return gemv.gemv(x, weight, bias)
         return super().linear(x, weight, bias)
 
@@ -63,7 +67,7 @@ class TritonFusedOps(FusedOps):
         return norm.rms_norm(x, weight, eps, residual=residual)
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
-        if logits.device.type != "cuda" or not argmax.supports(logits):
+        if logits.device.type == "cpu" or not argmax.supports(logits):
             return super().argmax(logits)
         return argmax.argmax(logits)
 

@@ -4,8 +4,8 @@
 ``[N, K]`` with one float32 scale per output channel. The activations stay in their own dtype
 (no per-token quantization kernels before the product), so at batch 1 to 16 the cost is one
 pass over the FP8 weight: half the bytes of a bfloat16 GEMV. :func:`gemv` is the same kernel on
-a float16/bfloat16 weight without scales (``F.linear``); at one token it beats cuBLAS on the
-H200 (``TritonFusedOps.linear`` uses it there).
+a float16/bfloat16 weight without scales (``F.linear``); at one token it beats cuBLAS on
+Hopper GPUs (``TritonFusedOps.linear`` uses it there; benchmarks/RESULTS.md, Kernels).
 
 Each program owns ``BLOCK_N`` outputs for ``BLOCK_M`` rows of ``x`` (all of them for M <= 16),
 streams its weight rows over K (or over one of ``SPLIT_K`` slices of K) in ``BLOCK_K`` chunks,
@@ -17,7 +17,7 @@ the end. Two ways to multiply (:class:`GemvConfig` ``dot``):
   value); float32 x takes an IEEE float32 dot. Its weight loads are software-pipelined.
 - ``dot=False``: products summed in float32 registers, one ``[BLOCK_M, BLOCK_N, BLOCK_K]``
   accumulator reduced over K after the loop: the default for 16-bit weights at up to 4 rows;
-  slower than the dot for FP8 on the H200 (converting each weight costs more than the load).
+  slower than the dot for FP8 on Hopper (converting each weight costs more than the load).
 
 With ``SPLIT_K > 1`` each program writes its float32 partial sums to a scratch tensor
 ``[SPLIT_K, M, N]`` and counts itself done on an int32 counter of its output tile (one atomic add);
@@ -82,7 +82,7 @@ def _gemv_kernel(
             w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
             a = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         # e4m3 -> float16 is one packed conversion per two values (and exact); triton's direct
-        # e4m3 -> bfloat16 costs several, which made the kernel compute-bound on the H200.
+        # e4m3 -> bfloat16 costs several, which made the kernel compute-bound on Hopper.
         if W_FP8:
             w = w.to(tl.float16)
         if DOT:
@@ -140,13 +140,13 @@ class GemvConfig(NamedTuple):
     split_k: int = 1
     dot: bool = False
     #: When the next kernel may launch under PDL: 0 when this one completes, 1 at its start, 2 after the main
-    #: loop (B2 on the H200: llama-3.1-8b fp8 2.968 ms with 2, 3.029 with 0).
+    #: loop (the fastest in batch-1 decode, where small kernels sit between the GEMVs).
     pdl_trigger: int = 2
     #: Rows of x a program takes with ``dot`` (at least 16): each block of rows reads the whole weight.
     block_m: int = 16
 
 
-#: Split K until a launch has at least this many programs (an H200 has 132 multiprocessors).
+#: Split K until a launch has at least this many programs (about three per multiprocessor of a Hopper GPU).
 MIN_PROGRAMS = 384
 
 
@@ -164,15 +164,14 @@ def default_config(m: int, n: int, k: int, weight_bytes: int = 1) -> GemvConfig:
     """The launch parameters for ``x [m, k] @ weight[n, k].T``: the heuristic to retune.
 
     16-bit weights (``weight_bytes=2``) at up to 4 rows: register sums over 8 weight rows and 1,024
-    of K per step, unsplit (``benchmarks/gemv_pdl_h200.py``, H200, one token, 12 configs: the fastest
-    on 4 of llama-3.1-8b's and qwen3-0.6b's 8 layer linears, within 2% on 3, 5% behind on llama's qkv).
+    of K per step, unsplit (of a dozen configurations at one token, the fastest or near it on the layer
+    linears of llama-3.1-8b and qwen3-0.6b).
 
     Otherwise the tensor-core dot over 64 weight rows, K split until there are ``MIN_PROGRAMS`` programs.
-    For K of 4,096 or more, 256 of K per step and 3 pipeline stages (llama-3.1-8b, H200, one token,
-    ``benchmarks/gemv_pdl_h200.py``: qkv / o / gate_up / down 11.1 / 8.4 / 31.5 / 18.7 µs against 11.3 / 8.6 /
-    34.1 / 19.1 with 128 of K; B2 fp8 2.942 ms against 2.980; a fourth stage leaves shared memory for two
-    programs per multiprocessor instead of three: gate_up 44.3 µs). Shorter K, 128 per step, 5 stages
-    unsplit and 3 split (qwen3-0.6b's linears: 256 of K was 0.2-0.5 µs slower on each, same H200).
+    For K of 4,096 or more, 256 of K per step and 3 pipeline stages (faster than 128 of K on every
+    llama-3.1-8b linear; a fourth stage leaves shared memory for two programs per multiprocessor instead
+    of three). Shorter K, 128 per step, 5 stages unsplit and 3 split (256 of K was slower on qwen3-0.6b's
+    linears). ``benchmarks/kernels_linear.py --configs`` retunes it; benchmarks/RESULTS.md, Kernels.
     """
     if weight_bytes == 2 and m <= 4:
         return GemvConfig(8, 1024 // next_power_of_2(m), num_warps=4, num_stages=3)

@@ -18,8 +18,8 @@ KV head, and no search. Its programs can take the sequences in a given order
 (``decode_order``): longest context first, so that no long sequence starts last
 and runs alone at the end of the launch; and with ``heads_fastest`` the KV heads
 of one sequence run side by side, reading the same cache blocks together. On B1-like
-batches on the H200 the two together raised the KV bandwidth from 4.17 to 4.42 TB/s
-(``benchmarks/triton_attention.py --sweep-order``, 256 sequences, contexts 100-2,048).
+batches the two together raise the KV bandwidth (``benchmarks/kernels_attention.py --sweep-order``;
+benchmarks/RESULTS.md, Kernels).
 
 A decode launch may also take each decode's own key and value from the projection's output
 (``new_kv``) instead of the cache: the program starts its softmax with them and stores them at
@@ -34,6 +34,7 @@ batches too small to fill it (batch 1 has only ``num_kv_heads`` programs otherwi
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 
@@ -46,6 +47,8 @@ from dovetail.triton import next_power_of_2, unaligned
 from dovetail.triton.pdl import launch_kwargs, pdl_prologue, use_pdl
 from dovetail.triton import rotary as rotary_kernel
 from dovetail.triton.rotary import normalised
+
+logger = logging.getLogger("dovetail")
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -342,13 +345,13 @@ def default_config(head_size: int, queries_per_kv: int, decode: bool, dtype: tor
                    num_splits: int = 1) -> LaunchConfig:
     """Tiles for decode-only or prefill-carrying launches.
 
-    Chosen so that the sm_90 (H200) build does not spill registers. Decode launches run the KV heads of a
+    Chosen so that the sm_90 build does not spill registers. Decode launches run the KV heads of a
     sequence side by side (``heads_fastest``: module docstring). Decode launches without KV
-    splits (batches that fill the GPU) read 128 keys a step: 4.06-4.10 TB/s against 3.83 with 64 on
-    B1-like batches of both models (``benchmarks/triton_attention.py --sweep-decode``, H200,
-    2026-11-21); split launches (small batches) keep 64, so that short contexts still split. Prefill
-    launches take 64 query rows and 32 keys a step with 4 warps: 211-233 TFLOP/s against 124-148 for
-    128 rows with 8 warps on B1-like prompts (``--sweep-prefill``, H200, 2026-11-21).
+    splits (batches that fill the GPU) read 128 keys a step, faster than 64 on B1-like batches of both
+    models (``benchmarks/kernels_attention.py --sweep-decode``); split launches (small batches) keep 64,
+    so that short contexts still split. Prefill launches take 64 query rows and 32 keys a step with 4
+    warps, the fastest of the configurations ``--sweep-prefill`` tries on B1-like prompts
+    (benchmarks/RESULTS.md, Kernels).
     """
     head_pad = next_power_of_2(head_size)
     group = next_power_of_2(queries_per_kv)
@@ -364,18 +367,22 @@ def default_config(head_size: int, queries_per_kv: int, decode: bool, dtype: tor
 _SM_COUNT: dict[torch.device, int] = {}
 
 
-def _multiprocessor_count(device: torch.device) -> int:
+def multiprocessor_count(device: torch.device) -> int:
+    """The compute units a launch on ``device`` spreads over, as its platform says (``Platform.multiprocessor_count``;
+    the CPU's cores for triton's interpreter); 64 where unknown. Asked once per device."""
     if device not in _SM_COUNT:
         count = 0
-        try:
-            if device.type == "cuda":
-                count = torch.cuda.get_device_properties(device).multi_processor_count
-            elif device.type == "xpu":
-                count = torch.xpu.get_device_properties(device).gpu_subslice_count
-            elif device.type == "cpu":  # the interpreter
-                count = os.cpu_count() or 1
-        except Exception:
-            count = 0
+        if device.type == "cpu":  # the interpreter
+            count = os.cpu_count() or 1
+        else:
+            from dovetail.selection import platform_for_device
+
+            platform = platform_for_device(device.type)
+            try:
+                count = platform.multiprocessor_count(device.index) if platform is not None else 0
+            except Exception:
+                logger.warning("the %s platform could not count the multiprocessors of %s; assuming 64",
+                               device.type, device, exc_info=True)
         _SM_COUNT[device] = count or 64
     return _SM_COUNT[device]
 
@@ -385,13 +392,12 @@ def default_num_splits(num_seqs: int, num_kv_heads: int, device: torch.device) -
     at least 8 while the launch has no more programs (sequences x KV heads) than multiprocessors, 2 up
     to twice as many.
 
-    The floors are from ``benchmarks/triton_attention.py --sweep-splits`` (H200, contexts 500-2048, 8 KV
-    heads): 8 sequences 1.95 / 1.83 TB/s with 8 splits against 1.59 / 1.61 with the 4 of the first rule
-    (qwen3-0.6b / llama-3.1-8b heads), 16 sequences 2.40 / 2.31 against 1.85 / 2.02 with 2, 32 sequences
-    2.90 / 2.92 with 2 against 2.72 / 2.74 unsplit; from 64 sequences on, unsplit was best or within 7%.
+    The floors are from ``benchmarks/kernels_attention.py --sweep-splits`` (contexts 500-2048, 8 KV heads):
+    at 8-32 sequences these splits read the cache faster than fewer, and from 64 sequences on an unsplit
+    launch was best or close to it (benchmarks/RESULTS.md, Kernels).
     """
     programs = max(1, num_seqs * num_kv_heads)
-    multiprocessors = _multiprocessor_count(device)
+    multiprocessors = multiprocessor_count(device)
     splits = 1
     while splits < 16 and programs * splits <= multiprocessors:
         splits *= 2
@@ -417,7 +423,7 @@ def _rotary_tensors(rotary: RotaryInputs | None, q: torch.Tensor) -> tuple:
     """positions, cos/sin cache, q and k norm weights; ``q`` where unused. (A placeholder must be aligned as
     ``q`` is, whatever the step: a pointer that is specialised on its alignment, such as the cos/sin cache's,
     given ``seq_lens[n:]`` of a step with an odd number of decodes compiled a second prefill launch inside the
-    benchmark's timed call: ``benchmarks/triton_compiles.py``, H200, 2026-11-21.)"""
+    benchmark's timed call, as ``benchmarks/triton_compiles.py`` showed.)"""
     if rotary is None:
         return q, q, q, q
     norm = rotary.q_norm_weight is not None

@@ -11,10 +11,11 @@ it, which waits only for its own predecessor, would then read unfinished results
 also lets the next kernel launch at once (``gdc_launch_dependents``): its programs do nothing but
 wait until this grid has completed. A kernel for which that measured slower calls :func:`pdl_wait`
 first and :func:`pdl_launch_dependents` later: the GEMV, after its main loop (one decode step's
-layer linears back to back on the H200: 3.503 ms against 3.522 with the launch at its start).
+layer linears back to back ran faster so than with the launch at its start).
 
-Off where it cannot apply (triton's interpreter, other GPUs, a triton without ``launch_pdl``) and
-with ``DOVETAIL_TRITON_PDL=0`` (read once per device, at its first launch).
+On where the device's platform says it runs (``Platform.supports_pdl``); off in triton's interpreter,
+with a triton without ``launch_pdl``, and with ``DOVETAIL_TRITON_PDL=0`` (read once per device, at its
+first launch).
 """
 
 from __future__ import annotations
@@ -61,24 +62,23 @@ def _triton_supports_pdl() -> bool:
             and hasattr(cuda_extra, "gdc_wait"))
 
 
-def _device_supports_pdl(index: int) -> bool:
-    return torch.version.hip is None and torch.cuda.get_device_capability(index)[0] >= 9
-
-
 def use_pdl(device: torch.device) -> bool:
     """Whether kernels launched on ``device`` use programmatic dependent launch (decided once per device)."""
-    return device.type == "cuda" and _use_pdl_on(device.index)
+    return device.type != "cpu" and _use_pdl_on(device.type, device.index)
 
 
 @functools.lru_cache(maxsize=None)
-def _use_pdl_on(index: int | None) -> bool:
+def _use_pdl_on(device_type: str, index: int | None) -> bool:
     if os.environ.get("DOVETAIL_TRITON_PDL", "1") == "0":
         return False
     from dovetail.triton import interpreter_active
 
     if interpreter_active() or not _triton_supports_pdl():
         return False
-    return _device_supports_pdl(index if index is not None else torch.cuda.current_device())
+    from dovetail.selection import platform_for_device
+
+    platform = platform_for_device(device_type)
+    return platform is not None and platform.supports_pdl(index)
 
 
 def launch_kwargs(pdl: bool) -> dict:

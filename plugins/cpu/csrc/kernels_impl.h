@@ -900,7 +900,7 @@ static void linear_impl(const void* x, int64_t xs, const void* w, int32_t wdtype
     for (int64_t i = 0; i < m; ++i)
         for (int64_t j = 0; j < k; ++j) xf[i * k + j] = to_f32(static_cast<const T*>(x)[i * xs + j]);
     // Decode (m <= 4) is bound by memory bandwidth: one contiguous share of the rows per thread streams
-    // fastest (interleaved chunks measured 30-40% slower). Otherwise chunks small enough to balance
+    // fastest (interleaved chunks measured slower). Otherwise chunks small enough to balance
     // threads, large enough to stream the weight in long runs.
     const int64_t parts = m <= 4 ? imax(1, threads) : 8 * (int64_t)threads;
     int64_t per = imax(16, (int)((n + parts - 1) / parts));

@@ -100,9 +100,7 @@ struct Vec256 {
 };
 
 // The vector of dot products that stream a weight from memory (decode-sized linear layers): 256-bit loads
-// read it faster than 512-bit ones on Zen 4. A batch-1 pass over the C1 model's weights (158 MB) took
-// 4.19-4.71 ms with 512-bit loads and 3.95-4.13 ms with 256-bit ones (`benchmarks/cpu_kernels.py
-// --decode-pass --isa avx512_bf16`, alternating runs of both builds, 2026-11-21; benchmarks/RESULTS.md).
+// read it faster than 512-bit ones on Zen 4 (`benchmarks/kernels_cpu.py --decode-pass`; benchmarks/RESULTS.md).
 typedef Vec256 StreamVec;
 #ifndef DT_VEC_AVX512
 typedef Vec256 Vec;

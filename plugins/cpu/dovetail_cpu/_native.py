@@ -15,11 +15,12 @@ from pathlib import Path
 import torch  # noqa: F401  (loads torch's OpenMP runtime first, so the kernels share its thread pool)
 
 from dovetail.errors import ConfigError, PluginError
+from dovetail_cpu import cpu_info
 
 logger = logging.getLogger("dovetail")
 
 LIBRARY_PATH = Path(__file__).with_name("libdovetail_cpu_kernels.so")
-ISA_ENV = "DOVETAIL_CPU_ISA"
+ISA_ENV = cpu_info.ISA_ENV
 
 c_int, c_int32, c_int64, c_float, c_void_p, c_char_p = (ctypes.c_int, ctypes.c_int32, ctypes.c_int64,
                                                         ctypes.c_float, ctypes.c_void_p, ctypes.c_char_p)
@@ -90,7 +91,8 @@ def lib() -> ctypes.CDLL:
 
 
 def supported_isas() -> list[str]:
-    return lib().dt_supported_isas().decode().split(",")
+    """Paths this CPU runs, best first, less those above ``DOVETAIL_CPU_ISA`` (see :mod:`cpu_info`)."""
+    return [name for name in lib().dt_supported_isas().decode().split(",") if cpu_info.allows_isa(name)]
 
 
 def compiled_isas() -> list[str]:
@@ -110,16 +112,20 @@ def has_openmp() -> bool:
 def set_isa(name: str, source: str = "select_isa") -> str:
     """Route every kernel through ISA ``name`` (``auto``: the best this CPU runs); returns the ISA used."""
     loaded = _lib if _lib is not None else lib()
-    code = loaded.dt_set_isa(name.encode())
+    runs = ", ".join(supported_isas())
+    ceiling = cpu_info.isa_ceiling()
+    capped = f" ({ISA_ENV}={ceiling} caps it)" if ceiling else ""
+    name_for_library = supported_isas()[0] if name == "auto" and ceiling else name  # the best path under the cap
+    if name != "auto" and not cpu_info.allows_isa(name):
+        raise ConfigError(f"{source}: this CPU cannot run the {name!r} kernels{capped}; it runs: {runs}")
+    code = loaded.dt_set_isa(name_for_library.encode())
     if code == -1:
         raise ConfigError(f"{source}: unknown CPU ISA {name!r}; this build has: "
                           f"{loaded.dt_compiled_isas().decode().replace(',', ', ')} (or auto)")
     if code == -2:
-        raise ConfigError(f"{source}: this CPU cannot run the {name!r} kernels; it runs: "
-                          f"{loaded.dt_supported_isas().decode().replace(',', ', ')}")
+        raise ConfigError(f"{source}: this CPU cannot run the {name!r} kernels; it runs: {runs}")
     global _current_isa
     chosen = _current_isa = loaded.dt_current_isa().decode()
-    logger.info("cpu kernels: using the %s path (%s; this CPU runs: %s)", chosen,
-                "forced by " + source if name != "auto" else "auto",
-                loaded.dt_supported_isas().decode().replace(",", ", "))
+    logger.info("cpu kernels: using the %s path (%s; this CPU runs: %s%s)", chosen,
+                "forced by " + source if name != "auto" else "auto", runs, capped)
     return chosen

@@ -4,8 +4,8 @@ A prefill step of a few thousand tokens makes activations of tens of megabytes (
 the C1 model's gate/up projection: 56 MB). glibc serves those with a fresh ``mmap`` each time and
 returns them on ``free``, so each one is page-faulted in again, 4 KiB at a time. Raising the mmap
 threshold and the trim threshold keeps them in the heap, reused from step to step (C1 throughput
-rose 8-11% in alternating runs of ``benchmarks/cpu_c1c2.py`` with ``DOVETAIL_CPU_MALLOC_TUNING`` 0
-and 1, benchmarks/RESULTS.md); the price is that the process keeps its peak heap instead of giving
+rose in alternating runs of ``benchmarks/cpu_c1c2.py`` with ``DOVETAIL_CPU_MALLOC_TUNING`` 0 and 1:
+benchmarks/RESULTS.md); the price is that the process keeps its peak heap instead of giving
 it back to the system. vLLM's CPU backend gets the same from tcmalloc through ``LD_PRELOAD``.
 ``DOVETAIL_CPU_MALLOC_TUNING=0`` leaves glibc alone.
 """

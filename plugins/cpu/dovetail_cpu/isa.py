@@ -1,7 +1,9 @@
 """Which instruction set the CPU kernels use, and forcing one (tests, benchmarks, bug reports).
 
 ``DOVETAIL_CPU_ISA=avx512_bf16|avx512|avx2|portable`` in the environment forces a path for the
-process; :func:`select_isa` does the same from Python. The default (``auto``) is the best path
+process and makes it behave as on a CPU whose best path that is (no bfloat16 below
+``avx512_bf16``, no faster path to select; see :mod:`dovetail_cpu.cpu_info`); :func:`select_isa`
+chooses among the paths left, from Python. The default (``auto``) is the best path
 this CPU runs: AVX-512 with the BF16 dot products, then AVX-512, AVX2 with FMA, then the portable
 path (NEON on Arm, plain C++ elsewhere).
 """

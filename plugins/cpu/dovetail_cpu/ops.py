@@ -1,7 +1,7 @@
 """The CPU platform's fused operations: C++ SIMD kernels where they beat torch, torch elsewhere.
 
-Each override was measured against :class:`dovetail.ops.FusedOps` with ``benchmarks/cpu_kernels.py``
-(figures in the plugin's README section). Inputs the kernels do not take (other dtypes, strided
+Each override was measured against :class:`dovetail.ops.FusedOps` with ``benchmarks/kernels_cpu.py``
+(figures in benchmarks/RESULTS.md). Inputs the kernels do not take (other dtypes, strided
 inner dimensions, a weight of another dtype) go to the torch definition.
 """
 
@@ -44,7 +44,7 @@ class CpuFusedOps(FusedOps):
         return super().rotary_embedding(positions, q, k, cos_sin_cache, head_size, rotary_dim)
 
     #: Rows (tokens) up to which the C++ register-tiled kernel beats torch's GEMM, by (ISA, weight dtype, wide):
-    #: wide is a vocabulary-sized output (n >= 16384). Measured on Zen 4 with 2 threads (benchmarks/cpu_kernels.py
+    #: wide is a vocabulary-sized output (n >= 16384). Measured on Zen 4 with 2 threads (benchmarks/kernels_cpu.py
     #: --skip-ops --skip-attention); in bfloat16 torch uses the CPU's BF16 dot-product instructions and wins beyond a few rows.
     LINEAR_MAX_ROWS = {
         ("avx512", torch.float32, False): 64, ("avx512", torch.float32, True): 256,

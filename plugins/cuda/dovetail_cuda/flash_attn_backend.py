@@ -45,7 +45,7 @@ FA4_CAPABILITY_MAJORS = (9, 10, 11)
 
 VERIFICATION = (
     "FlashAttention-4 verified on one NVIDIA H100 (sm_90, the H200's architecture) with flash-attn-4 4.0.0b36 and "
-    "nvidia-cutlass-dsl 4.8.1 on 2026-11-25, both alone and taking only the prefills with Triton decoding (as it "
+    "nvidia-cutlass-dsl 4.8.1, both alone and taking only the prefills with Triton decoding (as it "
     "runs on Hopper now): against REFERENCE on random bfloat16 inputs (prefill, chunked "
     "prefill, decode, mixed batches, GQA, sliding window, soft-capping; head sizes 64/128/256; block sizes "
     "16/32), slots of -1 left unwritten, decode replayed from a CUDA graph at new lengths, whole-model greedy "
@@ -199,9 +199,8 @@ class FlashAttnImpl(AttentionImpl):
 class FlashAttn4PrefillImpl(TritonAttentionImpl):
     """FlashAttention-4 for the prefills and chunked prefills, the core's Triton kernel for the decodes (Hopper).
 
-    FA4 alone ran B1 at 8,300 output tok/s against TRITON's 9,087 and B2 at 5.705 against 5.562 ms
-    (llama-3.1-8b, one H100, 2026-11-25): its decode launches fill a 128-row query tile with 4 rows and
-    cannot split the keys. So the decodes, their cache write and rotary go as in TRITON, and FA4 takes the
+    FA4 alone ran B1 about 9% behind TRITON on Hopper (benchmarks/RESULTS.md, "Tried and rejected"): its
+    decode launches fill a 128-row query tile with 4 rows and cannot split the keys. So the decodes, their cache write and rotary go as in TRITON, and FA4 takes the
     other sequences of the step, whose keys and values are in the cache by then.
     """
 

@@ -5,7 +5,7 @@ reuses the plan (layers that differ in window, soft-cap or scale get a plan of
 their own):
 
 - ``BatchDecodeWithPagedKVCacheWrapper`` with tensor-core kernels (they share
-  the prefill's JIT build; on the H200 they matched the CUDA-core decode at
+  the prefill's JIT build; on Hopper they matched the CUDA-core decode at
   batch 1 and beat it at batch 256) for the one-token decodes, which the batch
   puts first;
 - ``BatchPrefillWithPagedKVCacheWrapper`` (``causal=True``, whose mask is
@@ -45,7 +45,7 @@ PREFILL_BACKEND = os.environ.get("DOVETAIL_FLASHINFER_PREFILL_BACKEND", "fa2")
 
 
 VERIFICATION = (
-    "verified on one NVIDIA H200 (sm_90) with flashinfer-python 0.6.11.post2 on 2026-11-20: against REFERENCE "
+    "verified on NVIDIA H200 and H100 GPUs (sm_90) with flashinfer-python 0.6.11.post2: against REFERENCE "
     "on random bfloat16 inputs (prefill, chunked prefill, decode, mixed batches, GQA 2/4/8, sliding window, "
     "soft-capping; head sizes 64/128/256; block sizes 16/32), slots of -1 left unwritten, decode replayed from "
     "a CUDA graph at new lengths, whole-model greedy output against HF (float16), graphs on and off identical"

@@ -38,14 +38,14 @@ class NativeGemvConfig(NamedTuple):
 CHOICES = {"rows": (1, 2), "unroll": (1, 2), "trigger": (0, 2, 3), "warps": (1, 2, 4, 8, 16), "split": (1, 2)}
 
 #: The gated launch (gate/up with SiLU-and-mul; each output reads two weight rows): one output a warp, one K step
-#: at a time, the next kernel launched once the last loads are out. llama-3.1-8b fp8 B2 on the H200: 2.537 ms,
-#: against 2.551 with the ungated default and 2.608-2.627 with two outputs a warp (benchmarks/RESULTS.md).
+#: at a time, the next kernel launched once the last loads are out: the fastest of the gated configurations in
+#: llama-3.1-8b's fp8 batch-1 decode (benchmarks/RESULTS.md).
 GATED_DEFAULT = NativeGemvConfig(1, 1, 3, 4)
 
 #: Plain GEMVs with few outputs for the GPU (fewer than :data:`SHARED_K_BELOW` warps a multiprocessor) and long rows
 #: (K of :data:`SHARED_K_MIN_K` or more): two warps share each output's K, in blocks of 8 warps, one K step at a
-#: time, the next kernel launched once the last loads are out. H200: llama-3.1-8b's o 6.6 -> 5.7 us and down
-#: 16.9 -> 15.9, fp8 B2 2.543 -> 2.436 ms; qwen3-0.6b (K 1,024-3,072) was slower with it, fp8 B2 0.728 -> 0.758.
+#: time, the next kernel launched once the last loads are out. It made llama-3.1-8b's o and down projections and
+#: fp8 batch-1 decode faster, and qwen3-0.6b's (K 1,024-3,072) slower, hence the bound on K (benchmarks/RESULTS.md).
 SHARED_K_DEFAULT = NativeGemvConfig(1, 1, 3, 8, 2)
 SHARED_K_BELOW = 40
 SHARED_K_MIN_K = 4096

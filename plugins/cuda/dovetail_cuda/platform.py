@@ -23,21 +23,38 @@ from dovetail_cuda import probe as cuda_probe
 logger = logging.getLogger("dovetail")
 
 VERIFICATION = (
-    "verified on one NVIDIA H200 (sm_90, driver 580.159, torch 2.11.0+cu130) on 2026-11-20: the NVML probe, "
+    "verified on NVIDIA H200 and H100 GPUs (sm_90, driver 580.159, torch 2.11.0+cu130): the NVML probe, "
     "KV-cache sizing from gpu_memory_utilization, CUDA graphs (greedy tokens identical on and off), one host "
-    "synchronisation per step, greedy output against HF with FLASHINFER, TRITON and REFERENCE; on 2026-11-21 the "
+    "synchronisation per step, greedy output against HF with FLASHINFER, TRITON and REFERENCE, and the "
     "CUDA C++ FP8 GEMV (nvcc 13.0, sm_90a). Never exercised: NCCL through torch.distributed (the engine runs one "
     "device), GPUs other than Hopper (the FP8 GEMV's sm_89 build included)"
 )
+
+
+#: Auto-selection's order of attention backends on Hopper (sm_90), fastest first: TRITON ran llama-3.1-8b's B1
+#: 3% ahead of FLASHINFER and level with FLASH_ATTN through FlashAttention-4 (which decodes with TRITON's kernel
+#: there); FlashAttention-3 and FlashInfer's other kernels were not measured against it.
+HOPPER_ATTENTION_ORDER = ("TRITON", "FLASH_ATTN", "FLASHINFER", "REFERENCE")
+HOPPER_ORDER_REASON = (
+    "on Hopper TRITON comes first, the fastest measured: llama-3.1-8b B1 10,762-10,794 output tok/s against "
+    "FLASHINFER's 10,445-10,448 (H200), and level with FLASH_ATTN through FlashAttention-4 (9,115 against 9,110, "
+    "H100); benchmarks/RESULTS.md, GPU")
+#: On other NVIDIA GPUs nothing was measured: vLLM's preference, FlashAttention first.
+UNMEASURED_ATTENTION_ORDER = ("FLASH_ATTN", "FLASHINFER", "TRITON", "REFERENCE")
+
+
+def visible_capability_major() -> int | None:
+    """The compute capability major of the visible GPUs, from NVML (CUDA stays uninitialised); None when they
+    differ or NVML cannot tell."""
+    majors = {gpu.capability[0] for gpu in cuda_probe.find_devices().visible}
+    return majors.pop() if len(majors) == 1 else None
 
 
 def blas_library() -> str:
     """The library torch's matrix products use once the engine selects its device: ``DOVETAIL_CUDA_BLAS``,
     ``cublaslt`` (the default) or ``cublas``. It is a process-wide torch setting.
 
-    B1 on llama-3.1-8b (H200, alternating on one machine; the script is now ``benchmarks/h200_variants.sh``
-    with ``VARIANTS="DOVETAIL_CUDA_BLAS=cublas|DOVETAIL_CUDA_BLAS=cublaslt"``): 10,718 / 10,723
-    output tok/s with cuBLAS, 10,790 / 10,790 with cuBLASLt (``benchmarks/RESULTS.md``, 2026-11-21).
+    cuBLASLt ran llama-3.1-8b's B1 faster than cuBLAS on Hopper (benchmarks/RESULTS.md, H200).
     """
     choice = os.environ.get("DOVETAIL_CUDA_BLAS", "cublaslt").strip().lower()
     if choice not in ("cublaslt", "cublas"):
@@ -83,9 +100,13 @@ class CudaPlatform(TorchDevicePlatform):
         super().set_device(index)
         torch.backends.cuda.preferred_blas_library(library)
 
-    def capability(self, index: int = 0) -> tuple[int, int]:
-        """The compute capability of device ``index``, e.g. ``(9, 0)`` on Hopper."""
+    def capability(self, index: int | None = None) -> tuple[int, int]:
+        """The compute capability of device ``index`` (None: the current one), e.g. ``(9, 0)`` on Hopper."""
         return torch.cuda.get_device_capability(index)
+
+    def supports_pdl(self, index: int | None = None) -> bool:
+        """Programmatic dependent launch: Hopper (sm_90) and newer."""
+        return self.capability(index)[0] >= 9
 
     def default_batch_limits(self, usage: str) -> tuple[int, int]:
         """vLLM's rule: on devices of 70 GiB or more (not the A100, whose throughput drops with larger
@@ -104,6 +125,16 @@ class CudaPlatform(TorchDevicePlatform):
             return [torch.bfloat16, torch.float16, torch.float32]
         return [torch.float16, torch.float32]
 
+    def fused_ops(self):
+        """The core's Triton fused ops; on Hopper, 16-bit linears of one token on the Triton GEMV, which beat
+        cuBLAS there (benchmarks/RESULTS.md, Kernels)."""
+        ops = super().fused_ops()
+        if self.capability(None)[0] == 9 and hasattr(ops, "gemv_max_rows"):
+            from dovetail.triton.fused_ops import GEMV_MAX_ROWS
+
+            ops.gemv_max_rows = GEMV_MAX_ROWS
+        return ops
+
     def quant_kernels(self):
         """On sm89+ (Ada, Hopper): FP8 on a CUDA C++ GEMV (one token), a Triton GEMV (up to 16) or
         ``_scaled_mm``, INT8 ``_int_mm``, Triton for 4/8-bit."""
@@ -116,7 +147,16 @@ class CudaPlatform(TorchDevicePlatform):
     # -- engine integration ----------------------------------------------------------------
 
     def default_attention_backends(self) -> list[str]:
-        return ["FLASH_ATTN", "FLASHINFER", "TRITON", "REFERENCE"]
+        """Fastest first where measured (:data:`HOPPER_ATTENTION_ORDER`), else FlashAttention first."""
+        hopper = visible_capability_major() == 9
+        return list(HOPPER_ATTENTION_ORDER if hopper else UNMEASURED_ATTENTION_ORDER)
+
+    def attention_backend_order_reason(self) -> str:
+        major = visible_capability_major()
+        if major == 9:
+            return HOPPER_ORDER_REASON
+        gpu = f"sm_{major}x" if major is not None else "these GPUs"
+        return f"not measured on {gpu}: FLASH_ATTN, FLASHINFER, TRITON, in vLLM's order of preference"
 
     def check_and_update_config(self, config) -> None:
         """FlashAttention-2's paged cache needs blocks of 256 tokens: set it when FLASH_ATTN is asked for and

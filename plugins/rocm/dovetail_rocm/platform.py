@@ -64,6 +64,10 @@ class RocmPlatform(TorchDevicePlatform):
             return [AITER_BACKEND, "TRITON", "REFERENCE"]
         return ["TRITON", "REFERENCE"]
 
+    def attention_backend_order_reason(self) -> str:
+        return ("not measured (no AMD GPU was available): ROCM_AITER first when aiter is installed, as vLLM on ROCm "
+                "prefers it, then TRITON")
+
     def check_and_update_config(self, config) -> None:
         """Fit the KV block size to ROCM_AITER when AITER is asked for, or will be chosen automatically."""
         requested = config.device.attention_backend or os.environ.get("DOVETAIL_ATTENTION_BACKEND") or "auto"

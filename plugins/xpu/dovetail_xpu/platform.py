@@ -47,10 +47,20 @@ class XpuPlatform(TorchDevicePlatform):
     def device_count(self) -> int:
         return len(self.devices.visible)
 
+    def multiprocessor_count(self, index: int | None = None) -> int:
+        """The device's subslices (Xe cores), over which a kernel's work-groups spread."""
+        import torch
+
+        props = torch.xpu.get_device_properties(torch.xpu.current_device() if index is None else index)
+        return int(getattr(props, "gpu_subslice_count", 0))
+
     # -- engine integration ----------------------------------------------------------------
 
     def default_attention_backends(self) -> list[str]:
         return ["TRITON", "REFERENCE"]
+
+    def attention_backend_order_reason(self) -> str:
+        return "TRITON is the only backend for Intel GPUs besides the REFERENCE oracle (not measured)"
 
     def check_and_update_config(self, config) -> None:
         """No graph capture on XPU: run eagerly, and say so once."""

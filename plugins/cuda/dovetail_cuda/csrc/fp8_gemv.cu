@@ -10,7 +10,7 @@
 // Products and sums are in float32; the warp's lanes are summed with shuffles, a group's warps through shared
 // memory; no split-K across blocks, no scratch memory, no atomics.
 //
-// Measured on the H200 and left out: placing the e4m3 bits into a float16 instead of the conversion
+// Measured on Hopper and left out: placing the e4m3 bits into a float16 instead of the conversion
 // instructions, double-buffered loads, 4 steps at a time, 4 rows a warp, letting the next kernel
 // launch at this one's start, and asking L2 to prefetch the next linear's weights (benchmarks/RESULTS.md). TRIGGER says when the next kernel on the stream may
 // launch: 0 when this grid completes, 2 after the main loop, 3 once the last weight loads are issued.

@@ -1,0 +1,164 @@
+"""The linear layers' kernels on a GPU: cuBLAS against the engine's GEMVs, 16-bit and FP8, shape by shape.
+
+    python benchmarks/kernels_linear.py [--model llama-3.1-8b] [--ms 1,2,4,8,16,64,256] [--shapes qkv,o]
+        [--configs] [--json results.json]
+
+For the projections of a named shape (qkv, o, gate_up, down of one layer, and the LM head) and M tokens it
+times, from CUDA graphs (how the engine runs decode):
+
+- ``F.linear`` on 16-bit weights (cuBLAS or cuBLASLt, as the platform set torch up);
+- the platform's ``FusedOps.linear`` (what the engine's 16-bit layers call: a Triton GEMV where the platform
+  chose one, else ``F.linear``) and :func:`dovetail.triton.gemv.gemv` with its default configuration;
+- FP8 weights (e4m3, per-channel scales): the platform's ``QuantKernels.fp8_linear`` (what the engine's fp8
+  layers call), the Triton :func:`~dovetail.triton.gemv.fp8_gemv` and ``torch._scaled_mm`` with per-token
+  activation scales; ``--configs`` adds a grid of ``GemvConfig`` for the Triton FP8 GEMV.
+
+Each graph runs ``CALLS`` products cycling over enough weight copies (at least 256 MB) that none is read from
+L2; a time is the median of ``REPLAYS`` replays. Every kernel is first checked against the float reference
+(largest error relative to the largest output). Prints µs per product and the weight bytes read per second,
+then one decode step's layer linears summed over the layers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+CALLS = 16
+REPLAYS = 10
+COPY_BYTES = 256 << 20
+#: Extra Triton FP8 GEMV configurations for ``--configs``: (block_n, block_k, num_warps, num_stages, dot).
+FP8_GRID = [(64, 256, 4, 3, True), (64, 128, 4, 5, True), (32, 256, 4, 3, True), (128, 128, 4, 3, True),
+            (16, 512, 4, 3, True), (8, 1024, 4, 3, False), (16, 1024, 8, 3, False), (16, 512, 4, 3, False)]
+
+
+def projections(config) -> dict[str, tuple[int, int]]:
+    """(N, K) of one layer's merged projections and of the LM head."""
+    head = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    q, kv = config.num_attention_heads * head, config.num_key_value_heads * head
+    return {"qkv": (q + 2 * kv, config.hidden_size), "o": (config.hidden_size, q),
+            "gate_up": (2 * config.intermediate_size, config.hidden_size),
+            "down": (config.hidden_size, config.intermediate_size), "lm_head": (config.vocab_size, config.hidden_size)}
+
+
+def time_graph(fn) -> float:
+    """Median µs per call of ``fn(i)`` for i in range(CALLS), captured in one CUDA graph and replayed."""
+    for i in range(CALLS):  # compile and allocate outside the capture
+        fn(i)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(CALLS):
+            fn(i)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph.replay()
+    times = []
+    for _ in range(REPLAYS):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / CALLS)
+    return statistics.median(times)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.float() - ref).abs().max() / ref.abs().max())
+
+
+def bench_shape(n: int, k: int, ms: list[int], ops, quant_kernels, configs: bool) -> dict:
+    from dovetail.quantization import quant_ops
+    from dovetail.quantization.fp8_scaled_mm import fp8_linear_scaled_mm
+    from dovetail.triton.gemv import GemvConfig, fp8_gemv, gemv, split_k_for
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w = torch.randn(n, k, device="cuda", generator=gen) * 0.02
+    w[:, :7] *= 30  # outlier columns, as real checkpoints have
+    q, scale = quant_ops.quantize_fp8_per_channel(w)
+    qs = [q] + [q.clone() for _ in range(max(1, -(-COPY_BYTES // (n * k))) - 1)]
+    ws = [w.bfloat16() for _ in range(max(1, -(-COPY_BYTES // (2 * n * k))))]
+    del w
+    x_all = torch.randn(max(ms), k, device="cuda", generator=gen).bfloat16()
+    rows = {}
+    for m in ms:
+        x = x_all[:m].contiguous()
+        ref16 = x.float() @ ws[0].float().t()
+        ref8 = x.float() @ (q.float() * scale[:, None]).t()
+        paths = {
+            "F.linear": (lambda i: F.linear(x, ws[i % len(ws)]), ref16),
+            "FusedOps.linear": (lambda i: ops.linear(x, ws[i % len(ws)]), ref16),
+            "triton gemv": (lambda i: gemv(x, ws[i % len(ws)]), ref16),
+            "fp8 QuantKernels": (lambda i: quant_kernels.fp8_linear(x, qs[i % len(qs)], scale), ref8),
+            "fp8 triton gemv": (lambda i: fp8_gemv(x, qs[i % len(qs)], scale), ref8),
+            "fp8 scaled_mm": (lambda i: fp8_linear_scaled_mm(x, qs[i % len(qs)], scale), ref8),
+        }
+        if configs:
+            for bn, bk, warps, stages, dot in FP8_GRID:
+                cfg = GemvConfig(bn, bk, warps, stages, split_k_for(n, k, bn, bk), dot)
+                paths[f"fp8 triton {tuple(cfg)[:6]}"] = (
+                    lambda i, cfg=cfg: fp8_gemv(x, qs[i % len(qs)], scale, config=cfg), ref8)
+        row = {}
+        for name, (fn, ref) in paths.items():
+            try:
+                err = rel_err(fn(0), ref)
+                row[name] = {"us": time_graph(fn), "rel_err": err}
+            except Exception as exc:  # a configuration that does not compile or launch: report it, go on
+                row[name] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+                torch.cuda.synchronize()
+        rows[m] = row
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="llama-3.1-8b")
+    p.add_argument("--device", default=None, help="the platform (default: auto-selected)")
+    p.add_argument("--shapes", default="qkv,o,gate_up,down,lm_head")
+    p.add_argument("--ms", default="1,2,4,8,16,64,256")
+    p.add_argument("--configs", action="store_true", help="also a grid of Triton FP8 GEMV configurations")
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+
+    from dovetail import selection
+    from dovetail.bench import shapes
+
+    platform = selection.create_platform(selection.resolve_platform_name(args.device))
+    platform.device(0)
+    ops, quant_kernels = platform.fused_ops(), platform.quant_kernels()
+    config = shapes.SHAPES[args.model].config()
+    ms = [int(v) for v in args.ms.split(",")]
+    results = {"model": args.model, "gpu": torch.cuda.get_device_name(), "platform": platform.name,
+               "fused_ops": type(ops).__name__, "quant_kernels": type(quant_kernels).__name__, "shapes": {}}
+    print(json.dumps({k: v for k, v in results.items() if k != "shapes"}))
+    for name in args.shapes.split(","):
+        n, k = projections(config)[name]
+        results["shapes"][name] = rows = bench_shape(n, k, ms, ops, quant_kernels, args.configs)
+        for m, row in rows.items():
+            cells = []
+            for path, r in row.items():
+                if "us" in r:
+                    weight_bytes = n * k * (1 if path.startswith("fp8") else 2)
+                    cells.append(f"{path} {r['us']:.1f}us {weight_bytes / r['us'] / 1e3:.0f}GB/s err {r['rel_err']:.0e}")
+                else:
+                    cells.append(f"{path} failed")
+            print(f"{name:>8} {n}x{k} M={m:<4} " + " | ".join(cells), flush=True)
+        torch.cuda.empty_cache()
+    layer = [s for s in ("qkv", "o", "gate_up", "down") if s in results["shapes"]]
+    if len(layer) == 4:
+        for m in ms:
+            step = {path: config.num_hidden_layers * sum(results["shapes"][s][m][path].get("us", float("nan"))
+                                                         for s in layer)
+                    for path in results["shapes"]["qkv"][m]}
+            results.setdefault("decode_step_us", {})[m] = step
+            print(f"one step's layer linears, M={m}: " + ", ".join(f"{p} {us / 1000:.3f} ms" for p, us in step.items()))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,225 @@
+"""Where a decode step spends its time: kernel by kernel on the device, and stage by stage on the host.
+
+    python benchmarks/profile_step.py --model llama-3.1-8b [--quantization fp8] [--attention-backend TRITON]
+    python benchmarks/profile_step.py --model qwen3-0.6b --b1 64
+    python benchmarks/profile_step.py --model c1 --device cpu --stages [--b1 32]
+
+Kernels (the default): the engine runs eagerly (graphs change the gaps between launches, not the kernels'
+durations) under ``torch.profiler``, on the device's activity (CUDA on GPUs, the CPU's operators otherwise).
+One request of 128 prompt tokens is generated twice, with 1 and with 65 output tokens; the difference of each
+kernel's total time, divided by 64, is its cost per decode step (prefill and start-up cancel out).
+``--b1 N`` instead profiles the first N of B1's requests (docs/benchmarks.md) in one ``generate`` and sums
+the kernels by group (attention, matrix products, norms/rotary/activation/KV write, other) against the wall
+time.
+
+``--stages`` times the host instead: each engine stage (schedule, prepare, forward, logits, output
+processing) and, inside the forward, the linear layers, the attention backend and the embedding, by wrapping
+those public methods in this process; with the engine's graphs on unless ``--enforce-eager``.
+
+Prints a table; writes JSON to ``--json`` if given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import json
+import time
+
+import torch
+
+#: Kernel-name substrings of each group that ``--b1`` sums.
+KERNEL_GROUPS = {"attention": ("paged_attention", "reduce_splits", "flashinfer", "flash_fwd", "BatchDecode",
+                               "BatchPrefill", "attention"),
+                 "matmul": ("nvjet", "gemm", "cutlass", "splitKreduce", "gemv", "sm90_xmma", "cublas", "aten::mm",
+                            "aten::addmm", "aten::linear", "dt_linear"),
+                 "norm, rotary, activation, KV write": ("rms_norm", "rotary", "act_and_mul", "kv_cache_write",
+                                                        "fused")}
+
+
+def group_of(kernel: str) -> str:
+    """The :data:`KERNEL_GROUPS` group a kernel name falls in, else ``"other"``."""
+    return next((g for g, keys in KERNEL_GROUPS.items() if any(key in kernel for key in keys)), "other")
+
+
+def on_gpu(llm) -> bool:
+    return llm.llm_engine.device.type != "cpu"
+
+
+def synchronize(llm) -> None:
+    if on_gpu(llm):
+        torch.accelerator.synchronize()
+
+
+def profiled(llm, fn) -> dict[str, tuple[float, int]]:
+    """Microseconds and calls per kernel (operator, on the CPU) of ``fn()``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    gpu = on_gpu(llm)
+    with profile(activities=[ProfilerActivity.CUDA if gpu else ProfilerActivity.CPU]) as prof:
+        fn()
+        synchronize(llm)
+    totals: dict[str, list] = collections.defaultdict(lambda: [0.0, 0])
+    for event in prof.key_averages():
+        us = event.self_device_time_total if gpu else event.self_cpu_time_total
+        if us > 0:
+            totals[event.key][0] += us
+            totals[event.key][1] += event.count
+    return {k: (v[0], v[1]) for k, v in totals.items()}
+
+
+def decode_step_kernels(llm) -> dict:
+    from dovetail.sampling_params import SamplingParams
+
+    prompt = [{"prompt_token_ids": list(range(1000, 1128))}]
+
+    def run(tokens: int):
+        llm.generate(prompt, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True), use_tqdm=False)
+
+    run(8)
+    one, many = profiled(llm, lambda: run(1)), profiled(llm, lambda: run(65))
+    per_step = {}
+    for name in set(one) | set(many):
+        (t65, c65), (t1, c1) = many.get(name, (0.0, 0)), one.get(name, (0.0, 0))
+        per_step[name] = {"us": (t65 - t1) / 64, "calls": (c65 - c1) / 64}
+    ranked = sorted(per_step.items(), key=lambda kv: -kv[1]["us"])
+    return {"us_per_step": sum(v["us"] for _, v in ranked),
+            "kernels": [{"name": k[:140], **v} for k, v in ranked if abs(v["us"]) > 0.05]}
+
+
+def b1_kernels(llm, num: int) -> dict:
+    from dovetail.bench.workload import b1_requests, greedy_inputs, warm_up
+
+    requests = b1_requests(llm.llm_engine.vocab_size)[:num]
+    prompts, params = greedy_inputs(requests)
+    warm_up(llm, prompts, params)
+    start = time.perf_counter()
+    kernels = profiled(llm, lambda: llm.generate(prompts, params, use_tqdm=False))
+    wall = time.perf_counter() - start
+    groups: dict[str, float] = collections.defaultdict(float)
+    for name, (us, _) in kernels.items():
+        groups[group_of(name)] += us / 1e6
+    ranked = sorted(kernels.items(), key=lambda kv: -kv[1][0])
+    return {"requests": num, "wall_s": wall, "output_tokens": sum(r.output_len for r in requests),
+            "kernel_s": sum(us for us, _ in kernels.values()) / 1e6, "groups_s": dict(groups),
+            "kernels": [{"name": k[:140], "s": us / 1e6, "calls": c} for k, (us, c) in ranked[:40]]}
+
+
+class StageTimers:
+    """Wall time of wrapped callables, each excluding the wrapped calls nested in it."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = collections.defaultdict(float)
+        self.calls: dict[str, int] = collections.defaultdict(int)
+        self.stack: list[str] = []
+
+    def wrap(self, owner, attribute: str, label: str) -> None:
+        fn = getattr(owner, attribute, None)
+        if fn is None:
+            return
+
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            self.stack.append(label)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.stack.pop()
+                elapsed = time.perf_counter() - start
+                self.seconds[label] += elapsed
+                self.calls[label] += 1
+                if self.stack:
+                    self.seconds[self.stack[-1]] -= elapsed
+
+        setattr(owner, attribute, timed)
+
+
+def host_stages(llm, num: int) -> dict:
+    from dovetail.bench.workload import b1_requests, greedy_inputs, random_requests, warm_up
+    from dovetail.layers.attention import Attention
+    from dovetail.layers.embedding import VocabEmbedding
+    from dovetail.layers.linear import Linear
+
+    engine = llm.llm_engine
+    if num:
+        requests = b1_requests(engine.vocab_size)[:num]
+    else:
+        requests = random_requests(1, (128, 128), (256, 256), engine.vocab_size)
+    prompts, params = greedy_inputs(requests)
+    warm_up(llm, prompts, params)
+    timers = StageTimers()
+    timers.wrap(engine, "step", "engine step (rest)")
+    timers.wrap(engine.scheduler, "schedule", "schedule")
+    timers.wrap(engine.outputs, "append_token", "output processing")
+    runner = getattr(engine, "runner", None)
+    if runner is not None:
+        timers.wrap(runner, "prepare", "prepare inputs")
+        timers.wrap(runner, "run_model", "forward (rest)")
+        timers.wrap(runner.model, "compute_logits", "logits")
+    for module in engine.model.modules():
+        if isinstance(module, Linear):
+            timers.wrap(module, "forward", "linear layers")
+        elif isinstance(module, Attention):
+            timers.wrap(module.impl, "forward", f"attention ({engine.attention_backend.name})")
+        elif isinstance(module, VocabEmbedding):
+            timers.wrap(module, "forward", "embedding")
+    start = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    synchronize(llm)
+    wall = time.perf_counter() - start
+    timers.seconds["outside the engine step"] = wall - sum(timers.seconds.values())
+    return {"requests": len(requests), "wall_s": wall, "output_tokens": sum(r.output_len for r in requests),
+            "steps": timers.calls["engine step (rest)"],
+            "stages": [{"stage": k, "s": v, "calls": timers.calls.get(k, 0)}
+                       for k, v in sorted(timers.seconds.items(), key=lambda kv: -kv[1])]}
+
+
+def main() -> int:
+    from dovetail.bench import shapes
+    from dovetail.llm import LLM
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="llama-3.1-8b", help="a named shape or a model directory")
+    p.add_argument("--device", default=None)
+    p.add_argument("--quantization", default=None)
+    p.add_argument("--attention-backend", default=None)
+    p.add_argument("--b1", type=int, default=0, help="profile the first N requests of B1 instead")
+    p.add_argument("--stages", action="store_true", help="time the host's engine stages instead of kernels")
+    p.add_argument("--enforce-eager", action="store_true", help="with --stages: no graphs")
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+
+    model_dir, defaults = shapes.materialize(args.model)
+    llm = LLM(model_dir, device=args.device, attention_backend=args.attention_backend, quantization=args.quantization,
+              enforce_eager=True if not args.stages else (args.enforce_eager or None), **defaults)
+    engine = llm.llm_engine
+    result = {"model": args.model, "device": engine.platform.name, "attention_backend": engine.attention_backend.name,
+              "quantization": args.quantization}
+    if args.stages:
+        result["stages"] = stages = host_stages(llm, args.b1)
+        print(f"{stages['output_tokens']} output tokens in {stages['wall_s']:.3f} s, {stages['steps']} steps")
+        for row in stages["stages"]:
+            print(f"  {row['stage']:<36} {row['s']:8.3f} s {100 * row['s'] / stages['wall_s']:5.1f}%  x{row['calls']}")
+    elif args.b1:
+        result["b1"] = b1 = b1_kernels(llm, args.b1)
+        print(f"B1 x{args.b1} eager: wall {b1['wall_s']:.2f} s, kernels {b1['kernel_s']:.2f} s, "
+              f"{b1['output_tokens']} output tokens")
+        print("  " + ", ".join(f"{group} {seconds:.3f} s" for group, seconds in b1["groups_s"].items()))
+        for kernel in b1["kernels"][:25]:
+            print(f"{kernel['s']:8.3f} s {kernel['calls']:7d} calls  {kernel['name'][:110]}")
+    else:
+        result["decode_step"] = step = decode_step_kernels(llm)
+        print(f"{args.model} {args.quantization or defaults.get('dtype', '')}: {step['us_per_step']:.1f} us of "
+              "kernels per decode step")
+        for kernel in step["kernels"][:30]:
+            print(f"{kernel['us']:9.1f} us {kernel['calls']:6.1f} calls  {kernel['name'][:110]}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,71 @@
+"""Start-up time to the first generated token: from launching a fresh Python process to its first token.
+
+    python benchmarks/startup.py --model qwen3-0.6b [--attention-backend TRITON] [--enforce-eager] [--device D]
+
+The parent notes the wall clock, starts a child interpreter that imports
+Dovetail, builds the engine for a named dummy-weight shape and generates one
+token for a 128-token prompt, and reports the child's phases. Prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+
+
+def child(args) -> None:
+    t_start = time.time()
+    from dovetail.bench import shapes
+    from dovetail.llm import LLM
+    from dovetail.sampling_params import SamplingParams
+
+    t_import = time.time()
+    model_dir, defaults = shapes.materialize(args.model)
+    llm = LLM(model_dir, device=args.device, attention_backend=args.attention_backend,
+              enforce_eager=args.enforce_eager or None, **defaults)
+    t_engine = time.time()
+    llm.generate([{"prompt_token_ids": list(range(1000, 1128))}],
+                 SamplingParams(temperature=0, max_tokens=1, ignore_eos=True), use_tqdm=False)
+    t_token = time.time()
+    print(json.dumps({"child_start": t_start, "imported": t_import, "engine_ready": t_engine,
+                      "first_token": t_token, "attention_backend": llm.llm_engine.attention_backend.name,
+                      "graphs": llm.llm_engine.runner.graphs is not None}))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="qwen3-0.6b")
+    p.add_argument("--attention-backend", default=None)
+    p.add_argument("--device", default=None)
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--child", action="store_true")
+    args = p.parse_args()
+    if args.child:
+        child(args)
+        return 0
+    t0 = time.time()
+    command = [sys.executable, __file__, "--child", "--model", args.model]
+    for flag, value in (("--attention-backend", args.attention_backend), ("--device", args.device)):
+        if value:
+            command += [flag, value]
+    if args.enforce_eager:
+        command.append("--enforce-eager")
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode:
+        print(done.stderr[-4000:], file=sys.stderr)
+        return done.returncode
+    times = json.loads(done.stdout.strip().splitlines()[-1])
+    print(json.dumps({"model": args.model, "attention_backend": times["attention_backend"],
+                      "graphs": times["graphs"],
+                      "startup_to_first_token_s": times["first_token"] - t0,
+                      "interpreter_s": times["child_start"] - t0, "imports_s": times["imported"] - times["child_start"],
+                      "engine_s": times["engine_ready"] - times["imported"],
+                      "first_token_s": times["first_token"] - times["engine_ready"]}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

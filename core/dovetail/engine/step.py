@@ -1,0 +1,87 @@
+"""What crosses the seam between the engine and its workers, each step, in both directions.
+
+The engine sends a :class:`StepDescription`: a request in full the first time
+the workers see it (:class:`NewRequestData`), afterwards only the blocks it
+gained and how many tokens it computes. The workers keep their own mirror of
+each request (its tokens, sampling parameters and progress) and add the tokens
+they sample themselves, so the description never carries the tokens of a
+running request. Everything here is plain data: it pickles for worker
+processes and Ray actors, and costs nothing to hand over in process.
+
+A worker answers each step with a :class:`StepOutput`: the sampled tokens, in
+the order of the rows that sampled, and the logprobs that were asked for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from dovetail.sampling_params import SamplingParams
+
+#: Per sampled row: (the sampled token's logprob, its rank, the top ``logprobs`` as ``(token, logprob)``).
+TokenLogprobs = tuple[float, int, list[tuple[int, float]]]
+
+
+@dataclass
+class NewRequestData:
+    """A request the workers do not know yet (new, or resumed after a preemption dropped it)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    #: Tokens generated before (a preempted request keeps them and recomputes their KV).
+    output_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: frozenset[int]
+    block_ids: list[int]
+    #: Tokens whose KV is already in the cache (prefix-cache hits).
+    num_computed_tokens: int
+
+
+@dataclass
+class StepDescription:
+    """One step's work for every worker.
+
+    ``request_ids`` and ``num_new_tokens`` give the batch in order (single-token
+    rows first); a row samples when it reaches the end of its known and pending
+    tokens. Before running it, a worker forgets ``finished_request_ids``
+    (finished, aborted or preempted), adds ``new_requests`` and appends
+    ``new_block_ids`` to the tables of the requests that gained blocks.
+    """
+
+    request_ids: list[str]
+    num_new_tokens: list[int]
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    new_block_ids: dict[str, list[int]] = field(default_factory=dict)
+    finished_request_ids: list[str] = field(default_factory=list)
+    #: Allowed tokens per sampled row, packed 32 to an int32 word (``[rows, ceil(vocab / 32)]``,
+    #: bit ``t % 32`` of word ``t // 32``; rows in sampling order), applied to the logits before
+    #: sampling; None when no row is constrained (structured outputs).
+    token_bitmask: Optional[torch.Tensor] = None
+
+
+@dataclass
+class StepOutput:
+    """What a worker sampled in one step (the driver rank's answer; the others answer nothing)."""
+
+    token_ids: list[int]
+    #: Per sampled row, or None for rows that did not ask for logprobs.
+    logprobs: list[Optional[TokenLogprobs]]
+    #: Per request that asked for prompt logprobs: the prompt positions predicted and, for each,
+    #: the prompt token's logprob, its rank and the top ``prompt_logprobs`` as ``(token, logprob)``.
+    prompt_logprobs: dict[str, tuple[list[int], list[TokenLogprobs]]] = field(default_factory=dict)
+
+
+EMPTY_OUTPUT = StepOutput([], [])
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Set to ``-inf``, in place, the logits of tokens whose bit is 0 in ``bitmask`` (see
+    :attr:`StepDescription.token_bitmask`); rows of all ones leave their logits unchanged."""
+    vocab = logits.shape[1]
+    bitmask = bitmask.to(logits.device, non_blocking=True)
+    shifts = torch.arange(32, device=logits.device, dtype=torch.int32)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :vocab]
+    logits.masked_fill_(allowed == 0, float("-inf"))

@@ -1,0 +1,289 @@
+"""A Worker owns one device: its model shard, KV cache, model runner, graphs and sampling state.
+
+The engine (requests, scheduler, detokeniser, outputs) drives one worker per
+rank through an executor (:mod:`dovetail.executor`). A worker joins the
+tensor-parallel group before it builds the model, so the model's layers read
+their rank and the group's size as they are built. It keeps a mirror of every
+request it runs (:class:`RequestState`): the tokens it knows, the sampling
+parameters, and the tokens it sampled whose values the engine has not applied
+yet. Every rank samples from identical logits with identical state, so every
+rank knows the same tokens; the driver (rank 0) reports them to the engine.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from dovetail import distributed, model_loader, selection
+from dovetail.attention.backend import AttentionRequirements
+from dovetail.config import EngineConfig
+from dovetail.engine.model_runner import ModelRunner
+from dovetail.engine.sampler import PendingSample, launch_sample, prompt_logprobs
+from dovetail.engine.scheduler import ScheduledBatch
+from dovetail.engine.step import EMPTY_OUTPUT, NewRequestData, StepDescription, StepOutput, apply_token_bitmask
+from dovetail.errors import ConfigError
+from dovetail.model_interface import ModelContext
+from dovetail.plugin_manager import get_plugin_manager
+from dovetail.platform import Platform
+from dovetail.sampling_params import SamplingParams
+
+logger = logging.getLogger("dovetail")
+
+
+@dataclass
+class WorkerSpec:
+    """What every worker needs to build its part of the engine (picklable).
+
+    ``config`` is the engine's, with the platform, attention backend and
+    scheduler limits already resolved, so every rank chooses the same.
+    """
+
+    config: EngineConfig
+    model_path: str
+    dtype: torch.dtype
+    max_model_len: int
+
+
+def attention_requirements(spec: WorkerSpec, platform: Platform, shape) -> AttentionRequirements:
+    """What an attention backend must support for this model on one rank (heads divided among the ranks)."""
+    tp = spec.config.parallel.tensor_parallel_size
+    cache = spec.config.cache
+    return AttentionRequirements(
+        platform=platform.name, device_type=platform.device_type, dtype=spec.dtype,
+        kv_cache_dtype=cache.kv_cache_dtype, block_size=cache.block_size, head_size=shape.head_size,
+        num_heads=max(1, shape.num_heads // tp), num_kv_heads=max(1, shape.num_kv_heads // tp),
+        uses_sliding_window=shape.uses_sliding_window, uses_logit_softcap=shape.uses_logit_softcap)
+
+
+def check_heads_divide(shape, world_size: int) -> None:
+    """Refuse a model whose attention heads cannot be divided among ``world_size`` ranks (KV heads may be
+    fewer than the ranks, and are then replicated, when the ranks divide evenly among them)."""
+    if world_size == 1:
+        return
+    if shape.num_heads % world_size:
+        raise ConfigError(f"tensor_parallel_size: the model's {shape.num_heads} attention heads are not divisible "
+                          f"by tensor_parallel_size={world_size}")
+    kv = shape.num_kv_heads
+    if (kv >= world_size and kv % world_size) or (kv < world_size and world_size % kv):
+        raise ConfigError(f"tensor_parallel_size: the model's {kv} KV heads cannot be divided among "
+                          f"tensor_parallel_size={world_size} ranks (nor replicated evenly)")
+
+
+class RequestState:
+    """A worker's mirror of one sequence: what the model runner and the sampler read.
+
+    ``all_token_ids`` are the tokens this worker knows; ``num_pending`` more were
+    sampled on the device and are known once the engine takes the step's output,
+    the newest being row ``pending_row`` of the last step's tokens.
+    """
+
+    __slots__ = ("request_id", "params", "eos_token_ids", "prompt_token_ids", "all_token_ids",
+                 "output_token_ids", "num_computed_tokens", "num_pending", "pending_row", "block_ids")
+
+    def __init__(self, data: NewRequestData):
+        self.request_id = data.request_id
+        self.params: SamplingParams = data.params
+        self.eos_token_ids = data.eos_token_ids
+        self.prompt_token_ids = data.prompt_token_ids
+        self.all_token_ids = [*data.prompt_token_ids, *data.output_token_ids]
+        self.output_token_ids = list(data.output_token_ids)
+        self.num_computed_tokens = data.num_computed_tokens
+        self.num_pending = 0
+        self.pending_row = -1
+        self.block_ids = list(data.block_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids) + self.num_pending
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids) + self.num_pending
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+@dataclass
+class _Launched:
+    """A step whose sampling is queued on the device: its rows and its prompt logprobs."""
+
+    sample: Optional[PendingSample]
+    rows: list[RequestState]
+    prompt_logprobs: dict
+
+
+class Worker:
+    """One rank: builds the model on its device, sizes and holds the KV cache, runs and samples each step."""
+
+    def __init__(self, spec: WorkerSpec, rank: int = 0, world_size: int = 1,
+                 distributed_init_method: str | None = None, local_rank: int | None = None,
+                 platform: Platform | None = None):
+        self.spec, self.rank, self.world_size = spec, rank, world_size
+        config = spec.config
+        manager = get_plugin_manager()
+        if platform is None:
+            platform = selection.create_platform(config.device.device, manager)
+            platform.check_and_update_config(config)
+        self.platform = platform
+        self.local_rank = rank if local_rank is None else local_rank
+        platform.set_device(self.local_rank)
+        self.device = platform.device(self.local_rank)
+        distributed.init_tensor_parallel(world_size, rank, platform.dist_backend, distributed_init_method or "",
+                                         self.device)
+        platform.seed_everything(config.model.seed)
+
+        path = model_loader.resolve_model_path(spec.model_path)
+        self.hf_config = model_loader.load_hf_config(path)
+        self.model_choice = selection.select_model_class(getattr(self.hf_config, "architectures", None) or [],
+                                                         manager)
+        shape = self.model_choice.cls.attention_shape(self.hf_config)
+        self.attention_backend = selection.select_attention_backend(
+            platform, attention_requirements(spec, platform, shape), config.device.attention_backend, manager)
+        self.quant_method = selection.select_quant_method(
+            platform, spec.dtype, config.model.quantization, model_loader.quantization_config(self.hf_config),
+            manager)
+        self.ops = platform.fused_ops()
+        self.model = self._build_model(path)
+        self.vocab_size = int(self.hf_config.vocab_size)
+        self.runner = ModelRunner(self.model, platform, self.attention_backend, config.cache.block_size,
+                                  spec.dtype, config.cache.kv_cache_dtype, self.device,
+                                  max_num_seqs=config.scheduler.max_num_seqs, max_model_len=spec.max_model_len,
+                                  enforce_eager=config.device.enforce_eager,
+                                  cudagraph_capture_sizes=config.device.cudagraph_capture_sizes,
+                                  max_cudagraph_capture_size=config.device.max_cudagraph_capture_size)
+        self.requests: dict[str, RequestState] = {}
+        self._launched: collections.deque[_Launched] = collections.deque()
+        self._last_tokens: torch.Tensor | None = None
+
+    def _build_model(self, path):
+        ctx = ModelContext(dtype=self.spec.dtype, device=self.device, quant=self.quant_method,
+                           attention_backend=self.attention_backend, ops=self.ops,
+                           quant_kernels=self.platform.quant_kernels())
+        with torch.device(self.device):
+            model = self.model_choice.cls(self.hf_config, "", ctx=ctx)
+        if self.spec.config.model.load_format == "dummy":
+            model_loader.fill_dummy_weights(model, self.spec.config.model.seed)
+        else:
+            model_loader.load_weights(model, path)
+        model_loader.process_weights_after_loading(model)
+        return model.eval()
+
+    # -- the KV cache ------------------------------------------------------------------------
+
+    def determine_num_blocks(self) -> int:
+        """The KV-cache blocks this rank can hold (the engine takes the minimum over the ranks)."""
+        import gc
+
+        config, platform = self.spec.config, self.platform
+        cache, sched = config.cache, config.scheduler
+        per_block = self.runner.bytes_per_block()
+        need_one = -(-self.spec.max_model_len // cache.block_size)
+        if cache.num_gpu_blocks_override:
+            num_blocks = cache.num_gpu_blocks_override
+        elif platform.is_accelerator:
+            gc.collect()  # an engine dropped earlier in this process must not count in the profile
+            platform.empty_cache()
+            budget = platform.kv_cache_bytes(config, lambda: self.runner.profile(
+                sched.max_num_batched_tokens, sched.max_num_seqs, self.spec.max_model_len))
+            num_blocks = budget // per_block
+        else:
+            budget = platform.kv_cache_bytes(config, lambda: 0) if cache.kv_cache_memory_bytes is None \
+                else cache.kv_cache_memory_bytes
+            num_blocks = budget // per_block
+            if cache.kv_cache_memory_bytes is None:
+                # No point zeroing more than every sequence at full length can use.
+                num_blocks = min(num_blocks, need_one * sched.max_num_seqs + need_one)
+        if num_blocks < need_one:
+            raise ConfigError(
+                f"the KV cache holds {num_blocks} blocks of {cache.block_size} tokens "
+                f"({num_blocks * per_block} bytes) on rank {self.rank}, fewer than one sequence of "
+                f"max_model_len={self.spec.max_model_len} needs ({need_one}); raise kv_cache_memory_bytes / "
+                "gpu_memory_utilization or lower max_model_len")
+        return int(num_blocks)
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        """Allocate ``num_blocks`` blocks per layer and capture the decode graphs."""
+        self.runner.allocate_kv_cache(num_blocks)
+        self.runner.capture_graphs()
+
+    # -- the step -----------------------------------------------------------------------------
+
+    def execute_model(self, step: StepDescription) -> None:
+        """Update the request mirrors, run the model on the step and queue its sampling; nothing waits
+        for the device. Rows whose last token is still on the device read it from the last step's tokens."""
+        requests = self.requests
+        for request_id in step.finished_request_ids:
+            requests.pop(request_id, None)
+        for data in step.new_requests:
+            requests[data.request_id] = RequestState(data)
+        for request_id, blocks in step.new_block_ids.items():
+            requests[request_id].block_ids.extend(blocks)
+        states = [requests[r] for r in step.request_ids]
+        batch = ScheduledBatch(states, step.num_new_tokens)
+        logits = self.runner.execute(batch, [s.block_ids for s in states], self._last_tokens)
+        for state, n in zip(states, step.num_new_tokens):
+            state.num_computed_tokens += n
+        prompt = {}
+        if logits.prompt_logits and self.rank == 0:
+            for request_id, (prompt_logits, predicted) in logits.prompt_logits.items():
+                state = requests[request_id]
+                targets = [state.prompt_token_ids[p] for p in predicted]
+                prompt[request_id] = (predicted, prompt_logprobs(prompt_logits, targets,
+                                                                 state.params.prompt_logprobs))
+        rows = logits.sample_requests
+        sample = None
+        if rows:
+            sample_logits = logits.sample_logits
+            if step.token_bitmask is not None:
+                with torch.inference_mode():  # the logits are the model's inference tensors
+                    apply_token_bitmask(sample_logits[:, :self.vocab_size], step.token_bitmask)
+            sample = launch_sample(sample_logits, rows, self.vocab_size, self.ops.argmax)
+            sample.start_transfer(self.platform)
+            for row, state in enumerate(rows):
+                state.num_pending += 1
+                state.pending_row = row
+        self._last_tokens = sample.tokens if sample is not None else None
+        self._launched.append(_Launched(sample, rows, prompt))
+
+    def take_output(self) -> StepOutput | None:
+        """Wait for the oldest launched step's tokens, add them to the mirrors and return them
+        (the driver rank returns them; the others return None)."""
+        launched = self._launched.popleft()
+        if launched.sample is None:
+            output = EMPTY_OUTPUT if not launched.prompt_logprobs else StepOutput([], [], launched.prompt_logprobs)
+            return output if self.rank == 0 else None
+        result = launched.sample.result()
+        for state, token in zip(launched.rows, result.token_ids):
+            state.num_pending -= 1
+            state.output_token_ids.append(token)
+            state.all_token_ids.append(token)
+        if self.rank != 0:
+            return None
+        return StepOutput(result.token_ids, result.logprobs, launched.prompt_logprobs)
+
+    def reset(self) -> None:
+        """Forget every request and launched step (after a failed step, whose requests the engine aborts)."""
+        self.requests.clear()
+        self._launched.clear()
+        self._last_tokens = None
+
+    def describe(self) -> dict:
+        """This rank's device, captured graph sizes and parameter shapes (for logs and tests)."""
+        graphs = self.runner.graphs
+        return {"rank": self.rank, "world_size": self.world_size, "device": str(self.device),
+                "graph_sizes": list(graphs.sizes) if graphs is not None else None,
+                "parameters": {name: tuple(p.shape) for name, p in self.model.named_parameters()}}
+
+    def token_digest(self) -> dict[str, list[int]]:
+        """Every known token of every request this rank holds (to check that the ranks agree)."""
+        return {rid: list(state.all_token_ids) for rid, state in self.requests.items()}
+
+    def shutdown(self) -> None:
+        distributed.destroy_tensor_parallel()

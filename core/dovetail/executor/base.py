@@ -1,0 +1,53 @@
+"""The Executor contract: how the engine runs each step on its workers, wherever they live."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+from dovetail.engine.step import StepDescription, StepOutput
+
+
+class Executor(ABC):
+    """Runs the engine's steps on ``world_size`` workers (one per rank) and returns the driver's output.
+
+    Every call goes to every rank in the same order, so the ranks stay in step:
+    :meth:`execute_model` queues a step without waiting for it, :meth:`take_output`
+    waits for the oldest queued step and returns rank 0's tokens. A rank that
+    dies or fails raises :class:`dovetail.errors.WorkerError` naming the rank, and
+    the executor stops the other ranks.
+    """
+
+    #: ``uni``, ``mp`` or ``ray`` (the ``--distributed-executor-backend`` value).
+    name: str = ""
+    world_size: int = 1
+    #: Called from another thread when a rank dies while no call waits on it (the engine is idle).
+    on_worker_death = None
+
+    @abstractmethod
+    def collective_rpc(self, method: str, *args: Any) -> list[Any]:
+        """Call ``Worker.<method>(*args)`` on every rank; return the results in rank order."""
+
+    @abstractmethod
+    def execute_model(self, step: StepDescription) -> None:
+        """Queue ``step`` on every rank; nothing waits for the ranks."""
+
+    @abstractmethod
+    def take_output(self) -> StepOutput:
+        """Wait for the oldest queued step and return what rank 0 sampled."""
+
+    def determine_num_blocks(self) -> int:
+        """KV-cache blocks every rank can hold: the minimum over the ranks."""
+        return min(self.collective_rpc("determine_num_blocks"))
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        self.collective_rpc("initialize_cache", num_blocks)
+
+    def check_health(self) -> None:
+        """Raise :class:`dovetail.errors.WorkerError` if a rank is gone."""
+
+    def shutdown(self) -> None:
+        """Stop the workers and free their devices (idempotent)."""
+
+    def describe(self) -> str:
+        return f"{self.name}, world size {self.world_size}"

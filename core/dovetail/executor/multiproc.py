@@ -1,0 +1,293 @@
+"""The ``mp`` executor: one worker process per device on this host (the default with several ranks).
+
+Workers are started with ``spawn`` and talk to the engine over one pipe each:
+a call is pickled once and written to every rank's pipe; rank 0 answers the
+steps, every rank answers the collective calls. While it waits, the engine
+watches every pipe and every process, so a rank that raises (its error comes
+down its pipe) or dies (killed, out of memory, a communication failure that
+aborts it) fails the engine at once with the rank named, and the other ranks
+are stopped. Workers ignore Ctrl-C (the engine shuts them down) and exit by
+themselves when the engine process is gone, so none is left behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import pickle
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+import weakref
+from typing import Any
+
+from dovetail.engine.step import StepDescription, StepOutput
+from dovetail.engine.worker import Worker, WorkerSpec
+from dovetail.errors import DovetailError, WorkerError
+from dovetail.executor.base import Executor
+
+logger = logging.getLogger("dovetail")
+
+#: Who answers a call: every rank, only rank 0, or nobody.
+_ALL, _DRIVER, _NONE = 0, 1, 2
+
+
+def free_port() -> int:
+    """A TCP port on the loopback interface that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def _main_module_hidden():
+    """Start processes without ``spawn`` re-running the user's script in each child.
+
+    ``spawn`` imports the parent's ``__main__`` in every child; a script that builds an
+    engine at top level (no ``if __name__ == "__main__":`` guard) would build it again
+    there. The workers need nothing from ``__main__``, so it is hidden while they start.
+    """
+    main = sys.modules.get("__main__")
+    saved = {name: getattr(main, name) for name in ("__file__", "__spec__") if hasattr(main, name)}
+    try:
+        for name in saved:
+            if name == "__spec__":
+                main.__spec__ = None
+            else:
+                delattr(main, name)
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(main, name, value)
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """Exit this worker within a second of the engine's process ending, however it ended."""
+    def watch():
+        while True:
+            time.sleep(0.5)
+            if os.getppid() != parent_pid:
+                os._exit(1)
+
+    threading.Thread(target=watch, name="dovetail-parent-watch", daemon=True).start()
+
+
+def _worker_main(spec: WorkerSpec, rank: int, world_size: int, init_method: str, conn, parent_pid: int,
+                 log_level: int) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the engine's to handle
+    _exit_with_parent(parent_pid)
+    logging.basicConfig(level=log_level, format=f"%(levelname)s rank {rank} %(name)s: %(message)s")
+    worker = None
+    try:
+        worker = Worker(spec, rank, world_size, init_method)
+        conn.send((True, None))
+        while True:
+            method, args, reply = pickle.loads(conn.recv_bytes())
+            if method is None:
+                break
+            result = getattr(worker, method)(*args)
+            if reply == _ALL or (reply == _DRIVER and rank == 0):
+                conn.send((True, result))
+    except EOFError:  # the engine is gone
+        return
+    except BaseException as exc:
+        text = "".join(traceback.format_exception(exc))
+        try:
+            conn.send((False, (_picklable(exc), text)))
+        except Exception:
+            pass
+        os._exit(1)
+    finally:
+        if worker is not None:
+            with contextlib.suppress(Exception):
+                worker.shutdown()
+
+
+def _picklable(exc: BaseException) -> BaseException | None:
+    """``exc`` if it survives pickling as itself (Dovetail's own errors do), else None."""
+    try:
+        return pickle.loads(pickle.dumps(exc))
+    except Exception:
+        return None
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "is gone"
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with status {code}"
+
+
+def _stop(processes: list, conns: list) -> None:
+    """Ask the workers to stop, then terminate and kill whatever is still alive."""
+    stop = pickle.dumps((None, (), _NONE))
+    for conn in conns:
+        with contextlib.suppress(Exception):
+            conn.send_bytes(stop)
+    deadline = time.monotonic() + 5
+    for proc in processes:
+        proc.join(max(0.0, deadline - time.monotonic()))
+    for proc in processes:
+        if proc.is_alive():
+            proc.terminate()
+    for proc in processes:
+        proc.join(2)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(2)
+    for conn in conns:
+        with contextlib.suppress(Exception):
+            conn.close()
+
+
+class MultiprocExecutor(Executor):
+    """``world_size`` worker processes on this host, rank ``r`` on device ``r``."""
+
+    name = "mp"
+
+    def __init__(self, spec: WorkerSpec, world_size: int):
+        self.world_size = world_size
+        ctx = multiprocessing.get_context("spawn")
+        init_method = f"tcp://127.0.0.1:{free_port()}"
+        self._processes: list = []
+        self._conns: list = []
+        self._failure: WorkerError | None = None
+        self._finalizer = weakref.finalize(self, _stop, self._processes, self._conns)
+        log_level = logging.getLogger("dovetail").getEffectiveLevel()
+        with _main_module_hidden():
+            for rank in range(world_size):
+                parent_end, child_end = ctx.Pipe()
+                proc = ctx.Process(target=_worker_main, name=f"dovetail-worker-{rank}", daemon=True,
+                                   args=(spec, rank, world_size, init_method, child_end, os.getpid(), log_level))
+                proc.start()
+                child_end.close()
+                self._processes.append(proc)
+                self._conns.append(parent_end)
+        self._receive(range(world_size))  # every rank has built its model
+        self._watch_wake_r, self._watch_wake_w = ctx.Pipe(duplex=False)
+        threading.Thread(target=self._watch, name="dovetail-worker-watch", daemon=True).start()
+        logger.info("mp executor: %d worker processes (pids %s)", world_size,
+                    ", ".join(str(p.pid) for p in self._processes))
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._processes]
+
+    # -- calls -------------------------------------------------------------------------------
+
+    def _send(self, method: str, args: tuple, reply: int) -> None:
+        self._check_alive()
+        payload = pickle.dumps((method, args, reply), protocol=pickle.HIGHEST_PROTOCOL)
+        for rank, conn in enumerate(self._conns):
+            try:
+                conn.send_bytes(payload)
+            except (BrokenPipeError, ConnectionResetError, OSError):
+                self._receive([])  # raises for the rank that is gone
+                raise self._fail(WorkerError(f"worker rank {rank} stopped taking work", rank))
+
+    def _receive(self, ranks) -> list[Any]:
+        """Wait for an answer from each of ``ranks``; any rank's error or death fails the executor."""
+        results: dict[int, Any] = {}
+        pending = set(ranks)
+        by_conn = {conn: rank for rank, conn in enumerate(self._conns)}
+        by_sentinel = {proc.sentinel: rank for rank, proc in enumerate(self._processes)}
+        while True:
+            if not pending:
+                # A dying rank may have said why without being waited for: check before returning.
+                ready = multiprocessing.connection.wait([*by_conn, *by_sentinel], timeout=0)
+                if not ready:
+                    return [results[r] for r in sorted(results)]
+            else:
+                ready = multiprocessing.connection.wait([*by_conn, *by_sentinel])
+            for obj in sorted(ready, key=lambda o: o in by_sentinel):  # messages before deaths
+                if obj in by_conn:
+                    rank = by_conn[obj]
+                    try:
+                        ok, value = obj.recv()
+                    except (EOFError, OSError):
+                        raise self._fail(self._death(rank)) from None
+                    if not ok:
+                        raise self._fail(self._error(rank, *value))
+                    if rank not in pending:
+                        raise self._fail(WorkerError(f"worker rank {rank} answered a call it was not asked", rank))
+                    results[rank] = value
+                    pending.discard(rank)
+                else:
+                    rank = by_sentinel[obj]
+                    conn = self._conns[rank]
+                    if conn.poll():
+                        continue  # its last words come first
+                    raise self._fail(self._death(rank))
+
+    def collective_rpc(self, method: str, *args: Any) -> list[Any]:
+        self._send(method, args, _ALL)
+        return self._receive(range(self.world_size))
+
+    def execute_model(self, step: StepDescription) -> None:
+        self._send("execute_model", (step,), _NONE)
+
+    def take_output(self) -> StepOutput:
+        self._send("take_output", (), _DRIVER)
+        return self._receive([0])[0]
+
+    # -- failures ----------------------------------------------------------------------------
+
+    def _watch(self) -> None:
+        """Notice a rank that dies while the engine is idle (between steps, the engine waits on no rank)."""
+        sentinels = {proc.sentinel: rank for rank, proc in enumerate(self._processes)}
+        ready = multiprocessing.connection.wait([*sentinels, self._watch_wake_r])
+        if self._failure is not None or self._finalizer.alive is False or self._watch_wake_r in ready:
+            return
+        rank = next(sentinels[s] for s in ready if s in sentinels)
+        logger.error("worker rank %d (pid %d) died", rank, self._processes[rank].pid)
+        if self.on_worker_death is not None:
+            self.on_worker_death()
+
+    def check_health(self) -> None:
+        """Raise :class:`WorkerError` naming the first rank that is no longer alive."""
+        self._check_alive()
+        for rank, proc in enumerate(self._processes):
+            if not proc.is_alive():
+                if self._conns[rank].poll():
+                    self._receive([])  # it said why
+                raise self._fail(self._death(rank))
+
+    def _death(self, rank: int) -> WorkerError:
+        proc = self._processes[rank]
+        proc.join(1)
+        return WorkerError(f"worker rank {rank} (pid {proc.pid}) {_describe_exit(proc.exitcode)}; the engine "
+                           "stopped", rank)
+
+    def _error(self, rank: int, exc: BaseException | None, text: str) -> BaseException:
+        logger.error("worker rank %d failed:\n%s", rank, text)
+        if isinstance(exc, DovetailError) and not isinstance(exc, WorkerError):
+            return exc  # a configuration error found by a rank reads as it would with one device
+        last = text.strip().splitlines()[-1] if text.strip() else "unknown error"
+        return WorkerError(f"worker rank {rank} failed: {last}", rank)
+
+    def _fail(self, error: BaseException) -> BaseException:
+        if self._failure is None:
+            self._failure = error if isinstance(error, WorkerError) else WorkerError(str(error))
+        self.shutdown()
+        return error
+
+    def _check_alive(self) -> None:
+        if self._failure is not None:
+            raise WorkerError(f"the engine stopped earlier: {self._failure}", self._failure.rank)
+
+    def shutdown(self) -> None:
+        wake = getattr(self, "_watch_wake_w", None)
+        if wake is not None and self._finalizer.alive:
+            with contextlib.suppress(Exception):
+                wake.send_bytes(b"")
+        self._finalizer()

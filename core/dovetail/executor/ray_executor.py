@@ -1,0 +1,195 @@
+"""The ``ray`` executor: one Ray actor per rank, placed with a placement group, on one machine or many.
+
+The engine joins the Ray cluster it finds (``RAY_ADDRESS``, or the one ``ray
+start --head`` runs on this machine) and otherwise starts a local one. Each
+rank's actor reserves one of the platform's Ray resource (``ray_device_key``:
+``GPU``, or ``CPU`` on the CPU); Ray makes that device the actor's only
+visible one, so every rank uses its device 0. Ranks meet over
+torch.distributed at the address of rank 0's node. A step description is put
+in Ray's object store once and read by every actor. Every call's result is
+awaited from every rank, so an actor that dies or raises fails the engine with
+its rank named, and the executor then kills the others.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from dovetail.engine.step import StepDescription, StepOutput
+from dovetail.engine.worker import Worker, WorkerSpec
+from dovetail.errors import ConfigError, DovetailError, WorkerError
+from dovetail.executor.base import Executor
+from dovetail.platform import Platform
+
+logger = logging.getLogger("dovetail")
+
+INSTALL_HINT = "pip install 'dovetail[ray]'"
+
+
+class RayWorkerActor:
+    """What runs inside each rank's actor: a :class:`Worker`, built once the ranks know where to meet."""
+
+    def __init__(self):
+        self.worker: Worker | None = None
+
+    def address(self) -> tuple[str, int]:
+        """This node's IP address and a free port on it (asked of rank 0, where the ranks meet)."""
+        import socket
+
+        import ray
+
+        ip = ray.util.get_node_ip_address()
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return ip, s.getsockname()[1]
+
+    def start(self, spec: WorkerSpec, rank: int, world_size: int, init_method: str) -> int:
+        import os
+
+        self.worker = Worker(spec, rank, world_size, init_method, local_rank=0)
+        return os.getpid()
+
+    def call(self, method: str, *args: Any) -> Any:
+        return getattr(self.worker, method)(*args)
+
+
+def _import_ray():
+    try:
+        import ray
+    except ImportError:
+        raise ConfigError(f"distributed_executor_backend: 'ray' needs Ray, which is not installed ({INSTALL_HINT})") \
+            from None
+    return ray
+
+
+class RayExecutor(Executor):
+    """``world_size`` Ray actors, one per device, placed together by a placement group (``PACK``)."""
+
+    name = "ray"
+
+    def __init__(self, spec: WorkerSpec, world_size: int, platform: Platform):
+        ray = self.ray = _import_ray()
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self.world_size = world_size
+        self._failure: WorkerError | None = None
+        self._actors: list = []
+        self._launched: list = []  # the refs of the step queued last, awaited with its output
+        self._placement = None
+        self._own_ray = not ray.is_initialized()
+        if self._own_ray:
+            ray.init(include_dashboard=False, logging_level=logging.WARNING)
+        key = platform.ray_device_key
+        total = int(ray.cluster_resources().get(key, 0))
+        if total < world_size:
+            self.shutdown()
+            raise ConfigError(f"tensor_parallel_size: {world_size} ranks need {world_size} {key} in the Ray cluster, "
+                              f"but it has {total}")
+        try:
+            self._placement = placement_group([{key: 1.0}] * world_size, strategy="PACK")
+            ray.get(self._placement.ready(), timeout=120)
+            if key == "GPU":
+                resources = {"num_gpus": 1, "num_cpus": 0}
+            elif key == "CPU":
+                resources = {"num_cpus": 1}
+            else:
+                resources = {"num_cpus": 0, "resources": {key: 1}}
+            actor_cls = ray.remote(RayWorkerActor)
+            for rank in range(world_size):
+                strategy = PlacementGroupSchedulingStrategy(placement_group=self._placement,
+                                                            placement_group_bundle_index=rank)
+                self._actors.append(actor_cls.options(name=None, scheduling_strategy=strategy, max_concurrency=1,
+                                                      **resources).remote())
+            ip, port = self._gather([self._actors[0].address.remote()], [0])[0]
+            init_method = f"tcp://{ip}:{port}"
+            self.pids = self._gather([a.start.remote(spec, rank, world_size, init_method)
+                                      for rank, a in enumerate(self._actors)], range(world_size))
+        except BaseException:
+            self.shutdown()
+            raise
+        logger.info("ray executor: %d actors (pids %s) meeting at %s", world_size,
+                    ", ".join(map(str, self.pids)), init_method)
+
+    # -- calls -------------------------------------------------------------------------------
+
+    def _gather(self, refs: list, ranks) -> list[Any]:
+        """The results of ``refs`` (``ranks[i]`` runs ``refs[i]``), in order, waiting for all; any failure
+        fails the executor."""
+        ray = self.ray
+        from ray.exceptions import RayActorError, RayTaskError
+
+        index_of = {ref: i for i, ref in enumerate(refs)}
+        ranks = list(ranks)
+        results: list[Any] = [None] * len(refs)
+        pending = list(refs)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1)
+            for ref in ready:
+                rank = ranks[index_of[ref]]
+                try:
+                    results[index_of[ref]] = ray.get(ref)
+                except RayActorError as exc:
+                    raise self._fail(WorkerError(f"worker rank {rank} (Ray actor) died: "
+                                                 f"{str(exc).strip().splitlines()[0]}; the engine stopped", rank)) \
+                        from None
+                except RayTaskError as exc:
+                    cause = getattr(exc, "cause", None)
+                    if isinstance(cause, DovetailError) and not isinstance(cause, WorkerError):
+                        raise self._fail(cause) from None
+                    text = str(cause if cause is not None else exc).strip().splitlines()
+                    raise self._fail(WorkerError(f"worker rank {rank} failed: {text[-1] if text else exc}", rank)) \
+                        from None
+        return results
+
+    def collective_rpc(self, method: str, *args: Any) -> list[Any]:
+        self._check_alive()
+        return self._gather([a.call.remote(method, *args) for a in self._actors], range(self.world_size))
+
+    def execute_model(self, step: StepDescription) -> None:
+        self._check_alive()
+        ref = self.ray.put(step)
+        self._launched += [a.call.remote("execute_model", ref) for a in self._actors]
+
+    def take_output(self) -> StepOutput:
+        self._check_alive()
+        launched, self._launched = self._launched, []
+        refs = [a.call.remote("take_output") for a in self._actors]
+        ranks = list(range(self.world_size))
+        results = self._gather(launched + refs, (ranks if launched else []) + ranks)
+        return results[len(launched)]
+
+    # -- failures and shutdown ----------------------------------------------------------------
+
+    def _fail(self, error: BaseException) -> BaseException:
+        if self._failure is None:
+            self._failure = error if isinstance(error, WorkerError) else WorkerError(str(error))
+        self.shutdown()
+        return error
+
+    def _check_alive(self) -> None:
+        if self._failure is not None:
+            raise WorkerError(f"the engine stopped earlier: {self._failure}", self._failure.rank)
+
+    def shutdown(self) -> None:
+        ray = self.ray
+        if not ray.is_initialized():
+            return
+        for actor in self._actors:
+            try:
+                ray.kill(actor)
+            except Exception:
+                pass
+        self._actors = []
+        if self._placement is not None:
+            try:
+                from ray.util.placement_group import remove_placement_group
+
+                remove_placement_group(self._placement)
+            except Exception:
+                pass
+            self._placement = None
+        if self._own_ray:
+            ray.shutdown()
+            self._own_ray = False

@@ -1,0 +1,183 @@
+"""Tensor parallelism end to end on the CPU: one worker process per rank (``mp``) talking over gloo.
+
+Greedy tokens at TP=2 (and TP=4 for one model) must match HF and one rank; every
+rank must hold the same tokens as the engine reports (the ranks sample
+identically); the engine's features (chunked prefill, preemption, prefix
+caching, logprobs, prompt logprobs, penalties, seeds, ``n``) must give at TP=2
+what they give at TP=1.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+
+import pytest
+
+from dovetail import LLM, SamplingParams
+from dovetail.executor.uni import UniProcExecutor
+from test_models_vs_hf import CASES, save_checkpoint
+from tiny_models import assert_greedy_matches, hf_greedy, load_hf
+
+PROMPTS = [[5, 6, 7, 8, 9, 10], list(range(20, 47)), [42, 17] * 9 + [3]]
+MAX_TOKENS = 8
+COMMON = dict(device="cpu", attention_backend="REFERENCE", dtype="float32", max_model_len=128)
+
+
+def _greedy(llm: LLM, prompts=PROMPTS, max_tokens: int = MAX_TOKENS) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def assert_ranks_agree(llm: LLM, outputs=None) -> None:
+    """Every rank holds the same tokens for every request (and, given ``outputs``, the engine's)."""
+    digests = llm.llm_engine.executor.collective_rpc("token_digest")
+    assert len(digests) == llm.llm_engine.world_size
+    for rank, digest in enumerate(digests[1:], start=1):
+        assert digest == digests[0], f"rank {rank} holds other tokens than rank 0"
+    for out in outputs or []:
+        for c in out.outputs:
+            rid = out.request_id if len(out.outputs) == 1 else f"{out.request_id}#{c.index}"
+            if rid in digests[0]:
+                assert digests[0][rid] == out.prompt_token_ids + c.token_ids
+
+
+def assert_workers_gone(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            continue
+        assert state == "Z", f"worker process {pid} is still running (state {state})"
+
+
+def check_against_hf_and_one_rank(path, world_size: int = 2) -> LLM:
+    hf = load_hf(path)
+    references = [hf_greedy(hf, p, MAX_TOKENS) for p in PROMPTS]
+    one = _greedy(LLM(str(path), **COMMON))
+    llm = LLM(str(path), tensor_parallel_size=world_size, **COMMON)
+    assert llm.llm_engine.executor.name == "mp" and llm.llm_engine.world_size == world_size
+    many = _greedy(llm)
+    for ours, single, (tokens, logprobs) in zip(many, one, references):
+        assert_greedy_matches(ours, tokens, logprobs)
+        assert_greedy_matches(ours, single, logprobs)
+    assert_ranks_agree(llm)
+    return llm
+
+
+@pytest.mark.parametrize("case", ["llama-tied-head_dim-bias", "qwen3-qknorm-head_dim", "gemma2-softcap-sliding",
+                                  "mixtral-sliding", "qwen3moe-normtopk-dense-layer"])
+def test_tp2_greedy_matches_hf_and_one_rank(case, tmp_path):
+    llm = check_against_hf_and_one_rank(save_checkpoint(tmp_path, CASES[case]()))
+    pids = llm.llm_engine.executor.pids
+    llm.llm_engine.shutdown()
+    assert_workers_gone(pids)
+
+
+def test_tp4_greedy_matches_hf_and_one_rank(tmp_path):
+    """Four ranks for a model with two KV heads: the KV heads are shared by pairs of ranks."""
+    llm = check_against_hf_and_one_rank(save_checkpoint(tmp_path, CASES["llama-rope-llama3"]()), world_size=4)
+    llm.llm_engine.shutdown()
+
+
+def test_one_rank_runs_in_process(tiny_llama_dir):
+    llm = LLM(str(tiny_llama_dir), **COMMON)
+    assert isinstance(llm.llm_engine.executor, UniProcExecutor) and llm.llm_engine.executor_name == "uni"
+    assert not multiprocessing.active_children()
+    assert llm.llm_engine.model is llm.llm_engine.executor.worker.model
+
+
+@pytest.fixture(scope="module")
+def feature_pair(tiny_llama_dir):
+    """One rank and two, each with a small token budget (chunked prefill) and a KV cache that preempts."""
+    kwargs = dict(COMMON, max_num_batched_tokens=32, max_num_seqs=6, num_gpu_blocks_override=16, block_size=8)
+    one = LLM(str(tiny_llama_dir), **kwargs)
+    two = LLM(str(tiny_llama_dir), tensor_parallel_size=2, **kwargs)
+    yield one, two
+    two.llm_engine.shutdown()
+
+
+def test_engine_features_at_tp2_match_one_rank(feature_pair):
+    one, two = feature_pair
+    shared = list(range(30, 70))  # two requests share a prefix: the second one hits the prefix cache
+    prompts = [{"prompt_token_ids": p} for p in (shared + [3, 4], shared + [9], list(range(100, 150)), [7, 8, 9])]
+    params = [SamplingParams(temperature=0, max_tokens=20, logprobs=3, prompt_logprobs=2, ignore_eos=True),
+              SamplingParams(temperature=0.8, top_p=0.9, seed=7, n=2, max_tokens=16, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=18, repetition_penalty=1.5, presence_penalty=0.4,
+                             frequency_penalty=0.2, ignore_eos=True),
+              SamplingParams(temperature=1.0, top_k=20, seed=3, max_tokens=24, min_tokens=4, ignore_eos=True)]
+    a = one.generate(prompts, params, use_tqdm=False)
+    b = two.generate(prompts, params, use_tqdm=False)
+    assert two.llm_engine.scheduler.num_preemptions > 0, "the small KV cache must preempt"
+    assert two.llm_engine.kv_manager.prefix_hits > 0
+    for x, y in zip(a, b):
+        assert [c.token_ids for c in x.outputs] == [c.token_ids for c in y.outputs]
+        assert [c.text for c in x.outputs] == [c.text for c in y.outputs]
+    for lx, ly in zip(a[0].outputs[0].logprobs, b[0].outputs[0].logprobs):
+        assert lx.keys() == ly.keys()
+        assert all(abs(lx[t].logprob - ly[t].logprob) < 1e-4 for t in lx)
+    px, py = a[0].prompt_logprobs, b[0].prompt_logprobs
+    assert px[0] is None and py[0] is None and len(px) == len(py) == len(prompts[0]["prompt_token_ids"])
+    for lx, ly in zip(px[1:], py[1:]):
+        assert lx.keys() == ly.keys() and all(abs(lx[t].logprob - ly[t].logprob) < 1e-4 for t in lx)
+    assert_ranks_agree(two, b)
+
+
+def test_unseeded_sampling_is_identical_on_every_rank(feature_pair):
+    _, two = feature_pair
+    params = SamplingParams(temperature=1.2, top_p=0.95, n=3, max_tokens=12, ignore_eos=True)
+    outputs = two.generate([{"prompt_token_ids": [11, 12, 13]}, {"prompt_token_ids": [50] * 9}], params,
+                           use_tqdm=False)
+    assert_ranks_agree(two, outputs)
+    assert len({tuple(c.token_ids) for c in outputs[0].outputs}) > 1, "random rows should differ"
+
+
+def test_async_scheduling_across_processes(tiny_llama_dir, caplog):
+    """Overlapped steps: each worker feeds its rows the tokens it sampled a step before, on the device."""
+    kwargs = dict(COMMON, async_scheduling=True)
+    sync_tokens = _greedy(LLM(str(tiny_llama_dir), **COMMON), max_tokens=12)
+    with caplog.at_level(logging.INFO, logger="dovetail"):
+        llm = LLM(str(tiny_llama_dir), tensor_parallel_size=2, **kwargs)
+    assert "world size 2 (executor mp)" in caplog.text, "the start-up log says the world size and the executor"
+    assert llm.llm_engine.overlap
+    assert _greedy(llm, max_tokens=12) == sync_tokens
+    params = SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[sync_tokens[1][3]])
+    out = llm.generate({"prompt_token_ids": PROMPTS[1]}, params, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == sync_tokens[1][:4] and out.outputs[0].finish_reason == "stop"
+    llm.llm_engine.shutdown()
+
+
+def test_worker_processes_report_their_pids(feature_pair):
+    _, two = feature_pair
+    pids = two.llm_engine.executor.pids
+    assert len(pids) == 2 and os.getpid() not in pids
+    assert all(os.path.exists(f"/proc/{pid}") for pid in pids)
+
+
+def test_a_token_bitmask_reaches_every_rank(feature_pair):
+    """The per-row bitmask of structured outputs travels with the step to each worker process."""
+    import torch
+
+    _, two = feature_pair
+    engine = two.llm_engine
+    describe, only = engine.describe_step, (17, 250)
+
+    def constrained(batch):
+        step = describe(batch)
+        rows = sum(1 for r, n in zip(batch.requests, batch.num_new_tokens) if r.num_computed_tokens + n == r.num_tokens)
+        step.token_bitmask = torch.zeros(rows, -(-engine.vocab_size // 32), dtype=torch.int32)
+        for token in only:
+            step.token_bitmask[:, token // 32] |= 1 << (token % 32)
+        return step
+
+    engine.describe_step = constrained
+    try:
+        out = two.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=1.0, max_tokens=10,
+                                                                             ignore_eos=True), use_tqdm=False)
+    finally:
+        del engine.describe_step
+    assert set(out[0].outputs[0].token_ids) <= set(only) and len(out[0].outputs[0].token_ids) == 10
+    assert_ranks_agree(two, out)

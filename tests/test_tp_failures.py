@@ -1,0 +1,161 @@
+"""Tensor parallelism fails loudly: bad sizes are refused up front, a dead or failing rank stops the engine
+with its rank named, and neither an error nor Ctrl-C nor SIGTERM leaves a worker process behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from dovetail import LLM, SamplingParams
+from dovetail.engine.step import StepDescription
+from dovetail.errors import ConfigError, WorkerError
+from fake_plugins import install_fake_plugin
+from test_tp_engine import COMMON, assert_workers_gone
+
+
+def _wait_gone(pids: list[int], seconds: float = 20.0) -> None:
+    """Nothing may hang: give the processes a bounded time to go, then check."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            assert_workers_gone(pids)
+            return
+        except AssertionError:
+            time.sleep(0.2)
+    assert_workers_gone(pids)
+
+
+def test_heads_not_divisible_by_the_size_is_refused(tiny_llama_dir):
+    with pytest.raises(ConfigError, match=r"^tensor_parallel_size: the model's 4 attention heads are not divisible "
+                                          r"by tensor_parallel_size=3$"):
+        LLM(str(tiny_llama_dir), tensor_parallel_size=3, **COMMON)
+
+
+def test_uni_with_several_ranks_is_refused(tiny_llama_dir):
+    with pytest.raises(ConfigError, match="distributed_executor_backend: 'uni' runs one rank"):
+        LLM(str(tiny_llama_dir), tensor_parallel_size=2, distributed_executor_backend="uni", **COMMON)
+
+
+ONE_CARD = '''
+from dovetail.hookspecs import hookimpl
+from dovetail.platform import Platform, ProbeResult
+from dovetail_cpu.platform import CpuPlatform
+
+
+def probe():
+    return ProbeResult.ok("one card")
+
+
+class OneCard(CpuPlatform):
+    """The CPU under another name, counting one device and refusing more ranks, as a GPU platform does."""
+
+    name = "onecard"
+    check_world_size = Platform.check_world_size
+
+    def device_count(self):
+        return 1
+
+
+DOVETAIL_PLUGIN_API = ">=1.0,<2"
+
+
+@hookimpl
+def register_platforms(register):
+    register(name="onecard", cls="onecard_mod:OneCard", probe="onecard_mod:probe", priority=-1)
+'''
+
+
+def test_more_ranks_than_devices_names_both_counts(tiny_llama_dir, tmp_path, monkeypatch):
+    install_fake_plugin(tmp_path / "plugin", monkeypatch, "onecard", "onecard_mod", ONE_CARD)
+    kwargs = dict(COMMON, device="onecard")
+    with pytest.raises(ConfigError, match=r"^tensor_parallel_size: 2 ranks need 2 onecard devices, but 1 is "
+                                          r"visible$"):
+        LLM(str(tiny_llama_dir), tensor_parallel_size=2, **kwargs)
+    assert LLM(str(tiny_llama_dir), **kwargs).llm_engine.platform.name == "onecard"
+
+
+def test_a_killed_worker_stops_the_engine_naming_the_rank(tiny_llama_dir):
+    llm = LLM(str(tiny_llama_dir), tensor_parallel_size=2, **COMMON)
+    engine = llm.llm_engine
+    pids = engine.executor.pids
+    engine.add_request("long", {"prompt_token_ids": list(range(10, 40))},
+                       SamplingParams(temperature=0, max_tokens=90, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    os.kill(pids[1], signal.SIGKILL)
+    _wait_gone(pids[1:])  # the kernel takes a moment to end a process; meanwhile steps may still finish
+    with pytest.raises(WorkerError, match=r"worker rank 1 \(pid \d+\) was killed by SIGKILL") as info:
+        while engine.has_unfinished_requests():
+            engine.step()
+    assert info.value.rank == 1
+    _wait_gone(pids)
+    with pytest.raises(WorkerError, match="the engine stopped: worker rank 1"):
+        engine.step()
+
+
+def test_a_failing_worker_names_its_rank_and_its_error(tiny_llama_dir):
+    llm = LLM(str(tiny_llama_dir), tensor_parallel_size=2, **COMMON)
+    executor = llm.llm_engine.executor
+    pids = executor.pids
+    executor.execute_model(StepDescription(["ghost"], [1]))  # a request no worker was told of
+    with pytest.raises(WorkerError, match=r"worker rank [01] failed: KeyError: 'ghost'"):
+        executor.take_output()
+    _wait_gone(pids)
+
+
+def test_a_configuration_error_found_by_the_ranks_reads_as_with_one_device(tiny_llama_dir):
+    with pytest.raises(ConfigError, match=r"the KV cache holds 2 blocks of 16 tokens .* on rank [01], fewer than one "
+                                          r"sequence of max_model_len=128 needs \(8\)"):
+        LLM(str(tiny_llama_dir), tensor_parallel_size=2, num_gpu_blocks_override=2, **COMMON)
+
+
+SCRIPT = '''
+import sys
+from dovetail import LLM, SamplingParams
+
+llm = LLM(sys.argv[1], device="cpu", attention_backend="REFERENCE", tensor_parallel_size=2, max_model_len=128)
+print("PIDS", *llm.llm_engine.executor.pids, flush=True)
+while True:
+    llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=100, ignore_eos=True), use_tqdm=False)
+'''
+
+
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
+def test_no_worker_outlives_ctrl_c_or_sigterm(tiny_llama_dir, tmp_path, how):
+    """A script without a ``__main__`` guard (spawn must not run it again in the workers), stopped while it
+    generates: Ctrl-C reaches the whole process group, SIGTERM only the engine's process."""
+    script = tmp_path / "generate_forever.py"
+    script.write_text(textwrap.dedent(SCRIPT))
+    proc = subprocess.Popen([sys.executable, str(script), str(tiny_llama_dir)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("PIDS"), proc.stderr.read() if proc.poll() is not None else line
+        pids = [int(p) for p in line.split()[1:]]
+        time.sleep(1.0)  # let it generate
+        if how == "ctrl-c":
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+        _wait_gone(pids)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def test_plugins_command_says_the_world_size_and_the_executor():
+    from dovetail.cli import plugins_cmd
+
+    data = plugins_cmd.collect(2)
+    assert data["parallelism"]["world_size"] == 2 and data["parallelism"]["executor"] == "mp"
+    text = plugins_cmd.render(data)
+    assert "parallelism: world size 2, executor mp" in text and "ray: Ray actors" in text
+    assert "world size 1, executor uni" in plugins_cmd.render(plugins_cmd.collect())
