@@ -12,6 +12,8 @@
 #   hf        benchmarks/peer_hf.py (HF transformers, B1 and B2) for each model
 #   vllm      benchmarks/peer_vllm.py (B1 and B2 on the same requests) for each model, when vLLM is installed
 #   kernels   benchmarks/kernels_attention.py and benchmarks/kernels_linear.py (first model)
+#   moe       benchmarks/kernels_moe.py (the MoE layer against its bounds, vLLM's beside it when installed) for
+#             each model of MODELS that is a mixture of experts (its first start on a GPU kind tunes the tiles)
 #
 # Variables:
 #   MODELS     named shapes (dovetail.bench.shapes) or model directories  default: "qwen3-0.6b llama-3.1-8b"
@@ -43,6 +45,7 @@
 #   bash benchmarks/gpu.sh tests
 #   MODELS=llama-3.1-8b BACKENDS="TRITON FLASHINFER" ROUNDS=2 bash benchmarks/gpu.sh bench
 #   MODELS=qwen3-0.6b FLAGS="|--kv-cache-dtype fp8" bash benchmarks/gpu.sh bench hf vllm
+#   MODELS="qwen3-moe-15b-a3b qwen3-30b-a3b" bash benchmarks/gpu.sh moe bench
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT/raw"
@@ -209,7 +212,15 @@ for step in ${@:-tests bench}; do
         >"$OUT/kernels_attention.log" 2>&1; tail -15 "$OUT/kernels_attention.log"
       timeout "$TIMEOUT" python3 benchmarks/kernels_linear.py --model "$model" --json "$OUT/raw/kernels_linear.json" \
         >"$OUT/kernels_linear.log" 2>&1; tail -12 "$OUT/kernels_linear.log" ;;
-    *) echo "unknown step '$step' (tests bench startup hf vllm kernels)"; exit 2 ;;
+    moe)
+      for model in $MODELS; do
+        case $model in *moe*|*-a3b) ;; *) continue ;; esac
+        log "MoE layer ($model)"
+        timeout "$TIMEOUT" python3 benchmarks/kernels_moe.py --model "$model" --vllm \
+          --json "$OUT/raw/kernels_moe_${model//\//_}.json" >"$OUT/kernels_moe_${model//\//_}.log" 2>&1
+        tail -20 "$OUT/kernels_moe_${model//\//_}.log"
+      done ;;
+    *) echo "unknown step '$step' (tests bench startup hf vllm kernels moe)"; exit 2 ;;
   esac
 done
 
