@@ -92,14 +92,17 @@ def rows_per_expert(tokens: int, shape: LayerShape) -> float:
 
 
 def block_m_candidates(tokens: int, shape: LayerShape) -> list[int]:
-    """``block_m`` values worth timing at this bucket (the first is the default)."""
+    """``block_m`` values worth timing at this bucket (the first is the default): about the rows an expert gets, so
+    that most experts fill one block (a second block reads the expert's weights again) without much padding."""
     rows = rows_per_expert(tokens, shape)
     if rows <= 8:
         return [16]
-    if rows <= 32:
+    if rows <= 16:
         return [16, 32]
+    if rows <= 32:
+        return [32, 16, 64]
     if rows <= 128:
-        return [64, 32]
+        return [64, 32, 128]
     return [128, 64]
 
 
