@@ -45,6 +45,7 @@
 #   bash benchmarks/gpu.sh tests
 #   MODELS=llama-3.1-8b BACKENDS="TRITON FLASHINFER" ROUNDS=2 bash benchmarks/gpu.sh bench
 #   MODELS=qwen3-0.6b FLAGS="|--kv-cache-dtype fp8" bash benchmarks/gpu.sh bench hf vllm
+#   MODELS=qwen3-0.6b KINDS=throughput FLAGS="--structured-output json" bash benchmarks/gpu.sh bench
 #   MODELS="qwen3-moe-15b-a3b qwen3-30b-a3b" bash benchmarks/gpu.sh moe bench
 set -u
 OUT=${OUT:-/tmp/out}
@@ -114,6 +115,12 @@ if step == "throughput":
     base["backend"] = d.get("attention_backend", backend)
     figures.append(("B1", d["output_tokens_per_s"], "output tok/s", {"output_tokens": d["output_tokens"],
                                                                      "load_seconds": round(d["load_seconds"], 1)}))
+    so = data.get("structured_output")
+    if so:  # --structured-output json: the same requests under one JSON schema
+        figures.append(("B1 json", so["output_tokens_per_s"], "output tok/s", {
+            "ratio_to_unconstrained": round(so["ratio_to_unconstrained"], 3), "output_tokens": so["output_tokens"],
+            "grammar_compile_seconds": round(so["grammar_compile_seconds"], 3),
+            "tokenizer_setup_seconds": round(so["tokenizer_setup_seconds"], 2)}))
 elif step == "latency":
     d = data["dovetail"]
     base["backend"] = d.get("attention_backend", backend)

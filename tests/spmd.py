@@ -5,11 +5,13 @@
 given, so a test can build an ordinary engine on every rank (its layers shard
 because the group exists first) and compare what the ranks return. A job is a
 module-level function (pickled by name) and returns something picklable.
+
+These ranks are cheap to reuse (started once per session); the engine's own
+``mp`` executor (tests/test_tp_engine.py) starts its workers per engine.
 """
 
 from __future__ import annotations
 
-import functools
 import os
 import queue
 import socket
@@ -27,20 +29,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_loop(rank: int, world: int, port: int, backend: str, jobs, results) -> None:
+def _rank_loop(rank: int, world: int, port: int, jobs, results) -> None:
     import torch
 
     from dovetail import distributed
 
-    device = None
-    if backend == "nccl":  # each rank sees its own GPU as device 0, as an engine of one device expects
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        os.environ["CUDA_VISIBLE_DEVICES"] = visible.split(",")[rank] if visible else str(rank)
-        device = torch.device("cuda", 0)
-        torch.cuda.set_device(device)
     torch.set_num_threads(1)
-    distributed.init_tensor_parallel(world, rank, backend, f"tcp://127.0.0.1:{port}", device=device)
-    _join_engines_to_the_group(rank, world)
+    distributed.init_tensor_parallel(world, rank, "gloo", f"tcp://127.0.0.1:{port}")
+    _run_engines_as_this_rank()
     try:
         while (job := jobs.get()) is not None:
             fn, args, kwargs = job
@@ -52,30 +48,32 @@ def _rank_loop(rank: int, world: int, port: int, backend: str, jobs, results) ->
         distributed.destroy_tensor_parallel()
 
 
-def _join_engines_to_the_group(rank: int, world: int) -> None:
-    """An engine built on a rank runs its one in-process worker as this rank of the group (its device: the
-    rank's only one), where it would otherwise make a world of its own."""
-    try:
-        from dovetail.executor import uni
-    except ImportError:  # an engine without executors builds its model in the group as it stands
-        return
-    uni.Worker = functools.partial(uni.Worker, rank=rank, world_size=world, local_rank=0)
+def _run_engines_as_this_rank() -> None:
+    """An engine built on a rank (one in-process worker) runs its worker as this rank of the group, and
+    every rank's worker reports its tokens to its own engine (in the engine's own multi-rank executors only
+    rank 0 reports)."""
+    from dovetail import distributed
+    from dovetail.executor import uni
+
+    class RankWorker(uni.Worker):
+        def __init__(self, spec, platform=None):
+            super().__init__(spec, rank=distributed.tp_rank(), world_size=distributed.tp_size(), platform=platform)
+            self.rank = 0
+
+    uni.Worker = RankWorker
 
 
 class SpmdRanks:
-    """``world`` rank processes in one tensor-parallel group; :meth:`run` runs a job on all of them.
+    """``world`` rank processes in one tensor-parallel group; :meth:`run` runs a job on all of them."""
 
-    ``backend="nccl"`` gives rank ``r`` the ``r``-th visible GPU (as its only device).
-    """
-
-    def __init__(self, world: int, backend: str = "gloo"):
+    def __init__(self, world: int):
         self.world = world
         ctx = mp.get_context("spawn")
         self.jobs = [ctx.Queue() for _ in range(world)]
         self.results = ctx.Queue()
         port = free_port()
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-        self.procs = [ctx.Process(target=_rank_loop, args=(rank, world, port, backend, self.jobs[rank], self.results),
+        self.procs = [ctx.Process(target=_rank_loop, args=(rank, world, port, self.jobs[rank], self.results),
                                   daemon=True) for rank in range(world)]
         for proc in self.procs:
             proc.start()

@@ -84,3 +84,30 @@ def test_moe_shapes_are_qwen3_30b_a3b_and_its_first_half():
     config = AutoConfig.from_pretrained(path)
     assert config.architectures == ["Qwen3MoeForCausalLM"] and defaults["load_format"] == "dummy"
     assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size) == (128, 8, 768)
+
+
+def test_throughput_with_structured_output_reports_both_runs_and_the_compile_time(tiny_llama_dir, tmp_path):
+    out = tmp_path / "structured.json"
+    rc = main(["--log-level", "WARNING", "bench", "throughput", "--model", str(tiny_llama_dir), "--device", "cpu",
+               "--num-prompts", "3", "--input-len", "8:12", "--output-len", "6:9", "--structured-output", "json",
+               "--output-json", str(out)])
+    assert rc == 0
+    result = json.loads(out.read_text())
+    constrained = result["structured_output"]
+    assert constrained["output_tokens"] > 0 and constrained["grammar_compile_seconds"] > 0
+    assert constrained["ratio_to_unconstrained"] == (constrained["output_tokens_per_s"]
+                                                     / result["dovetail"]["output_tokens_per_s"])
+
+
+def test_a_named_shape_gets_a_synthetic_tokenizer_that_xgrammar_reads(tmp_path):
+    import xgrammar as xgr
+
+    from dovetail.bench.shapes import synthetic_tokenizer
+
+    tokenizer = synthetic_tokenizer(tmp_path, 3000)
+    assert len(tokenizer) == 3000 and tokenizer.eos_token_id == 2999
+    text = '{"name": "Ada", "tags": [1, 2]}'
+    ids = tokenizer(text).input_ids
+    assert tokenizer.decode(ids) == text and len(ids) < len(text)  # merges join characters into tokens
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=3000)
+    assert info.vocab_type == xgr.VocabType.BYTE_LEVEL and info.stop_token_ids == [2999]

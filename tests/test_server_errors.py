@@ -80,8 +80,8 @@ BAD_CHATS = [
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages.0.content"),
     ({"messages": [{"role": "user", "content": "x" * 5000}]}, "messages"),
     ({"messages": [{"content": "hi"}]}, "messages.0.role"),
-    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools"),
-    ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools.0.function"),
+    ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "yaml"}}, "response_format.type"),
 ]
 
 

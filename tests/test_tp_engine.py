@@ -79,7 +79,15 @@ def test_tp2_greedy_matches_hf_and_one_rank(case, tmp_path):
 
 def test_tp4_greedy_matches_hf_and_one_rank(tmp_path):
     """Four ranks for a model with two KV heads: the KV heads are shared by pairs of ranks."""
-    llm = check_against_hf_and_one_rank(save_checkpoint(tmp_path, CASES["llama-rope-llama3"]()), world_size=4)
+    config = CASES["llama-rope-llama3"]()
+    llm = check_against_hf_and_one_rank(save_checkpoint(tmp_path, config), world_size=4)
+    head, hidden = config.hidden_size // config.num_attention_heads, config.hidden_size
+    for info in llm.llm_engine.executor.collective_rpc("describe"):  # each rank: one query head, one KV head
+        shapes = info["parameters"]
+        assert shapes["model.layers.0.self_attn.qkv_proj.weight"] == (3 * head, hidden)
+        assert shapes["model.layers.0.self_attn.o_proj.weight"] == (hidden, head)
+        assert shapes["model.layers.0.mlp.gate_up_proj.weight"] == (2 * config.intermediate_size // 4, hidden)
+        assert shapes["model.embed_tokens.weight"] == (config.vocab_size // 4, hidden)
     llm.llm_engine.shutdown()
 
 
@@ -181,3 +189,30 @@ def test_a_token_bitmask_reaches_every_rank(feature_pair):
         del engine.describe_step
     assert set(out[0].outputs[0].token_ids) <= set(only) and len(out[0].outputs[0].token_ids) == 10
     assert_ranks_agree(two, out)
+
+
+def test_structured_outputs_across_processes_with_overlapped_steps(tiny_llama_dir):
+    """Grammars at TP=2, overlapped: the workers run each step's model while the engine applies the step
+    before and builds the bitmask, which follows to every rank; the outputs are those of one rank."""
+    from dovetail import StructuredOutputsParams
+
+    spec = StructuredOutputsParams(json={"type": "object", "properties": {"n": {"type": "integer"}, "ok": {
+        "type": "boolean"}}, "required": ["n", "ok"]}, disable_any_whitespace=True)
+    prompts = ["hello world", "the quick brown fox", "1 + 2 = 3"]
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=30, structured_outputs=spec) for i in range(3)]
+    params.append(SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))  # a free row beside them
+    kwargs = dict(COMMON, async_scheduling=True)
+    one = [o.outputs[0].token_ids for o in LLM(str(tiny_llama_dir), **kwargs).generate(
+        prompts + ["hello"], params, use_tqdm=False)]
+    llm = LLM(str(tiny_llama_dir), tensor_parallel_size=2, **kwargs)
+    executor, deferred = llm.llm_engine.executor, []
+    sample_with_bitmask = executor.sample_with_bitmask
+    executor.sample_with_bitmask = lambda *args: (deferred.append(args), sample_with_bitmask(*args))
+    try:
+        outputs = llm.generate(prompts + ["hello"], params, use_tqdm=False)
+        assert deferred, "decode steps of constrained rows send their bitmask after the model runs"
+        assert [o.outputs[0].token_ids for o in outputs] == one
+        assert any(o.outputs[0].finish_reason == "stop" for o in outputs[:3])
+        assert_ranks_agree(llm)  # (a request that stopped may hold one more token there, sampled before it stopped)
+    finally:
+        llm.llm_engine.shutdown()

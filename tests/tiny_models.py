@@ -128,3 +128,58 @@ def check_matches(completed, expected, tol: float = 1e-4):
                     f"greedy tokens diverge at step {step}: {tokens[step:step + 5]} vs {want[step:step + 5]}"
                 break
         assert len(tokens) == len(want)
+
+
+#: A chat template in the manner of Hermes/Qwen: tools in a system turn, assistant tool calls as
+#: ``<tool_call>`` blocks, tool results as ``<tool_response>``, and ``enable_thinking=False`` closing an
+#: empty reasoning in the generation prompt (as Qwen3's template does).
+TOOL_CHAT_TEMPLATE = (
+    "{%- if tools %}<|system|><tools>{% for tool in tools %}{{ tool | tojson }}{% endfor %}</tools></s>{% endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' and m.tool_calls is defined and m.tool_calls %}<|assistant|>{{ m.content or '' }}"
+    "{%- for call in m.tool_calls %}<tool_call>{\"name\": \"{{ call.function.name }}\", "
+    "\"arguments\": {{ call.function.arguments | tojson }}}</tool_call>{% endfor %}</s>"
+    "{%- elif m.role == 'tool' %}<|tool|><tool_response>{{ m.content }}</tool_response></s>"
+    "{%- else %}<|{{ m.role }}|>{{ m.content }}</s>{% endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}<|assistant|>"
+    "{%- if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}{% endif %}"
+)
+
+
+def save_scripted_model(path: str | Path, script: list[str], start: str = "<|assistant|>",
+                        chat_template: str = TOOL_CHAT_TEMPLATE) -> Path:
+    """A tiny Llama that, after the token ``start``, says ``script`` and then EOS, whatever came before.
+
+    ``start`` and every piece of ``script`` become tokens of their own (added, not special). Each token of
+    the chain ``start, *script, EOS`` gets a direction of the hidden space as its embedding; the layers'
+    output projections are zero, so the last hidden state is the current token's embedding, and the LM
+    head maps each direction to the next token of the chain with a large logit. A piece that also follows
+    another token of the chain (``script`` must not repeat a piece) continues the script from there.
+    """
+    from tokenizers import AddedToken
+    from transformers import LlamaForCausalLM
+
+    path = Path(path)
+    tokenizer = build_tokenizer(path)
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in [start, *script]])
+    tokenizer.chat_template = chat_template
+    tokenizer.save_pretrained(str(path))
+    chain = [tokenizer.convert_tokens_to_ids(t) for t in [start, *script]] + [tokenizer.eos_token_id]
+    assert len(set(chain)) == len(chain), "every piece of the script must be a distinct token"
+    config = tiny_llama_config(vocab_size=320)
+    assert len(tokenizer) <= config.vocab_size and len(chain) <= config.hidden_size
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        embed, head = model.model.embed_tokens.weight, model.lm_head.weight
+        for i, (token, following) in enumerate(zip(chain, chain[1:])):
+            embed[token].zero_()
+            embed[token, i] = 1.0
+            head[following].zero_()
+            head[following, i] = 10.0
+    model.save_pretrained(str(path))
+    return path

@@ -13,6 +13,7 @@ PLUGIN_API_VERSION = "1.0"
 _LAZY = {
     "LLM": "dovetail.llm:LLM",
     "SamplingParams": "dovetail.sampling_params:SamplingParams",
+    "StructuredOutputsParams": "dovetail.sampling_params:StructuredOutputsParams",
     "RequestOutput": "dovetail.outputs:RequestOutput",
     "CompletionOutput": "dovetail.outputs:CompletionOutput",
     "EngineArgs": "dovetail.config:EngineArgs",

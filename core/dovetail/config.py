@@ -2,8 +2,9 @@
 
 :class:`EngineArgs` is the flat form users pass (``LLM(**kwargs)``, CLI flags);
 :meth:`EngineArgs.create_engine_config` groups it into an :class:`EngineConfig`
-of model, cache, scheduler, device and parallel sections. Any invalid value
-raises :class:`dovetail.errors.ConfigError` naming the field and the rule.
+of model, cache, scheduler, device, parallel and structured-outputs sections.
+Any invalid value raises :class:`dovetail.errors.ConfigError` naming the field
+and the rule.
 """
 
 from __future__ import annotations
@@ -108,6 +109,24 @@ class ParallelConfig(_Section):
         return value
 
 
+class StructuredOutputsConfig(_Section):
+    """Structured outputs (vLLM's names)."""
+
+    #: How the model's reasoning is delimited (``qwen3``, ``deepseek_r1``): grammars apply after it.
+    reasoning_parser: Optional[str] = None
+    #: Apply grammars to the reasoning too.
+    enable_in_reasoning: bool = False
+
+    @field_validator("reasoning_parser")
+    @classmethod
+    def _known_parser(cls, value):
+        from dovetail.reasoning import reasoning_parser_names
+
+        if value is not None and value not in reasoning_parser_names():
+            raise ValueError(f"must be one of {', '.join(reasoning_parser_names())}")
+        return value
+
+
 class EngineConfig(BaseModel):
     """The whole engine configuration, by section."""
 
@@ -118,11 +137,12 @@ class EngineConfig(BaseModel):
     scheduler: SchedulerConfig = SchedulerConfig()
     device: DeviceConfig = DeviceConfig()
     parallel: ParallelConfig = ParallelConfig()
+    structured_outputs: StructuredOutputsConfig = StructuredOutputsConfig()
 
 
 _SECTIONS = {
     "model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
-    "device": DeviceConfig, "parallel": ParallelConfig,
+    "device": DeviceConfig, "parallel": ParallelConfig, "structured_outputs": StructuredOutputsConfig,
 }
 _FIELD_SECTION = {name: section for section, cls in _SECTIONS.items() for name in cls.model_fields}
 

@@ -80,8 +80,10 @@ class LLM:
     def chat(self, messages: Union[list[Message], list[list[Message]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, chat_template: str | None = None,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of them, through the tokenizer's chat template."""
+             add_generation_prompt: bool = True, tools: list[dict] | None = None,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them, through the tokenizer's chat template
+        (which also receives ``tools`` and the variables of ``chat_template_kwargs``)."""
         tokenizer = self.llm_engine.tokenizer
         if tokenizer is None:
             raise RequestError("messages: this model has no tokenizer, so it has no chat template", field="messages")
@@ -90,7 +92,8 @@ class LLM:
         for conversation in conversations:
             try:
                 ids = tokenizer.apply_chat_template(conversation, chat_template=chat_template, tokenize=True,
-                                                    add_generation_prompt=add_generation_prompt)
+                                                    add_generation_prompt=add_generation_prompt, tools=tools,
+                                                    **(chat_template_kwargs or {}))
             except ValueError as exc:
                 raise RequestError(f"messages: cannot apply the chat template: {exc}", field="messages") from exc
             if isinstance(ids, dict) or hasattr(ids, "input_ids"):

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import enum
-from typing import Optional, Union
+import json
+from typing import Any, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from dovetail.config import format_validation_error
 from dovetail.errors import RequestError
@@ -19,6 +20,87 @@ class RequestOutputKind(enum.IntEnum):
     CUMULATIVE = 0  # everything generated so far, at every step
     DELTA = 1  # only what is new since the previous output
     FINAL_ONLY = 2  # one output, when the request finishes
+
+
+#: The kinds of constraint of :class:`StructuredOutputsParams`, in vLLM's order.
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
+class StructuredOutputsParams(BaseModel):
+    """A constraint on the generated text (vLLM's names): exactly one of ``json`` (a JSON schema, as a dict or
+    a string), ``regex``, ``choice`` (a list of strings), ``grammar`` (EBNF, or Lark), ``json_object=True``
+    (any JSON object) or ``structural_tag`` (xgrammar's structural tag, as a JSON string).
+
+    ``disable_any_whitespace`` makes JSON compact (no free whitespace between its tokens); properties a schema
+    does not name are refused unless it allows them (xgrammar's strict mode, so
+    ``disable_additional_properties`` changes nothing). Invalid
+    combinations raise :class:`dovetail.errors.RequestError`; an invalid schema, regex or grammar is found
+    when the request is added.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    json_: Union[dict[str, Any], str, None] = Field(default=None, alias="json")
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
+    json_object: Optional[bool] = None
+    structural_tag: Optional[str] = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: Optional[str] = None
+
+    def __init__(self, **data):
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            loc = exc.errors()[0]["loc"]
+            field = ".".join(["structured_outputs", *map(str, loc)])
+            raise RequestError(format_validation_error(exc, prefix="structured_outputs.").replace(
+                "structured_outputs.config:", "structured_outputs:"), field=field) from None
+
+    @model_validator(mode="after")
+    def _exactly_one(self):
+        given = self.kinds()
+        if len(given) != 1:
+            detail = f"got {', '.join(given)}" if given else "got none"
+            raise ValueError(f"give exactly one of {', '.join(STRUCTURED_KINDS)} ({detail})")
+        if self.choice is not None and not self.choice:
+            raise ValueError("choice: give at least one choice")
+        if self.whitespace_pattern is not None:
+            raise ValueError("whitespace_pattern: not supported (use disable_any_whitespace)")
+        return self
+
+    @property
+    def json(self) -> Union[dict[str, Any], str, None]:  # noqa: A003 - vLLM's name
+        return self.json_
+
+    def kinds(self) -> list[str]:
+        """The kinds of constraint given (a valid instance has exactly one)."""
+        values = {"json": self.json_, "regex": self.regex, "choice": self.choice, "grammar": self.grammar,
+                  "json_object": self.json_object or None, "structural_tag": self.structural_tag}
+        return [kind for kind in STRUCTURED_KINDS if values[kind] is not None]
+
+    @property
+    def kind(self) -> str:
+        return self.kinds()[0]
+
+    def spec(self) -> tuple[str, str]:
+        """``(kind, text)``: the constraint as a string (a schema serialised canonically), e.g. a cache key."""
+        kind = self.kind
+        if kind == "json":
+            value = self.json_
+            if isinstance(value, str):
+                try:
+                    value = json.loads(value)
+                except ValueError:
+                    return kind, value  # reported as invalid JSON when compiled
+            return kind, json.dumps(value, ensure_ascii=False)  # key order is the order properties come in
+        if kind == "choice":
+            return kind, json.dumps(self.choice, ensure_ascii=False)
+        if kind == "json_object":
+            return kind, ""
+        return kind, getattr(self, kind)
 
 
 class SamplingParams(BaseModel):
@@ -50,11 +132,15 @@ class SamplingParams(BaseModel):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: Optional[StructuredOutputsParams] = None
 
     def __init__(self, **data):
         try:
             super().__init__(**data)
         except ValidationError as exc:
+            nested = (exc.errors()[0].get("ctx") or {}).get("error")
+            if isinstance(nested, RequestError):  # from StructuredOutputsParams, which names its own field
+                raise RequestError(f"invalid SamplingParams: {nested}", field=nested.field) from None
             raise RequestError(f"invalid SamplingParams: {format_validation_error(exc)}",
                                field=_first_field(exc)) from None
 

@@ -25,7 +25,8 @@ def build_llm(args):
     from dovetail.llm import LLM
 
     model = args.model or "c1"
-    model_dir, defaults = shapes.materialize(model)
+    needs_tokenizer = getattr(args, "structured_output", None) is not None
+    model_dir, defaults = shapes.materialize(model, with_tokenizer=needs_tokenizer)
     kwargs = {**defaults, **engine_kwargs(args)}
     t0 = time.perf_counter()
     llm = LLM(model_dir, **kwargs)

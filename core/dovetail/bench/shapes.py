@@ -69,11 +69,45 @@ SHAPES = {
 }
 
 
-def materialize(model: str) -> tuple[str, dict]:
+def synthetic_tokenizer(directory: str | Path, vocab_size: int, seed: int = 0):
+    """Save a byte-level BPE tokenizer of ``vocab_size`` tokens (the last one ``<|endoftext|>``) in ``directory``.
+
+    Named shapes have no tokenizer of their own, and nothing may be downloaded; what needs one (structured
+    outputs compile grammars against the vocabulary) gets this stand-in. Its merges are drawn with a fixed
+    seed so that most tokens are pieces of words, numbers and punctuation, as in a trained vocabulary.
+    """
+    import random
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    rng = random.Random(seed)
+    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    common = list("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ") * 4 + list("0123456789") + ["Ġ"] * 10 \
+        + list(".,:;\"'(){}[]-_/") + ["Ċ", "ĉ"]  # byte-level spellings of space, newline and tab
+    pool, merges = list(common), []
+    while len(vocab) < vocab_size - 1:
+        left, right = rng.choice(pool) if rng.random() < 0.7 else rng.choice(common), rng.choice(common)
+        if left + right in vocab or len(left) >= 16:
+            continue
+        merges.append((left, right))
+        vocab[left + right] = len(vocab)
+        pool.append(left + right)
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens(["<|endoftext|>"])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>")
+    fast.save_pretrained(str(directory))
+    return fast
+
+
+def materialize(model: str, with_tokenizer: bool = False) -> tuple[str, dict]:
     """A model directory for ``model`` and the engine defaults it implies.
 
-    A named shape becomes a temporary directory holding only ``config.json``,
-    loaded with ``load_format="dummy"``; anything else is passed through.
+    A named shape becomes a temporary directory holding only ``config.json``
+    (and, if asked, a :func:`synthetic_tokenizer`), loaded with
+    ``load_format="dummy"``; anything else is passed through.
     """
     shape = SHAPES.get(model)
     if shape is None:
@@ -81,5 +115,8 @@ def materialize(model: str) -> tuple[str, dict]:
     directory = Path(tempfile.mkdtemp(prefix=f"dovetail-{shape.name}-"))
     config = shape.config()
     config.dtype = shape.dtype
+    if with_tokenizer:
+        fast = synthetic_tokenizer(directory, config.vocab_size)
+        config.eos_token_id = fast.eos_token_id
     config.save_pretrained(str(directory))
     return str(directory), {"load_format": "dummy", "dtype": shape.dtype}

@@ -1,7 +1,8 @@
 """``dovetail bench throughput``: B1 (GPU) / C1 (CPU) offline throughput, against HF if asked.
 
 Output tokens divided by the wall time of ``LLM.generate`` over the whole
-request set, after one warm-up call.
+request set, after one warm-up call. ``--structured-output json`` adds the same
+run under a JSON schema (:mod:`dovetail.bench.structured`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ def add_parser(sub) -> None:
     p.add_argument("--input-len", default=None, help="LOW:HIGH prompt lengths (uniform)")
     p.add_argument("--output-len", default=None, help="LOW:HIGH output lengths (uniform)")
     p.add_argument("--hf-batch-size", type=int, default=None)
+    p.add_argument("--structured-output", choices=("json",), default=None,
+                   help="run the requests again, each under one JSON schema, and report both runs, their ratio "
+                        "and the grammar's compile time (a named shape gets a synthetic tokenizer)")
     p.set_defaults(func=run)
 
 
@@ -58,6 +62,10 @@ def run(args) -> int:
                      "world_size": engine.world_size, "executor": engine.executor_name,
                      "load_seconds": load_s, "preemptions": engine.scheduler.num_preemptions},
     }
+    if args.structured_output == "json":
+        from dovetail.bench.structured import run_constrained
+
+        result["structured_output"] = run_constrained(llm, prompts, params, result["dovetail"])
     if args.compare_hf:
         from dovetail.bench.hf_peer import hf_throughput, load_hf_model
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from dovetail.config import DTYPE_CHOICES, KV_CACHE_DTYPE_CHOICES
+from dovetail.reasoning import reasoning_parser_names
 
 
 def _bool(value: str) -> bool:
@@ -58,6 +59,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, model_positional: bool
                    help="how ranks run: uni (in process, one rank), mp (a process per device on this host), "
                         "ray (Ray actors, across machines; pip install 'dovetail[ray]'); default: uni for one "
                         "rank, mp for more")
+    g.add_argument("--reasoning-parser", default=None, choices=reasoning_parser_names(),
+                   help="how the model's reasoning is delimited: qwen3, deepseek_r1 (structured outputs apply "
+                        "after it; the server returns it as reasoning_content)")
 
 
 ENGINE_KEYS = (
@@ -66,7 +70,7 @@ ENGINE_KEYS = (
     "enable_prefix_caching", "enable_chunked_prefill", "max_num_seqs", "max_num_batched_tokens",
     "scheduling_policy", "async_scheduling", "seed", "load_format", "enforce_eager",
     "cudagraph_capture_sizes", "max_cudagraph_capture_size", "cpu_threads", "tensor_parallel_size",
-    "distributed_executor_backend",
+    "distributed_executor_backend", "reasoning_parser",
 )
 
 

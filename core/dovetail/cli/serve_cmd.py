@@ -7,6 +7,7 @@ import ipaddress
 import os
 
 from dovetail.cli.engine_args import add_engine_arguments, engine_kwargs
+from dovetail.server.tool_parsers import tool_parser_names
 
 
 def add_parser(sub) -> None:
@@ -32,6 +33,10 @@ def add_parser(sub) -> None:
                    help="answer 413 to larger request bodies (default 32 MiB)")
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let running requests finish before aborting them (default 30)")
+    s.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='let the model choose to call tools (tool_choice "auto"); needs --tool-call-parser')
+    s.add_argument("--tool-call-parser", default=None, choices=tool_parser_names(),
+                   help="how the model writes tool calls: hermes (Qwen2.5, Qwen3, Hermes), llama3_json, mistral")
     s.add_argument("--uvicorn-log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug", "trace"))
     s.add_argument("--disable-uvicorn-access-log", action="store_true", help="do not log each HTTP request")
@@ -48,6 +53,9 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"--{flag.replace('_', '-')}: must be at least {low} (got {value})")
     if args.port > 65535:
         raise ConfigError(f"--port: must be at most 65535 (got {args.port})")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ConfigError("--enable-auto-tool-choice: needs --tool-call-parser (one of "
+                          f"{', '.join(tool_parser_names())})")
 
     from dovetail.llm import default_model
     from dovetail.server.launcher import serve
@@ -62,7 +70,8 @@ def run(args: argparse.Namespace) -> int:
     api_key = args.api_key or os.environ.get("DOVETAIL_API_KEY")
     settings = ServerSettings(served_model_names=names, api_key=api_key, max_body_bytes=args.max_body_bytes,
                               max_sequences_per_request=args.max_sequences_per_request,
-                              allowed_hosts=allowed_hosts(args.allowed_hosts, args.host, api_key))
+                              allowed_hosts=allowed_hosts(args.allowed_hosts, args.host, api_key),
+                              tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
     return serve(model, kwargs, settings, host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout,
                  uvicorn_log_level=args.uvicorn_log_level, access_log=not args.disable_uvicorn_access_log)
 

@@ -26,12 +26,14 @@ from dovetail.engine.prompt_tokenizer import PromptTokenizer
 from dovetail.engine.request import Request
 from dovetail.engine.scheduler import ScheduledBatch, Scheduler
 from dovetail.engine.step import NewRequestData, StepDescription
+from dovetail.engine.structured_output import StructuredOutputManager
 from dovetail.engine.worker import WorkerSpec, attention_requirements, check_heads_divide
 from dovetail.errors import ConfigError, RequestError, WorkerError
 from dovetail.executor import create_executor, executor_backend
 from dovetail import model_loader
 from dovetail.outputs import RequestOutput
 from dovetail.plugin_manager import get_plugin_manager
+from dovetail.reasoning import ReasoningParser
 from dovetail.sampling_params import RequestOutputKind, SamplingParams
 from dovetail import selection
 
@@ -118,6 +120,12 @@ class LLMEngine:
         self.kv_manager = KVCacheManager(self.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv_manager, self.max_model_len)
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
+        so = config.structured_outputs
+        self.reasoning = ReasoningParser(so.reasoning_parser, self.tokenizer) if so.reasoning_parser else None
+        self.structured = StructuredOutputManager(lambda: model_loader.load_tokenizer(self.tokenizer_path),
+                                                  self.vocab_size, self.eos_token_ids, self.reasoning,
+                                                  so.enable_in_reasoning)
+        self._num_constrained = 0  # unfinished user requests with structured outputs
         self._parents: dict[str, _Parent] = {}
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -249,6 +257,7 @@ class LLMEngine:
                                field="priority")
         text, ids = self._prompt_ids(prompt)
         self.validate_request(ids, params)
+        grammar = self._grammar(params)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         children = []
         for i in range(params.n):
@@ -259,12 +268,24 @@ class LLMEngine:
             child = Request(child_id, text, ids, child_params, self.eos_token_ids, arrival, priority,
                             parent_id=request_id, index=i)
             self.outputs.attach(child)
+            if grammar is not None:
+                self.structured.attach(child, grammar)
             children.append(child)
         self._parents[request_id] = _Parent(request_id, text, ids, children)
+        self._num_constrained += grammar is not None
         for child in children:
             self._requests[child.request_id] = child
             self.scheduler.add(child)
         return request_id
+
+    def _grammar(self, params: SamplingParams):
+        """The compiled grammar (a future) of a constrained request, else None."""
+        if params.structured_outputs is None:
+            return None
+        if self.tokenizer is None:
+            raise RequestError("structured_outputs: this model has no tokenizer, which constraints need",
+                               field="structured_outputs")
+        return self.structured.grammar_for(params.structured_outputs)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         """Stop requests now and free their KV-cache blocks."""
@@ -273,8 +294,8 @@ class LLMEngine:
             parent = self._parents.pop(rid, None)
             if parent is None:
                 continue
+            self._drop_parent(parent)
             for child in parent.children:
-                self._requests.pop(child.request_id, None)
                 if not child.is_finished:
                     self.scheduler.abort(child)
                     self.outputs.finish(child, "abort")
@@ -296,7 +317,9 @@ class LLMEngine:
         and then applies the tokens of the step before, so the host schedules and
         prepares while the devices compute; a request's newest token then feeds
         the next step from the device. Requests whose penalties need the host to
-        know every token so far wait for the step in flight first.
+        know every token so far wait for the step in flight first. A constrained
+        row needs its newest token only for its bitmask: the workers run the
+        model while that token is applied, and sample once the bitmask follows.
 
         A worker that died or failed raises :class:`WorkerError` naming its rank;
         the engine is stopped from then on (every later step raises it again).
@@ -314,14 +337,22 @@ class LLMEngine:
             raise
 
     def _step(self) -> list[RequestOutput]:
-        outputs: list[RequestOutput] = []
+        outputs = self._fail_broken_grammars() if self.structured.waiting else []
         if self._in_flight is not None and (not self.overlap or self._needs_every_token()):
             outputs += self._apply(self._in_flight)
             self._in_flight = None
         batch = self.scheduler.schedule()
         for req in batch.preempted:
             self._drop_from_workers(req)
-        launched = self._launch(batch) if batch else None
+        launched = None
+        if batch:
+            launched, deferred = self._launch(batch)
+            if deferred:  # the bitmask needs the tokens of the step in flight: apply them while the model runs
+                outputs += self._apply(self._in_flight)
+                self._in_flight = None
+                self.executor.sample_with_bitmask(*self.structured.bitmask(launched.requests))
+        elif self._in_flight is None and self.structured.waiting:
+            self.structured.wait(0.05)  # nothing can run before a grammar is ready
         if self._in_flight is not None:
             outputs += self._apply(self._in_flight)
         self._in_flight = launched
@@ -373,20 +404,38 @@ class LLMEngine:
         return StepDescription([r.request_id for r in batch.requests], batch.num_new_tokens, new_requests,
                                new_blocks, forget)
 
-    def _launch(self, batch: ScheduledBatch) -> _InFlight:
-        """Hand the step to the workers; nothing waits for them. Returns the requests whose rows sample."""
-        self.executor.execute_model(self.describe_step(batch))
-        rows = []
+    def _launch(self, batch: ScheduledBatch) -> tuple[_InFlight, bool]:
+        """Hand the step to the workers; nothing waits for them. Returns the requests whose rows sample, and
+        whether the workers wait for their bitmask (:meth:`Executor.sample_with_bitmask`) before sampling."""
+        step = self.describe_step(batch)
+        rows = [req for req, n in zip(batch.requests, batch.num_new_tokens)
+                if req.num_computed_tokens + n == req.num_tokens]
+        deferred = False
+        if self._num_constrained and rows:
+            if self._in_flight is not None and self.structured.needs_host_tokens(rows):
+                step.sample_later = deferred = True
+            else:
+                step.token_bitmask, step.bitmask_rows = self.structured.bitmask(rows)
+        self.executor.execute_model(step)
         for req, n in zip(batch.requests, batch.num_new_tokens):
-            if req.num_computed_tokens + n == req.num_tokens:
-                rows.append(req)
             req.num_computed_tokens += n
         max_model_len = self.max_model_len
         for req in rows:
             req.num_pending += 1
             if req.num_output_tokens >= req.max_tokens or req.num_tokens >= max_model_len:
                 req.stop_scheduling = True  # it finishes with this token whatever its value
-        return _InFlight(rows)
+        return _InFlight(rows), deferred
+
+    def _fail_broken_grammars(self) -> list[RequestOutput]:
+        """Finish (as aborted) the requests whose grammar failed to compile."""
+        touched = {}
+        for req, reason in self.structured.poll():
+            logger.error("request %s: its grammar failed to compile: %s", req.parent_id, reason)
+            if req.request_id in self._requests and not req.is_finished:
+                self.scheduler.abort(req)
+                self.outputs.finish(req, "abort")
+                touched[req.parent_id] = None
+        return [self._parent_output(pid) for pid in touched if pid in self._parents]
 
     def _apply(self, in_flight: _InFlight) -> list[RequestOutput]:
         """Wait for a launched step's tokens, apply them and the stop rules, and build the outputs."""
@@ -405,6 +454,8 @@ class LLMEngine:
             if req.is_finished or req.request_id not in self._requests:
                 continue  # finished by an earlier token, or aborted, while this step ran
             self.outputs.append_token(req, token, info, now)
+            if req.grammar is not None and not req.is_finished and self.structured.accept(req, token):
+                self.outputs.finish(req, "stop")  # the grammar has ended (with ignore_eos, EOS alone does not stop)
             if req.is_finished:
                 self.scheduler.finish(req)
                 self._drop_from_workers(req)
@@ -426,9 +477,15 @@ class LLMEngine:
                                              parent.children)
         if output.finished:
             del self._parents[parent_id]
-            for child in parent.children:
-                self._requests.pop(child.request_id, None)
+            self._drop_parent(parent)
         return output
+
+    def _drop_parent(self, parent: _Parent) -> None:
+        for child in parent.children:
+            self._requests.pop(child.request_id, None)
+            if child.grammar is not None:
+                self.structured.forget(child)
+        self._num_constrained -= parent.children[0].grammar is not None
 
     # -- introspection --------------------------------------------------------------------------
 

@@ -59,6 +59,8 @@ class Request:
         self.num_sent_blocks = 0
         #: Its place in the scheduler's waiting queue while it waits there, else None.
         self.queue_key: Optional[tuple] = None
+        #: The structured-outputs state (:class:`dovetail.engine.structured_output.GrammarState`), if constrained.
+        self.grammar = None
 
     @property
     def num_tokens(self) -> int:

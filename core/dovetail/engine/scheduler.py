@@ -3,9 +3,10 @@
 Each step spends a token budget (``max_num_batched_tokens``) on at most
 ``max_num_seqs`` sequences: running decodes first, then running prefills that
 were chunked, then waiting requests in priority order (chunked to fit when
-``enable_chunked_prefill``). When blocks run out, the lowest-priority running
-request is preempted: its blocks are freed and it is recomputed later, keeping
-the tokens it already generated.
+``enable_chunked_prefill``), passing over those whose grammar is still
+compiling. When blocks run out, the lowest-priority running request is
+preempted: its blocks are freed and it is recomputed later, keeping the tokens
+it already generated.
 
 Queues stay cheap however many sequences wait: ``waiting`` is a sorted list keyed
 by (priority, arrival, order of insertion), so adding and removing a request
@@ -132,8 +133,12 @@ class Scheduler:
         if batch.preempted:
             return self._ordered(batch)
         now = time.monotonic()
-        while self.waiting and budget[0] > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
+        index = 0
+        while index < len(self.waiting) and budget[0] > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[index]
+            if request.grammar is not None and not request.grammar.ready:
+                index += 1  # its grammar is still compiling: the requests behind it go first
+                continue
             cached = self.kv.find_cached_prefix(request)
             num_cached = len(cached) * self.kv.block_size
             num_new = request.num_tokens - num_cached
@@ -145,7 +150,7 @@ class Scheduler:
             if not self.kv.allocate(request, num_new, cached):
                 request.num_computed_tokens = 0
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(index)
             request.queue_key = None
             request.num_cached_tokens = num_cached
             request.status = RequestStatus.RUNNING

@@ -56,10 +56,15 @@ class StepDescription:
     new_requests: list[NewRequestData] = field(default_factory=list)
     new_block_ids: dict[str, list[int]] = field(default_factory=dict)
     finished_request_ids: list[str] = field(default_factory=list)
-    #: Allowed tokens per sampled row, packed 32 to an int32 word (``[rows, ceil(vocab / 32)]``,
-    #: bit ``t % 32`` of word ``t // 32``; rows in sampling order), applied to the logits before
+    #: Allowed tokens per constrained row, packed 32 to an int32 word (``[rows, ceil(vocab / 32)]``,
+    #: bit ``t % 32`` of word ``t // 32``, as xgrammar fills them), applied to the logits before
     #: sampling; None when no row is constrained (structured outputs).
     token_bitmask: Optional[torch.Tensor] = None
+    #: The sampled rows (in sampling order) that ``token_bitmask``'s rows constrain; None: all of them.
+    bitmask_rows: Optional[list[int]] = None
+    #: Run the model but wait for :meth:`Worker.sample_with_bitmask` to sample (the engine builds the
+    #: bitmask meanwhile, from tokens the step before is still bringing back).
+    sample_later: bool = False
 
 
 @dataclass
@@ -77,11 +82,17 @@ class StepOutput:
 EMPTY_OUTPUT = StepOutput([], [])
 
 
-def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Optional[list[int]] = None) -> None:
     """Set to ``-inf``, in place, the logits of tokens whose bit is 0 in ``bitmask`` (see
-    :attr:`StepDescription.token_bitmask`); rows of all ones leave their logits unchanged."""
-    vocab = logits.shape[1]
+    :attr:`StepDescription.token_bitmask`): row ``i`` of ``bitmask`` constrains row ``rows[i]`` of ``logits``
+    (default: row ``i``); the other rows are left alone, at no cost. Applied by xgrammar's kernel for the
+    logits' device."""
+    import xgrammar as xgr
+
     bitmask = bitmask.to(logits.device, non_blocking=True)
-    shifts = torch.arange(32, device=logits.device, dtype=torch.int32)
-    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :vocab]
-    logits.masked_fill_(allowed == 0, float("-inf"))
+    if rows is None or len(rows) == logits.shape[0]:
+        xgr.apply_token_bitmask_inplace(logits, bitmask)
+        return
+    full = torch.empty((logits.shape[0], bitmask.shape[1]), dtype=bitmask.dtype, device=logits.device)
+    full.index_copy_(0, torch.tensor(rows, dtype=torch.long).to(logits.device, non_blocking=True), bitmask)
+    xgr.apply_token_bitmask_inplace(logits, full, indices=rows)

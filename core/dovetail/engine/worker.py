@@ -125,6 +125,7 @@ class Worker:
         self.requests: dict[str, RequestState] = {}
         self._launched: collections.deque[_Launched] = collections.deque()
         self._last_tokens: torch.Tensor | None = None
+        self._unsampled: torch.Tensor | None = None  # the logits of a step whose bitmask is still to come
 
     def _build_model(self, path):
         ctx = ModelContext(dtype=self.spec.dtype, device=self.device, quant=self.quant_method,
@@ -202,19 +203,34 @@ class Worker:
                 prompt[request_id] = (predicted, prompt_logprobs(prompt_logits, targets,
                                                                  state.params.prompt_logprobs))
         rows = logits.sample_requests
-        sample = None
+        self._launched.append(_Launched(None, rows, prompt))
+        if rows and step.sample_later:
+            self._unsampled = logits.sample_logits  # the bitmask follows (sample_with_bitmask)
+            return
+        self._sample(logits.sample_logits, step.token_bitmask, step.bitmask_rows)
+
+    def sample_with_bitmask(self, token_bitmask: Optional[torch.Tensor], bitmask_rows: Optional[list[int]]) -> None:
+        """Sample the step launched last with ``sample_later``, under ``token_bitmask`` (or none)."""
+        logits, self._unsampled = self._unsampled, None
+        if logits is None:
+            raise RuntimeError("sample_with_bitmask: the last step was not launched with sample_later")
+        self._sample(logits, token_bitmask, bitmask_rows)
+
+    def _sample(self, sample_logits: Optional[torch.Tensor], token_bitmask: Optional[torch.Tensor],
+                bitmask_rows: Optional[list[int]]) -> None:
+        """Queue the sampling of the step launched last; its tokens feed the next step on the device."""
+        launched = self._launched[-1]
+        rows = launched.rows
         if rows:
-            sample_logits = logits.sample_logits
-            if step.token_bitmask is not None:
+            if token_bitmask is not None:
                 with torch.inference_mode():  # the logits are the model's inference tensors
-                    apply_token_bitmask(sample_logits[:, :self.vocab_size], step.token_bitmask)
-            sample = launch_sample(sample_logits, rows, self.vocab_size, self.ops.argmax)
-            sample.start_transfer(self.platform)
+                    apply_token_bitmask(sample_logits[:, :self.vocab_size], token_bitmask, bitmask_rows)
+            launched.sample = launch_sample(sample_logits, rows, self.vocab_size, self.ops.argmax)
+            launched.sample.start_transfer(self.platform)
             for row, state in enumerate(rows):
                 state.num_pending += 1
                 state.pending_row = row
-        self._last_tokens = sample.tokens if sample is not None else None
-        self._launched.append(_Launched(sample, rows, prompt))
+        self._last_tokens = launched.sample.tokens if launched.sample is not None else None
 
     def take_output(self) -> StepOutput | None:
         """Wait for the oldest launched step's tokens, add them to the mirrors and return them
@@ -237,6 +253,7 @@ class Worker:
         self.requests.clear()
         self._launched.clear()
         self._last_tokens = None
+        self._unsampled = None
 
     def describe(self) -> dict:
         """This rank's device, captured graph sizes and parameter shapes (for logs and tests)."""

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import Any, Optional
+
+import torch
 
 from dovetail.engine.step import StepDescription, StepOutput
 
@@ -12,8 +14,9 @@ class Executor(ABC):
     """Runs the engine's steps on ``world_size`` workers (one per rank) and returns the driver's output.
 
     Every call goes to every rank in the same order, so the ranks stay in step:
-    :meth:`execute_model` queues a step without waiting for it, :meth:`take_output`
-    waits for the oldest queued step and returns rank 0's tokens. A rank that
+    :meth:`execute_model` queues a step without waiting for it (and a step queued
+    with ``sample_later`` samples once :meth:`sample_with_bitmask` follows),
+    :meth:`take_output` waits for the oldest queued step and returns rank 0's tokens. A rank that
     dies or fails raises :class:`dovetail.errors.WorkerError` naming the rank, and
     the executor stops the other ranks.
     """
@@ -31,6 +34,11 @@ class Executor(ABC):
     @abstractmethod
     def execute_model(self, step: StepDescription) -> None:
         """Queue ``step`` on every rank; nothing waits for the ranks."""
+
+    @abstractmethod
+    def sample_with_bitmask(self, token_bitmask: Optional[torch.Tensor], bitmask_rows: Optional[list[int]]) -> None:
+        """Let every rank sample the step queued last with ``sample_later``, under ``token_bitmask``
+        (see :class:`StepDescription`); nothing waits for the ranks."""
 
     @abstractmethod
     def take_output(self) -> StepOutput:

@@ -236,6 +236,9 @@ class MultiprocExecutor(Executor):
     def execute_model(self, step: StepDescription) -> None:
         self._send("execute_model", (step,), _NONE)
 
+    def sample_with_bitmask(self, token_bitmask, bitmask_rows) -> None:
+        self._send("sample_with_bitmask", (token_bitmask, bitmask_rows), _NONE)
+
     def take_output(self) -> StepOutput:
         self._send("take_output", (), _DRIVER)
         return self._receive([0])[0]

@@ -152,6 +152,10 @@ class RayExecutor(Executor):
         ref = self.ray.put(step)
         self._launched += [a.call.remote("execute_model", ref) for a in self._actors]
 
+    def sample_with_bitmask(self, token_bitmask, bitmask_rows) -> None:
+        self._check_alive()
+        self._launched += [a.call.remote("sample_with_bitmask", token_bitmask, bitmask_rows) for a in self._actors]
+
     def take_output(self) -> StepOutput:
         self._check_alive()
         launched, self._launched = self._launched, []

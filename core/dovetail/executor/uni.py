@@ -29,5 +29,8 @@ class UniProcExecutor(Executor):
     def execute_model(self, step: StepDescription) -> None:
         self.worker.execute_model(step)
 
+    def sample_with_bitmask(self, token_bitmask, bitmask_rows) -> None:
+        self.worker.sample_with_bitmask(token_bitmask, bitmask_rows)
+
     def take_output(self) -> StepOutput:
         return self.worker.take_output()

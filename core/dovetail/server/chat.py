@@ -1,4 +1,9 @@
-"""``POST /v1/chat/completions``: a conversation through the model's chat template, streaming or not."""
+"""``POST /v1/chat/completions``: a conversation through the model's chat template, streaming or not.
+
+Tools and ``tool_choice`` are in :mod:`dovetail.server.tools`, constraints on the
+output in :mod:`dovetail.server.structured`, and the message built from the text
+(reasoning, content, tool calls) in :mod:`dovetail.server.chat_output`.
+"""
 
 from __future__ import annotations
 
@@ -9,11 +14,15 @@ from fastapi.responses import JSONResponse
 
 from dovetail.engine.async_engine import NewRequest
 from dovetail.outputs import CompletionOutput, RequestOutput
+from dovetail.server.chat_output import ChatOutput
 from dovetail.server.logprobs import chat_logprobs
 from dovetail.server.metrics import RequestTracker
 from dovetail.server.protocol import ChatCompletionRequest
 from dovetail.server.state import ServerState
 from dovetail.server.streaming import ClientDisconnected, collect, event_stream, sse, start
+from dovetail.server.structured import structured_outputs_of
+from dovetail.server.tools import (check_tool_choice, output_tool_parser, template_messages, template_tools,
+                                   tools_constraint)
 
 
 class _Chat:
@@ -29,9 +38,15 @@ class _Chat:
         body.check_stream_options()
         body.check_supported()
         self.top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        self.prompt_text, self.prompt_ids = state.render_chat(body.conversation(), body.add_generation_prompt
-                                                              is not False)
+        parser = state.settings.tool_call_parser
+        mode = check_tool_choice(body, parser)
+        self.structured_outputs = structured_outputs_of(body, tools_constraint(body, mode))
+        self.prompt_text, self.prompt_ids = state.render_chat(
+            template_messages(body.conversation()), body.add_generation_prompt is not False, template_tools(body),
+            body.chat_template_kwargs)
         state.check_prompt(self.prompt_ids, "messages")
+        self.output = ChatOutput(state.reasoning, self.prompt_ids, output_tool_parser(body, mode, parser),
+                                 body.include_reasoning is not False)
 
     def engine_requests(self) -> list[NewRequest]:
         body = self.body
@@ -40,7 +55,7 @@ class _Chat:
                                                "max_completion_tokens")
         else:
             max_tokens = self.state.max_tokens(len(self.prompt_ids), body.max_tokens, None)
-        params = body.sampling_params(max_tokens, self.top_logprobs)
+        params = body.sampling_params(max_tokens, self.top_logprobs, structured_outputs=self.structured_outputs)
         prompt = {"prompt_token_ids": self.prompt_ids, "prompt": self.prompt_text}
         return [NewRequest(self.id, prompt, params)]
 
@@ -58,9 +73,9 @@ class _Chat:
                 "total_tokens": len(self.prompt_ids) + completion_tokens}
 
     def choice(self, c: CompletionOutput) -> dict:
-        return {"index": c.index, "message": {"role": "assistant", "content": c.text},
-                "logprobs": self.logprobs(c.token_ids, c.logprobs or []),
-                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        message, finish_reason = self.output.message(c.text, c.finish_reason)
+        return {"index": c.index, "message": message, "logprobs": self.logprobs(c.token_ids, c.logprobs or []),
+                "finish_reason": finish_reason, "stop_reason": c.stop_reason}
 
     def response(self, out: RequestOutput) -> dict:
         return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
@@ -79,6 +94,7 @@ class _Chat:
         for index in range(self.n):
             yield sse(self.chunk(index, {"role": "assistant", "content": ""}))
         finished: set[int] = set()
+        choices = [self.output.stream() for _ in range(self.n)]
         final = None
         async for item in stream:
             tracker.observe(item)
@@ -95,9 +111,12 @@ class _Chat:
                     logprobs = self.logprobs(list(delta_ids), positions)
                 if done:
                     finished.add(c.index)
-                delta = {"content": delta_text} if delta_text or delta_ids or not done else {}
-                yield sse(self.chunk(c.index, delta, logprobs, c.finish_reason if done else None,
-                                     c.stop_reason if done else None))
+                choice = choices[c.index]
+                delta = choice.delta(delta_text, final=done, new_tokens=bool(delta_ids))
+                if not (delta or done or logprobs):
+                    continue  # held back: it may still be the start of a tag
+                finish_reason = choice.finish_reason(c.finish_reason) if done else None
+                yield sse(self.chunk(c.index, delta, logprobs, finish_reason, c.stop_reason if done else None))
         if self.body.include_usage:
             yield sse({"id": self.id, "object": "chat.completion.chunk", "created": self.created,
                        "model": self.model, "choices": [], "usage": self.usage(final)})

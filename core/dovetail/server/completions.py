@@ -21,6 +21,7 @@ from dovetail.server.metrics import RequestTracker
 from dovetail.server.protocol import CompletionRequest
 from dovetail.server.state import ServerState
 from dovetail.server.streaming import ClientDisconnected, collect, event_stream, sse, start
+from dovetail.server.structured import structured_outputs_of
 
 
 @dataclass
@@ -44,6 +45,7 @@ class _Completion:
             raise RequestError("suffix: not supported", field="suffix")
         if body.best_of is not None and body.best_of != self.n:
             raise RequestError(f"best_of: only best_of equal to n ({self.n}) is supported", field="best_of")
+        self.structured_outputs = structured_outputs_of(body)
         self.prompts = self._prompts()
         self.engine_ids = [f"{self.id}-{i}" for i in range(len(self.prompts))]
         self.prompt_index = {rid: i for i, rid in enumerate(self.engine_ids)}
@@ -70,7 +72,8 @@ class _Completion:
         for rid, prompt in zip(self.engine_ids, self.prompts):
             max_tokens = state.max_tokens(len(prompt.ids), body.max_tokens,
                                           state.settings.default_completion_max_tokens)
-            params = body.sampling_params(max_tokens, body.logprobs, prompt_logprobs)
+            params = body.sampling_params(max_tokens, body.logprobs, prompt_logprobs,
+                                          structured_outputs=self.structured_outputs)
             engine_prompt = {"prompt_token_ids": prompt.ids, "prompt": prompt.text}
             requests.append(NewRequest(rid, engine_prompt, params))
         return requests

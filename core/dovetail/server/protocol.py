@@ -12,7 +12,7 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from dovetail.errors import RequestError
-from dovetail.sampling_params import SamplingParams
+from dovetail.sampling_params import SamplingParams, StructuredOutputsParams
 
 MAX_LOGPROBS = 20
 TokenIds = list[int]
@@ -27,6 +27,22 @@ class StreamOptions(_Body):
     """``stream_options``: ``include_usage`` adds a last chunk with the token counts."""
 
     include_usage: bool = False
+
+
+class JsonSchemaFormat(_Body):
+    """``response_format.json_schema``: a named JSON schema the output must follow."""
+
+    name: str = Field(default="response", max_length=64)
+    description: Optional[str] = None
+    json_schema: Optional[dict[str, Any]] = Field(default=None, alias="schema")
+    strict: Optional[bool] = None
+
+
+class ResponseFormat(_Body):
+    """``response_format``: plain ``text``, any JSON object, or JSON following a schema."""
+
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    json_schema: Optional[JsonSchemaFormat] = None
 
 
 class SamplingFields(_Body):
@@ -54,6 +70,16 @@ class SamplingFields(_Body):
     include_stop_str_in_output: Optional[bool] = False
     skip_special_tokens: Optional[bool] = True
     spaces_between_special_tokens: Optional[bool] = True
+    # Structured outputs (see dovetail.server.structured): OpenAI's response_format and vLLM's fields.
+    response_format: Optional[ResponseFormat] = None
+    structured_outputs: Optional[dict[str, Any]] = Field(
+        default=None, description="vLLM's StructuredOutputsParams: one of json, regex, choice, grammar, json_object")
+    guided_json: Union[str, dict[str, Any], None] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
+    guided_whitespace_pattern: Optional[str] = None
+    guided_decoding_backend: Optional[str] = Field(default=None, description="accepted and ignored (always xgrammar)")
 
     @property
     def include_usage(self) -> bool:
@@ -75,8 +101,8 @@ class SamplingFields(_Body):
             bias[token] = value
         return bias
 
-    def sampling_params(self, max_tokens: int, logprobs: Optional[int],
-                        prompt_logprobs: Optional[int] = None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, logprobs: Optional[int], prompt_logprobs: Optional[int] = None,
+                        structured_outputs: Optional[StructuredOutputsParams] = None) -> SamplingParams:
         """The engine's parameters; unset fields keep SamplingParams' defaults."""
         if self.min_tokens is not None and self.min_tokens > max_tokens:
             raise RequestError(f"min_tokens: {self.min_tokens} is more than max_tokens ({max_tokens})",
@@ -89,7 +115,8 @@ class SamplingFields(_Body):
             stop_token_ids=self.stop_token_ids, include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
-            max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+            max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            structured_outputs=structured_outputs)
         return SamplingParams(**{k: v for k, v in values.items() if v is not None})
 
 
@@ -163,10 +190,31 @@ def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return result
 
 
-class ResponseFormat(_Body):
-    """``response_format``: only plain text is supported."""
+class FunctionDefinition(_Body):
+    """A function the model may call: its name and the JSON schema of its arguments."""
 
-    type: str = "text"
+    name: str = Field(min_length=1, max_length=64)
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+    strict: Optional[bool] = None
+
+
+class ChatTool(_Body):
+    """One entry of ``tools``."""
+
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    """``tool_choice`` naming the function that must be called."""
+
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -177,17 +225,17 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: Optional[int] = Field(default=None, ge=1)
     logprobs: Optional[bool] = False
     top_logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    response_format: Optional[ResponseFormat] = None
-    tools: Optional[list[dict[str, Any]]] = None
-    tool_choice: Union[Literal["none", "auto", "required"], dict[str, Any], None] = None
+    tools: Optional[list[ChatTool]] = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = Field(
+        default=None, description="default: auto when tools are given, else none")
+    parallel_tool_calls: Optional[bool] = True
     add_generation_prompt: Optional[bool] = True
+    chat_template_kwargs: Optional[dict[str, Any]] = Field(
+        default=None, description="extra variables for the chat template, e.g. {\"enable_thinking\": false}")
+    include_reasoning: Optional[bool] = Field(default=True, description="with a reasoning parser: return "
+                                              "the reasoning as reasoning_content (false: drop it)")
 
     def check_supported(self) -> None:
-        if self.tools:
-            raise RequestError("tools: tool calling is not supported by this server", field="tools")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise RequestError(f"response_format: only type 'text' is supported (got {self.response_format.type!r})",
-                               field="response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise RequestError("top_logprobs: set logprobs to true to use top_logprobs", field="top_logprobs")
 
@@ -204,6 +252,8 @@ class TokenizeRequest(_Body):
     add_special_tokens: Optional[bool] = True
     add_generation_prompt: Optional[bool] = True
     return_token_strs: Optional[bool] = False
+    tools: Optional[list[ChatTool]] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
 
 
 class DetokenizeRequest(_Body):

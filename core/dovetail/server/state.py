@@ -15,6 +15,11 @@ from dovetail.server.errors import APIError
 from dovetail.server.metrics import ServerMetrics
 
 
+#: Arguments of ``apply_chat_template`` that ``chat_template_kwargs`` may not override.
+RESERVED_TEMPLATE_KWARGS = {"conversation", "messages", "tools", "documents", "tokenize", "add_generation_prompt",
+                            "chat_template", "return_dict", "return_tensors", "padding", "truncation"}
+
+
 @dataclass
 class ServerSettings:
     """Options of the HTTP layer (the engine's own live in :class:`dovetail.config.EngineConfig`)."""
@@ -28,6 +33,8 @@ class ServerSettings:
     max_sequences_per_request: int = 256
     #: Host header values answered (``--allowed-hosts``); None answers any.
     allowed_hosts: Optional[list[str]] = None
+    #: The parser of ``tool_choice="auto"`` calls (``--enable-auto-tool-choice --tool-call-parser``), or None.
+    tool_call_parser: Optional[str] = None
 
 
 @dataclass
@@ -42,6 +49,8 @@ class ServerState:
     vocab_size: int
     model_path: str
     created: int = 0
+    #: The engine's reasoning parser (``--reasoning-parser``), or None.
+    reasoning: Any = None
     #: Tokenises request text: the character bound first, errors named by field (built from ``tokenizer``).
     prompt_tokenizer: Optional[PromptTokenizer] = None
     #: Where requests are prepared (chat template, tokenisation), so that a long prompt never holds the event loop.
@@ -117,16 +126,23 @@ class ServerState:
             return requested
         return room if default is None else min(default, room)
 
-    def render_chat(self, conversation: list[dict], add_generation_prompt: bool) -> tuple[str, list[int]]:
-        """Apply the chat template; return the prompt text and its token ids."""
+    def render_chat(self, conversation: list[dict], add_generation_prompt: bool, tools: Optional[list[dict]] = None,
+                    template_kwargs: Optional[dict] = None) -> tuple[str, list[int]]:
+        """Apply the chat template (with ``tools`` and the request's ``chat_template_kwargs``); return the
+        prompt text and its token ids."""
         tokenizer = self.require_tokenizer("messages")
         check_message_text(conversation)
         if getattr(tokenizer, "chat_template", None) is None:
             raise RequestError("messages: this model's tokenizer has no chat template; use /v1/completions",
                                field="messages")
+        kwargs = dict(template_kwargs or {})
+        reserved = sorted(set(kwargs) & RESERVED_TEMPLATE_KWARGS)
+        if reserved:
+            raise RequestError(f"chat_template_kwargs: {', '.join(reserved)} cannot be set here",
+                               field="chat_template_kwargs")
         try:
-            text = tokenizer.apply_chat_template(conversation, tokenize=False,
-                                                 add_generation_prompt=add_generation_prompt)
+            text = tokenizer.apply_chat_template(conversation, tools=tools, tokenize=False,
+                                                 add_generation_prompt=add_generation_prompt, **kwargs)
         except Exception as exc:  # jinja raises its own errors for conversations the template rejects
             raise RequestError(f"messages: the chat template rejected the conversation: {exc}",
                                field="messages") from None

@@ -7,6 +7,7 @@ from fastapi import Request
 from dovetail.errors import RequestError
 from dovetail.server.protocol import DetokenizeRequest, TokenizeRequest, conversation
 from dovetail.server.state import ServerState
+from dovetail.server.tools import template_messages
 
 
 async def tokenize(body: TokenizeRequest, request: Request) -> dict:
@@ -17,7 +18,9 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict:
 
     def token_ids() -> list[int]:
         if body.messages is not None:
-            return state.render_chat(conversation(body.messages), body.add_generation_prompt is not False)[1]
+            tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
+            return state.render_chat(template_messages(conversation(body.messages)),
+                                     body.add_generation_prompt is not False, tools, body.chat_template_kwargs)[1]
         return state.tokenize(body.prompt, body.add_special_tokens is not False, allow_empty=True)
 
     ids = await state.off_loop(token_ids)
