@@ -82,17 +82,23 @@ class StepOutput:
 EMPTY_OUTPUT = StepOutput([], [])
 
 
-def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Optional[list[int]] = None) -> None:
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Optional[list[int]] = None,
+                        vocab_size: Optional[int] = None) -> None:
     """Set to ``-inf``, in place, the logits of tokens whose bit is 0 in ``bitmask`` (see
     :attr:`StepDescription.token_bitmask`): row ``i`` of ``bitmask`` constrains row ``rows[i]`` of ``logits``
-    (default: row ``i``); the other rows are left alone, at no cost. Applied by xgrammar's kernel for the
-    logits' device."""
+    (default: row ``i``); the other rows are left alone, at no cost. Only the first ``vocab_size`` columns
+    (default: all) are the vocabulary; padding columns beyond it are left alone.
+
+    Applied by xgrammar's kernel on accelerators; on the CPU by its plain torch path, because its CPU
+    kernel writes past the end of a row whose length is not a multiple of 32."""
     import xgrammar as xgr
 
+    backend = "torch_native" if logits.device.type == "cpu" else "auto"
+    vocab_size = logits.shape[-1] if vocab_size is None else vocab_size
     bitmask = bitmask.to(logits.device, non_blocking=True)
     if rows is None or len(rows) == logits.shape[0]:
-        xgr.apply_token_bitmask_inplace(logits, bitmask)
+        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab_size, backend=backend)
         return
     full = torch.empty((logits.shape[0], bitmask.shape[1]), dtype=bitmask.dtype, device=logits.device)
     full.index_copy_(0, torch.tensor(rows, dtype=torch.long).to(logits.device, non_blocking=True), bitmask)
-    xgr.apply_token_bitmask_inplace(logits, full, indices=rows)
+    xgr.apply_token_bitmask_inplace(logits, full, vocab_size=vocab_size, indices=rows, backend=backend)

@@ -224,7 +224,7 @@ class Worker:
         if rows:
             if token_bitmask is not None:
                 with torch.inference_mode():  # the logits are the model's inference tensors
-                    apply_token_bitmask(sample_logits[:, :self.vocab_size], token_bitmask, bitmask_rows)
+                    apply_token_bitmask(sample_logits, token_bitmask, bitmask_rows, self.vocab_size)
             launched.sample = launch_sample(sample_logits, rows, self.vocab_size, self.ops.argmax)
             launched.sample.start_transfer(self.platform)
             for row, state in enumerate(rows):
