@@ -315,3 +315,61 @@ def test_moe_decode_steps_run_in_a_stand_in_capture_without_host_synchronisation
     for out, (tokens, logprobs) in zip(outputs, reference):
         assert_greedy_matches(out.outputs[0].token_ids, tokens, logprobs)
     assert sum(graph.replays for graph in runner.graphs.graphs.values()) >= 4
+
+
+# -- tile configurations -------------------------------------------------------------------------------------
+
+def _shape():
+    from dovetail.triton.moe_configs import LayerShape
+
+    return LayerShape(experts=128, inter=768, hidden=2048, top_k=8, dtype="bfloat16", quant="none")
+
+
+def test_tile_tables_persist_tuned_configurations_only(tmp_path, caplog):
+    from dovetail.triton.moe_configs import ConfigTable, default_config
+
+    shape = _shape()
+    tuned, fallback = {1: MoeConfig(16, GemmConfig(32, 256), GemmConfig(64, 128))}, {2: default_config(2, shape)}
+    table = ConfigTable("gpu-kind", tmp_path)
+    table.store(shape, tuned, fallback)
+    assert table.get(shape) == {**tuned, **fallback}
+    assert ConfigTable("gpu-kind", tmp_path).get(shape) == tuned, "a fallback is not saved: the next start tunes it"
+    (tmp_path / "gpu-kind" / shape.file_name()).write_text("{not json")
+    assert ConfigTable("gpu-kind", tmp_path).get(shape) == {}
+    assert "ignoring unreadable tile table" in caplog.text
+
+
+def test_defaults_follow_the_rows_each_expert_gets():
+    from dovetail.triton.moe_configs import bucket, default_config
+
+    shape = _shape()
+    assert [bucket(t) for t in (1, 3, 200, 8192, 100000)] == [1, 4, 256, 8192, 8192]
+    assert default_config(1, shape).block_m == 16  # a decode step: 8 rows over 128 experts
+    assert default_config(4096, shape).block_m == 128  # a prefill: 256 rows per expert
+
+
+def test_tuning_runs_once_per_missing_bucket_and_failures_fall_back(tmp_path, monkeypatch):
+    from dovetail.triton import moe_tuner
+    from dovetail.triton.moe_configs import default_config
+
+    shape, calls = _shape(), []
+    picked = MoeConfig(16, GemmConfig(16, 256), GemmConfig(32, 128))
+
+    def fake_tune(buckets, *args):
+        calls.append(list(buckets))
+        return {b: picked for b in buckets if b != 4}  # the bucket of 4 tokens fails to tune
+
+    monkeypatch.setenv("DOVETAIL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(fused_moe_module, "tuning_enabled", lambda device: True)
+    monkeypatch.setattr(fused_moe_module, "_device_key", lambda device: "gpu-kind")
+    monkeypatch.setattr(moe_tuner, "tune", fake_tune)
+    fused_moe_module._table.cache_clear()
+    try:
+        assert fused_moe_module.select_config(3, shape, torch.empty(0), None, None) == default_config(3, shape)
+        assert fused_moe_module.select_config(2, shape, torch.empty(0), None, None) == picked
+        assert fused_moe_module.select_config(10, shape, torch.empty(0), None, None) == picked
+        assert calls == [[1, 2, 4], [8, 16]]
+        saved = fused_moe_module.ConfigTable("gpu-kind", tmp_path / "moe").get(shape)
+        assert sorted(saved) == [1, 2, 8, 16]
+    finally:
+        fused_moe_module._table.cache_clear()

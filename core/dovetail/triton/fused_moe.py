@@ -94,7 +94,8 @@ def select_config(tokens: int, shape: LayerShape, w13: torch.Tensor, w2: torch.T
         from dovetail.triton.moe_tuner import tune
 
         missing = [b for b in buckets_up_to(tokens) if b not in configs]
-        table.store(shape, tune(missing, shape, w13, w2, fp8))
+        tuned = tune(missing, shape, w13, w2, fp8)
+        table.store(shape, tuned, {b: default_config(b, shape) for b in missing if b not in tuned})
     return configs[wanted]
 
 

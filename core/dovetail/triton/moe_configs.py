@@ -157,14 +157,22 @@ class ConfigTable:
             self.tables[shape] = self._read(self.directory / shape.file_name())
         return self.tables[shape]
 
-    def store(self, shape: LayerShape, configs: dict[int, MoeConfig]) -> None:
+    def store(self, shape: LayerShape, configs: dict[int, MoeConfig],
+              fallback: dict[int, MoeConfig] | None = None) -> None:
+        """Add tuned ``configs`` to the table and its file; ``fallback`` configurations (where tuning failed) are
+        used by this process only, so that a later start tunes them again."""
         table = self.get(shape)
         table.update(configs)
+        for tokens, config in (fallback or {}).items():
+            table.setdefault(tokens, config)
+        if not configs:
+            return
         path = self.directory / shape.file_name()
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps({str(b): c.to_json() for b, c in sorted(table.items())}, indent=1))
+            saved = {**self._read(path), **configs}
+            tmp.write_text(json.dumps({str(b): c.to_json() for b, c in sorted(saved.items())}, indent=1))
             tmp.replace(path)
         except OSError as exc:
             logger.warning("fused MoE: cannot save tuned tiles to %s (%s); they hold for this process only", path, exc)
