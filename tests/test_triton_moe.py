@@ -228,9 +228,14 @@ def test_fp8_experts_match_the_dequantized_reference(block, dtype, tokens):
     expected = moe_reference(x, q13, q2, weights, ids, fp8=fp8)
     # the reference is the float layer up to FP8's rounding
     torch.testing.assert_close(expected.float(), moe_reference(x, w13, w2, weights, ids).float(), atol=0.3, rtol=0.1)
-    got = fused_moe(x, q13, q2, weights, ids, fp8=fp8)
-    assert_moe_close(got, expected)
     assert_moe_close(fused_experts(x, q13, q2, weights, ids, fp8=fp8), expected)
+    got = fused_moe(x, q13, q2, weights, ids, fp8=fp8)
+    if DEVICE == "cpu":  # the interpreter's arithmetic is the reference's
+        assert_moe_close(got, expected)
+    else:  # a GPU's accumulation order may move an intermediate value across an FP8 rounding boundary
+        err = (got.float() - expected.float()).abs()
+        scale = expected.float().abs().max()
+        assert err.max() <= 0.03 * scale and err.mean() <= 0.003 * scale, (err.max(), err.mean(), scale)
 
 
 # -- the platform seam, and no host synchronisation ----------------------------------------------------------
