@@ -11,7 +11,9 @@
 #   startup   benchmarks/startup.py (fresh process to first token) for each model x backend
 #   hf        benchmarks/peer_hf.py (HF transformers, B1 and B2) for each model
 #   vllm      benchmarks/peer_vllm.py (B1 and B2 on the same requests) for each model, when vLLM is installed
-#   kernels   benchmarks/kernels_attention.py, kernels_linear.py (first model) and kernels_moe.py ($MOE_MODEL)
+#   kernels   benchmarks/kernels_attention.py and benchmarks/kernels_linear.py (first model)
+#   moe       benchmarks/kernels_moe.py (the MoE layer against its bounds, vLLM's beside it when installed) for
+#             each model of MODELS that is a mixture of experts (its first start on a GPU kind tunes the tiles)
 #
 # Variables:
 #   MODELS     named shapes (dovetail.bench.shapes) or model directories  default: "qwen3-0.6b llama-3.1-8b"
@@ -48,6 +50,7 @@
 #   MODELS=llama-3.1-8b BACKENDS="TRITON FLASHINFER" ROUNDS=2 bash benchmarks/gpu.sh bench
 #   MODELS=qwen3-0.6b FLAGS="|--kv-cache-dtype fp8" bash benchmarks/gpu.sh bench hf vllm
 #   MODELS=qwen3-0.6b KINDS=throughput FLAGS="--structured-output json" bash benchmarks/gpu.sh bench
+#   MODELS="qwen3-moe-15b-a3b qwen3-30b-a3b" bash benchmarks/gpu.sh moe bench
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT/raw"
@@ -227,10 +230,16 @@ for step in ${@:-tests bench}; do
       timeout "$TIMEOUT" python3 benchmarks/kernels_attention.py --json "$OUT/raw/kernels_attention.json" \
         >"$OUT/kernels_attention.log" 2>&1; tail -15 "$OUT/kernels_attention.log"
       timeout "$TIMEOUT" python3 benchmarks/kernels_linear.py --model "$model" --json "$OUT/raw/kernels_linear.json" \
-        >"$OUT/kernels_linear.log" 2>&1; tail -12 "$OUT/kernels_linear.log"
-      timeout "$TIMEOUT" python3 benchmarks/kernels_moe.py --model "${MOE_MODEL:-qwen3-moe-15b-a3b}" \
-        --json "$OUT/raw/kernels_moe.json" >"$OUT/kernels_moe.log" 2>&1; tail -12 "$OUT/kernels_moe.log" ;;
-    *) echo "unknown step '$step' (tests bench startup hf vllm kernels)"; exit 2 ;;
+        >"$OUT/kernels_linear.log" 2>&1; tail -12 "$OUT/kernels_linear.log" ;;
+    moe)
+      for model in $MODELS; do
+        case $model in *moe*|*-a3b) ;; *) continue ;; esac
+        log "MoE layer ($model)"
+        timeout "$TIMEOUT" python3 benchmarks/kernels_moe.py --model "$model" --vllm \
+          --json "$OUT/raw/kernels_moe_${model//\//_}.json" >"$OUT/kernels_moe_${model//\//_}.log" 2>&1
+        tail -20 "$OUT/kernels_moe_${model//\//_}.log"
+      done ;;
+    *) echo "unknown step '$step' (tests bench startup hf vllm kernels moe)"; exit 2 ;;
   esac
 done
 

@@ -30,7 +30,7 @@ from dovetail.layers.attention import Attention
 from dovetail.platform import DeviceGraph, Platform
 
 if TYPE_CHECKING:
-    from dovetail.engine.worker import RequestState
+    from dovetail.engine.request_state import RequestState
 
 logger = logging.getLogger("dovetail")
 

@@ -23,14 +23,14 @@ from dovetail import distributed, model_loader, selection
 from dovetail.attention.backend import AttentionRequirements
 from dovetail.config import EngineConfig
 from dovetail.engine.model_runner import ModelRunner
+from dovetail.engine.request_state import RequestState
 from dovetail.engine.sampler import PendingSample, launch_sample, prompt_logprobs
 from dovetail.engine.scheduler import ScheduledBatch
-from dovetail.engine.step import EMPTY_OUTPUT, NewRequestData, StepDescription, StepOutput, apply_token_bitmask
+from dovetail.engine.step import EMPTY_OUTPUT, StepDescription, StepOutput, apply_token_bitmask
 from dovetail.errors import ConfigError
 from dovetail.model_interface import ModelContext
 from dovetail.plugin_manager import get_plugin_manager
 from dovetail.platform import Platform
-from dovetail.sampling_params import SamplingParams
 
 logger = logging.getLogger("dovetail")
 
@@ -72,42 +72,6 @@ def check_heads_divide(shape, world_size: int) -> None:
     if (kv >= world_size and kv % world_size) or (kv < world_size and world_size % kv):
         raise ConfigError(f"tensor_parallel_size: the model's {kv} KV heads cannot be divided among "
                           f"tensor_parallel_size={world_size} ranks (nor replicated evenly)")
-
-
-class RequestState:
-    """A worker's mirror of one sequence: what the model runner and the sampler read.
-
-    ``all_token_ids`` are the tokens this worker knows; ``num_pending`` more were
-    sampled on the device and are known once the engine takes the step's output,
-    the newest being row ``pending_row`` of the last step's tokens.
-    """
-
-    __slots__ = ("request_id", "params", "eos_token_ids", "prompt_token_ids", "all_token_ids",
-                 "output_token_ids", "num_computed_tokens", "num_pending", "pending_row", "block_ids")
-
-    def __init__(self, data: NewRequestData):
-        self.request_id = data.request_id
-        self.params: SamplingParams = data.params
-        self.eos_token_ids = data.eos_token_ids
-        self.prompt_token_ids = data.prompt_token_ids
-        self.all_token_ids = [*data.prompt_token_ids, *data.output_token_ids]
-        self.output_token_ids = list(data.output_token_ids)
-        self.num_computed_tokens = data.num_computed_tokens
-        self.num_pending = 0
-        self.pending_row = -1
-        self.block_ids = list(data.block_ids)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.all_token_ids) + self.num_pending
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.output_token_ids) + self.num_pending
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
 
 
 @dataclass
