@@ -82,17 +82,22 @@ class StepOutput:
 EMPTY_OUTPUT = StepOutput([], [])
 
 
+#: xgrammar's kernel per device type; elsewhere its plain torch one. (Its CPU kernel writes one logit past
+#: the vocabulary when the vocabulary is not a multiple of 32: into the next row, or past the tensor.)
+BITMASK_KERNELS = {"cuda": "triton"}
+
+
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Optional[list[int]] = None) -> None:
     """Set to ``-inf``, in place, the logits of tokens whose bit is 0 in ``bitmask`` (see
     :attr:`StepDescription.token_bitmask`): row ``i`` of ``bitmask`` constrains row ``rows[i]`` of ``logits``
-    (default: row ``i``); the other rows are left alone, at no cost. Applied by xgrammar's kernel for the
-    logits' device."""
+    (default: row ``i``); the other rows are left alone, at no cost."""
     import xgrammar as xgr
 
+    backend = BITMASK_KERNELS.get(logits.device.type, "torch_native")
     bitmask = bitmask.to(logits.device, non_blocking=True)
     if rows is None or len(rows) == logits.shape[0]:
-        xgr.apply_token_bitmask_inplace(logits, bitmask)
+        xgr.apply_token_bitmask_inplace(logits, bitmask, backend=backend)
         return
     full = torch.empty((logits.shape[0], bitmask.shape[1]), dtype=bitmask.dtype, device=logits.device)
     full.index_copy_(0, torch.tensor(rows, dtype=torch.long).to(logits.device, non_blocking=True), bitmask)
-    xgr.apply_token_bitmask_inplace(logits, full, indices=rows)
+    xgr.apply_token_bitmask_inplace(logits, full, indices=rows, backend=backend)
