@@ -82,18 +82,20 @@ class StepOutput:
 EMPTY_OUTPUT = StepOutput([], [])
 
 
+#: xgrammar's kernel per device type; elsewhere its plain torch one. (Its CPU kernel writes one logit past
+#: the vocabulary when the vocabulary is not a multiple of 32: into the next row, or past the tensor.)
+BITMASK_KERNELS = {"cuda": "triton"}
+
+
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Optional[list[int]] = None,
                         vocab_size: Optional[int] = None) -> None:
     """Set to ``-inf``, in place, the logits of tokens whose bit is 0 in ``bitmask`` (see
     :attr:`StepDescription.token_bitmask`): row ``i`` of ``bitmask`` constrains row ``rows[i]`` of ``logits``
     (default: row ``i``); the other rows are left alone, at no cost. Only the first ``vocab_size`` columns
-    (default: all) are the vocabulary; padding columns beyond it are left alone.
-
-    Applied by xgrammar's kernel on accelerators; on the CPU by its plain torch path, because its CPU
-    kernel writes past the end of a row whose length is not a multiple of 32."""
+    (default: all) are the vocabulary; padding columns beyond it are left alone."""
     import xgrammar as xgr
 
-    backend = "torch_native" if logits.device.type == "cpu" else "auto"
+    backend = BITMASK_KERNELS.get(logits.device.type, "torch_native")
     vocab_size = logits.shape[-1] if vocab_size is None else vocab_size
     bitmask = bitmask.to(logits.device, non_blocking=True)
     if rows is None or len(rows) == logits.shape[0]:
