@@ -28,7 +28,6 @@
 #   TESTS      pytest arguments                                             default: "-m gpu -rs tests"
 #   HF_B1_PROMPTS  how many of B1's 256 requests HF runs                    default: 64
 #   VLLM_TP    vLLM's tensor-parallel size                                  default: 1
-#   MOE_MODEL  the MoE shape of the kernels step                            default: qwen3-moe-15b-a3b
 #   TIMEOUT    seconds each benchmark command may take                      default: 300
 #   TEST_TIMEOUT  seconds the tests may take                                default: 580
 #   SKIP_INSTALL=1  the machine was set up by an earlier call
