@@ -85,12 +85,16 @@ def quantize_experts(w: torch.Tensor, mode: str):
 
 
 def vllm_fused_experts():
-    try:
-        from vllm.model_executor.layers.fused_moe import fused_experts
-    except Exception as exc:  # not installed, or an API that moved
-        print(f"vLLM's fused_experts is not available: {type(exc).__name__}: {exc}")
-        return None
-    return fused_experts
+    import importlib
+
+    errors = []
+    for module in ("vllm.model_executor.layers.fused_moe.fused_moe", "vllm.model_executor.layers.fused_moe"):
+        try:
+            return importlib.import_module(module).fused_experts
+        except Exception as exc:  # not installed, or an API that moved
+            errors.append(f"{module}: {type(exc).__name__}: {exc}")
+    print("vLLM's fused_experts is not available: " + "; ".join(errors))
+    return None
 
 
 def bench(config, ms: list[int], ops, fp8_mode: str | None, with_vllm: bool, bandwidth: float, peak: float) -> dict:

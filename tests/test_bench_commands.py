@@ -54,6 +54,21 @@ def test_throughput_generates_every_requested_token(tiny_llama_dir, tmp_path):
     assert result["dovetail"]["output_tokens_per_s"] > 0
 
 
+def test_throughput_with_a_text_prompt_reports_the_time_to_queue(tmp_path):
+    from dovetail.llm import default_model
+
+    out = tmp_path / "enqueue.json"
+    rc = main(["--log-level", "WARNING", "bench", "throughput", "--model", default_model(), "--num-prompts", "40",
+               "--output-len", "1", "--prompt", "12+34=", "--output-json", str(out)])
+    assert rc == 0
+    result = json.loads(out.read_text())
+    assert result["prompt"] == "12+34=" and result["num_requests"] == 40
+    dovetail = result["dovetail"]
+    assert dovetail["output_tokens"] == 40
+    assert dovetail["prompt_tokens"] == 40 * 7, "<s> and the six characters of each prompt"
+    assert 0 < dovetail["enqueue_seconds"] < dovetail["seconds"]
+
+
 def test_latency_reports_decode_time_per_token(tiny_llama_dir, tmp_path):
     out = tmp_path / "latency.json"
     rc = main(["--log-level", "WARNING", "bench", "latency", "--model", str(tiny_llama_dir), "--device", "cpu",

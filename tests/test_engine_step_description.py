@@ -103,3 +103,24 @@ def test_a_token_bitmask_constrains_what_the_workers_sample(tiny_llama_dir, asyn
                        SamplingParams(temperature=1.0, seed=1, max_tokens=12, ignore_eos=True), use_tqdm=False)
     tokens = [t for o in out for t in o.outputs[0].token_ids]
     assert set(tokens) <= set(only) and len(tokens) == 24
+
+
+@pytest.mark.parametrize("rows", [None, [2, 0]], ids=["every-row", "some-rows"])
+def test_apply_token_bitmask_touches_only_the_constrained_rows_and_nothing_beyond(rows):
+    """70 tokens: the last word of each row has bits past the vocabulary, which must not be written."""
+    gen = torch.Generator().manual_seed(1)
+    storage = torch.zeros(500)
+    logits = storage[100:310].view(3, 70)
+    logits.copy_(torch.randn(3, 70, generator=gen))
+    before = logits.clone()
+    chosen = rows or [0, 1, 2]
+    bitmask = torch.randint(-2**31, 2**31 - 1, (len(chosen), 3), dtype=torch.int32, generator=gen)
+    bitmask[:, 2] &= 0x3F  # the tokens past 70 are not allowed, as xgrammar fills them
+    bitmask[chosen.index(2)] = torch.tensor([-1, -1, 0x3F], dtype=torch.int32)  # the last row: every token
+    apply_token_bitmask(logits, bitmask, rows)
+    assert not storage[:100].any() and not storage[310:].any()
+    bits = ((bitmask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).flatten(1)[:, :70].bool()
+    expected = before.clone()
+    for i, row in enumerate(chosen):
+        expected[row] = before[row].masked_fill(~bits[i], float("-inf"))
+    torch.testing.assert_close(logits, expected)

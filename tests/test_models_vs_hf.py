@@ -45,7 +45,8 @@ CASES = {
         rope_type="dynamic", factor=2.0, rope_theta=10000.0)),
     "llama-rope-yarn": lambda: _config("LlamaConfig", rope_parameters=dict(
         rope_type="yarn", factor=4.0, original_max_position_embeddings=32, rope_theta=10000.0)),
-    "mistral-sliding": lambda: _config("MistralConfig", sliding_window=WINDOW),
+    # An odd vocabulary: two ranks hold 161 rows each, the last one padding.
+    "mistral-sliding-odd-vocab": lambda: _config("MistralConfig", sliding_window=WINDOW, vocab_size=VOCAB + 1),
     "qwen2-bias-sliding-layer": lambda: _config("Qwen2Config", use_sliding_window=True, sliding_window=WINDOW,
                                                 max_window_layers=1, tie_word_embeddings=True),
     "qwen3-qknorm-head_dim": lambda: _config("Qwen3Config", head_dim=24, attention_bias=True),

@@ -126,3 +126,28 @@ def test_static_activation_scales_are_refused_for_experts(float_dir, tmp_path):
     with pytest.raises(ConfigError, match=r"activation_scheme: 'static' activation scales are not supported for "
                                           r"mixture-of-experts layers \(model.layers.0.mlp.experts\)"):
         LLM(str(path), **quant.ENGINE)
+
+
+def tp_moe_run(path: str) -> tuple[tuple, list]:
+    """On each rank of two (tests/spmd.py): the experts' stacked FP8 shapes and the greedy completions."""
+    llm = LLM(path, cpu_threads=1, **quant.ENGINE)
+    experts = llm.llm_engine.model.get_submodule("model.layers.0.mlp.experts")
+    shapes = tuple(tuple(getattr(experts, n).shape) for n in ("w13_weight", "w13_weight_scale", "w2_weight"))
+    return shapes, tiny_models.completions(llm.generate([{"prompt_token_ids": p} for p in quant.PROMPTS],
+                                                        quant.TP_PARAMS, use_tqdm=False))
+
+
+def test_fp8_moe_checkpoint_at_tensor_parallel_2_matches_one_rank(float_dir, tmp_path, tp_ranks):
+    """Expert parallelism with FP8 block experts: each of two ranks holds two of the four experts (weights and
+    scales) and the ranks generate what one rank does (each expert is whole on its rank, so its activations
+    are quantized as on one rank)."""
+    path, _ = build(float_dir, tmp_path / "fp8-moe", "block")
+    llm = LLM(str(path), **quant.ENGINE)
+    one_rank = tiny_models.completions(llm.generate([{"prompt_token_ids": p} for p in quant.PROMPTS],
+                                                    quant.TP_PARAMS, use_tqdm=False))
+    experts = llm.llm_engine.model.get_submodule("model.layers.0.mlp.experts")
+    whole = [tuple(getattr(experts, n).shape) for n in ("w13_weight", "w13_weight_scale", "w2_weight")]
+    (shapes, results), (shapes_1, results_1) = tp_ranks(2).run(tp_moe_run, str(path))
+    assert results == results_1, "the ranks sampled different tokens or log-probabilities"
+    tiny_models.check_matches(results, one_rank, tol=1e-3)
+    assert shapes == shapes_1 == tuple((2, *shape[1:]) for shape in whole)

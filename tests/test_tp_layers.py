@@ -8,6 +8,8 @@ ranks' weights must be their slices and their outputs the dense output's slices
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -122,6 +124,7 @@ def test_sizes_the_ranks_cannot_share_are_one_line_errors(monkeypatch):
     from dovetail.distributed import parallel_state
     from dovetail.errors import ConfigError
     from dovetail.layers.linear import ColumnParallelLinear, QKVParallelLinear
+    from dovetail.layers.moe import FusedMoE
 
     monkeypatch.setattr(parallel_state, "_size", 4)  # construction reads the size; no collective runs
     with pytest.raises(ConfigError, match=r"^num_attention_heads 6 is not divisible by tensor_parallel_size 4$"):
@@ -130,6 +133,8 @@ def test_sizes_the_ranks_cannot_share_are_one_line_errors(monkeypatch):
         QKVParallelLinear(HIDDEN, 4, 12, 3, False, _ctx(), "qkv")
     with pytest.raises(ConfigError, match=r"^layer up: output size 10 is not divisible by tensor_parallel_size 4$"):
         ColumnParallelLinear(HIDDEN, 10, False, _ctx(), "up")
+    with pytest.raises(ConfigError, match=r"^num_experts 6 is not divisible by tensor_parallel_size 4$"):
+        FusedMoE(6, 2, HIDDEN, 8, _ctx(), "experts")
 
 
 def read_tally_job(path: str) -> dict[str, int]:
@@ -154,17 +159,80 @@ def read_tally_job(path: str) -> dict[str, int]:
     return reads
 
 
-def test_each_rank_reads_only_its_slices_of_the_checkpoint(tp_ranks, tiny_llama_dir):
-    """Matrices (projections, embedding, LM head) are read half per rank, vectors (norms) whole: a rank's
-    reads add up to half the weights plus the norms, never a whole matrix."""
+@pytest.fixture(scope="module")
+def tiny_moe_dir(tmp_path_factory):
+    from test_models_vs_hf import CASES, save_checkpoint
+
+    return save_checkpoint(tmp_path_factory.mktemp("tp-moe"), CASES["qwen3moe-normtopk-dense-layer"]())
+
+
+def expected_reads(name: str, dim: int, nbytes: int, rank: int, num_experts: int = 4) -> int:
+    """What rank ``rank`` of two reads of a tensor: half of a matrix, a whole vector or router, an expert's
+    tensors only on the rank that holds the expert (the first half of them on rank 0)."""
+    expert = re.search(r"\.experts\.(\d+)\.", name)
+    if expert:
+        return nbytes if int(expert[1]) // (num_experts // 2) == rank else 0
+    if dim == 1 or name.endswith(".mlp.gate.weight"):
+        return nbytes
+    return nbytes // 2
+
+
+@pytest.mark.parametrize("model", ["llama", "qwen3-moe"])
+def test_each_rank_reads_only_its_slices_of_the_checkpoint(tp_ranks, tiny_llama_dir, tiny_moe_dir, model):
+    """Matrices (projections, embedding, LM head) are read half per rank, vectors (norms) and the MoE router
+    whole, each expert by the rank that holds it: a rank never reads a whole matrix it keeps part of."""
     from safetensors import safe_open
 
+    path = tiny_llama_dir if model == "llama" else tiny_moe_dir
     sizes = {}
-    for file in tiny_llama_dir.glob("*.safetensors"):
+    for file in path.glob("*.safetensors"):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
                 tensor = f.get_tensor(name)
                 sizes[name] = (tensor.dim(), tensor.numel() * tensor.element_size())
     assert any(dim == 1 for dim, _ in sizes.values()) and any(dim == 2 for dim, _ in sizes.values())
-    for reads in tp_ranks(2).run(read_tally_job, str(tiny_llama_dir)):
-        assert reads == {name: nbytes // 2 if dim == 2 else nbytes for name, (dim, nbytes) in sizes.items()}
+    for rank, reads in enumerate(tp_ranks(2).run(read_tally_job, str(path))):
+        expected = {name: expected_reads(name, dim, nbytes, rank) for name, (dim, nbytes) in sizes.items()}
+        assert reads == {name: nbytes for name, nbytes in expected.items() if nbytes}
+
+
+def all_reduce_kernel_job() -> dict:
+    """On each rank: all-reduces with a platform kernel that takes only small tensors (summing them its own
+    way, through an all-gather) and what each path returned."""
+    from dovetail import distributed
+
+    taken = []
+
+    def kernel(tensor):
+        if tensor.numel() > 4:
+            return False
+        taken.append(tensor.numel())
+        tensor.copy_(distributed.all_gather(tensor.unsqueeze(0), dim=0).sum(0))
+        return True
+
+    rank = distributed.tp_rank()
+    small, large = torch.arange(4.0) + 10 * rank, torch.arange(6.0) + 10 * rank
+    distributed.set_all_reduce_kernel(kernel)
+    try:
+        results = (distributed.all_reduce(small.clone()), distributed.all_reduce(large.clone()))
+    finally:
+        distributed.set_all_reduce_kernel(None)
+    return {"small": results[0], "large": results[1], "taken": taken}
+
+
+def test_a_platform_all_reduce_kernel_takes_the_messages_it_accepts(tp_ranks):
+    for got in tp_ranks(2).run(all_reduce_kernel_job):
+        assert got["taken"] == [4], "the kernel sums what it takes; the backend the rest"
+        torch.testing.assert_close(got["small"], 2 * torch.arange(4.0) + 10)
+        torch.testing.assert_close(got["large"], 2 * torch.arange(6.0) + 10)
+
+
+def test_the_all_reduce_choice_is_validated(monkeypatch):
+    from dovetail.errors import ConfigError
+    from dovetail_cuda.symm_mem_all_reduce import all_reduce_choice, all_reduce_kernel
+
+    monkeypatch.delenv("DOVETAIL_ALL_REDUCE", raising=False)
+    assert all_reduce_choice() == "nccl" and all_reduce_kernel(None, torch.device("cpu")) is None
+    monkeypatch.setenv("DOVETAIL_ALL_REDUCE", "custom")
+    with pytest.raises(ConfigError, match=r"^DOVETAIL_ALL_REDUCE='custom': expected one of nccl, symm_mem$"):
+        all_reduce_choice()

@@ -228,9 +228,14 @@ def test_fp8_experts_match_the_dequantized_reference(block, dtype, tokens):
     expected = moe_reference(x, q13, q2, weights, ids, fp8=fp8)
     # the reference is the float layer up to FP8's rounding
     torch.testing.assert_close(expected.float(), moe_reference(x, w13, w2, weights, ids).float(), atol=0.3, rtol=0.1)
-    got = fused_moe(x, q13, q2, weights, ids, fp8=fp8)
-    assert_moe_close(got, expected)
     assert_moe_close(fused_experts(x, q13, q2, weights, ids, fp8=fp8), expected)
+    got = fused_moe(x, q13, q2, weights, ids, fp8=fp8)
+    if DEVICE == "cpu":  # the interpreter's arithmetic is the reference's
+        assert_moe_close(got, expected)
+    else:  # a GPU's accumulation order may move an intermediate value across an FP8 rounding boundary
+        err = (got.float() - expected.float()).abs()
+        scale = expected.float().abs().max()
+        assert err.max() <= 0.03 * scale and err.mean() <= 0.003 * scale, (err.max(), err.mean(), scale)
 
 
 # -- the platform seam, and no host synchronisation ----------------------------------------------------------
@@ -268,3 +273,108 @@ def test_the_gpu_path_reads_no_device_value_on_the_host():
     assert_moe_close(out, moe_reference(x, w13, w2, weights, ids, expert_map=layer.expert_map_device))
     with pytest.raises(testing.HostSyncError), testing.forbid_host_sync():
         FusedOps().fused_moe(x, w13, w2, weights, ids)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the engine's CPU platform with a stand-in graph capture")
+def test_moe_decode_steps_run_in_a_stand_in_capture_without_host_synchronisation(tmp_path):
+    """A tiny Qwen3-MoE on the engine, its MoE layers on the Triton path, decode steps "captured" by a platform
+    whose capture and replays run under :func:`dovetail.testing.forbid_host_sync`; tokens as HF's."""
+    from transformers import Qwen3MoeConfig
+
+    from dovetail import LLM, SamplingParams
+    from dovetail.layers.moe import FusedMoE
+    from test_cuda_graph_runner import DeviceOnlyDecodeImpl, ReplayGraph, ReplayPlatform
+    from tiny_models import assert_greedy_matches, hf_greedy, load_hf, save_model
+
+    class GuardedReplayPlatform(ReplayPlatform):
+        """Captures and replays raise where Dovetail's code reads a device value on the host."""
+
+        def capture_graph(self, fn, pool=None):
+            def guarded():
+                with testing.forbid_host_sync():
+                    return fn()
+
+            return ReplayGraph(guarded), guarded()
+
+    config = Qwen3MoeConfig(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
+                            num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+                            max_position_embeddings=256, initializer_range=0.1, bos_token_id=0, eos_token_id=1)
+    path = save_model(tmp_path / "qwen3moe", config)
+    prompts, max_tokens = [[5, 6, 7, 8], list(range(20, 41)), [3]], [6, 5, 4]
+    hf = load_hf(path)
+    reference = [hf_greedy(hf, p, n) for p, n in zip(prompts, max_tokens)]
+    llm = LLM(str(path), device="cpu", attention_backend="REFERENCE", max_num_seqs=4)
+    runner = llm.llm_engine.runner
+    layers = [m for m in runner.model.modules() if isinstance(m, FusedMoE)]
+    assert len(layers) == 2
+    for layer in layers:
+        layer.ops = TritonFusedOps()
+    for layer in runner.attention_layers:
+        layer.impl = DeviceOnlyDecodeImpl(layer.spec)
+    runner.platform, runner.use_graphs = GuardedReplayPlatform(), True
+    runner.capture_graphs()
+    assert runner.graphs.sizes == [1, 2, 4]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in max_tokens]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for out, (tokens, logprobs) in zip(outputs, reference):
+        assert_greedy_matches(out.outputs[0].token_ids, tokens, logprobs)
+    assert sum(graph.replays for graph in runner.graphs.graphs.values()) >= 4
+
+
+# -- tile configurations -------------------------------------------------------------------------------------
+
+def _shape():
+    from dovetail.triton.moe_configs import LayerShape
+
+    return LayerShape(experts=128, inter=768, hidden=2048, top_k=8, dtype="bfloat16", quant="none")
+
+
+def test_tile_tables_persist_tuned_configurations_only(tmp_path, caplog):
+    from dovetail.triton.moe_configs import ConfigTable, default_config
+
+    shape = _shape()
+    tuned, fallback = {1: MoeConfig(16, GemmConfig(32, 256), GemmConfig(64, 128))}, {2: default_config(2, shape)}
+    table = ConfigTable("gpu-kind", tmp_path)
+    table.store(shape, tuned, fallback)
+    assert table.get(shape) == {**tuned, **fallback}
+    assert ConfigTable("gpu-kind", tmp_path).get(shape) == tuned, "a fallback is not saved: the next start tunes it"
+    (tmp_path / "gpu-kind" / shape.file_name()).write_text("{not json")
+    assert ConfigTable("gpu-kind", tmp_path).get(shape) == {}
+    assert "ignoring unreadable tile table" in caplog.text
+
+
+def test_defaults_follow_the_rows_each_expert_gets():
+    from dovetail.triton.moe_configs import bucket, default_config
+
+    shape = _shape()
+    assert [bucket(t) for t in (1, 3, 200, 8192, 100000)] == [1, 4, 256, 8192, 8192]
+    assert default_config(1, shape).block_m == 16  # a decode step: 8 rows over 128 experts
+    assert default_config(4096, shape).block_m == 128  # a prefill: 256 rows per expert
+
+
+def test_tuning_runs_once_per_missing_bucket_and_failures_fall_back(tmp_path, monkeypatch):
+    from dovetail.triton import moe_tuner
+    from dovetail.triton.moe_configs import default_config
+
+    shape, calls = _shape(), []
+    picked = MoeConfig(16, GemmConfig(16, 256), GemmConfig(32, 128))
+
+    def fake_tune(buckets, *args):
+        calls.append(list(buckets))
+        return {b: picked for b in buckets if b != 4}  # the bucket of 4 tokens fails to tune
+
+    monkeypatch.setenv("DOVETAIL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(fused_moe_module, "tuning_enabled", lambda device: True)
+    monkeypatch.setattr(fused_moe_module, "_device_key", lambda device: "gpu-kind")
+    monkeypatch.setattr(moe_tuner, "tune", fake_tune)
+    fused_moe_module._table.cache_clear()
+    try:
+        assert fused_moe_module.select_config(3, shape, torch.empty(0), None, None) == default_config(3, shape)
+        assert fused_moe_module.select_config(2, shape, torch.empty(0), None, None) == picked
+        assert fused_moe_module.select_config(10, shape, torch.empty(0), None, None) == picked
+        assert calls == [[1, 2, 4], [8, 16]]
+        saved = fused_moe_module.ConfigTable("gpu-kind", tmp_path / "moe").get(shape)
+        assert sorted(saved) == [1, 2, 8, 16]
+    finally:
+        fused_moe_module._table.cache_clear()

@@ -8,7 +8,7 @@ are identities, so single-device code pays nothing.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -19,6 +19,8 @@ _size = 1
 #: Whether the backend gathers into one tensor (gloo has no ``all_gather_into_tensor``); read once, so a
 #: gather captured in a device graph asks the host nothing.
 _gathers_into_tensor = True
+#: A platform's faster all-reduce for the messages it takes (see :func:`set_all_reduce_kernel`).
+_all_reduce_kernel: Optional[Callable[[torch.Tensor], bool]] = None
 
 
 def init_tensor_parallel(world_size: int, rank: int, backend: str, init_method: str,
@@ -40,10 +42,20 @@ def init_tensor_parallel(world_size: int, rank: int, backend: str, init_method: 
 
 def destroy_tensor_parallel() -> None:
     """Leave the group (a no-op with one rank)."""
-    global _group, _rank, _size
+    global _group, _rank, _size, _all_reduce_kernel
     if _group is not None and dist.is_initialized():
         dist.destroy_process_group()
-    _group, _rank, _size = None, 0, 1
+    _group, _rank, _size, _all_reduce_kernel = None, 0, 1, None
+
+
+def set_all_reduce_kernel(kernel: Optional[Callable[[torch.Tensor], bool]]) -> None:
+    """Sum over the group with ``kernel(tensor)`` where it returns True (it took the tensor and summed it in
+    place); the backend's all-reduce runs where it returns False. None: the backend's everywhere.
+
+    A platform's :meth:`~dovetail.platform.Platform.all_reduce_kernel` supplies one (small decode messages
+    through torch symmetric memory on NVLink); every rank must install the same."""
+    global _all_reduce_kernel
+    _all_reduce_kernel = kernel
 
 
 def is_initialized() -> bool:
@@ -64,7 +76,7 @@ def tp_group() -> Optional[dist.ProcessGroup]:
 
 def all_reduce(tensor: torch.Tensor) -> torch.Tensor:
     """Sum ``tensor`` over the ranks, in place; returns it."""
-    if _size > 1:
+    if _size > 1 and not (_all_reduce_kernel is not None and _all_reduce_kernel(tensor)):
         dist.all_reduce(tensor, group=_group)
     return tensor
 

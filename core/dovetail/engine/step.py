@@ -82,24 +82,25 @@ class StepOutput:
 EMPTY_OUTPUT = StepOutput([], [])
 
 
-def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Optional[list[int]] = None) -> None:
+#: xgrammar's kernel per device type; elsewhere its plain torch one. (Its CPU kernel writes one logit past
+#: the vocabulary when the vocabulary is not a multiple of 32: into the next row, or past the tensor.)
+BITMASK_KERNELS = {"cuda": "triton"}
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Optional[list[int]] = None,
+                        vocab_size: Optional[int] = None) -> None:
     """Set to ``-inf``, in place, the logits of tokens whose bit is 0 in ``bitmask`` (see
     :attr:`StepDescription.token_bitmask`): row ``i`` of ``bitmask`` constrains row ``rows[i]`` of ``logits``
-    (default: row ``i``); the other rows are left alone, at no cost. Applied by xgrammar's kernel for the
-    logits' device."""
-    bitmask = bitmask.to(logits.device, non_blocking=True)
-    if logits.device.type == "cpu" and logits.shape[-1] % 32:
-        # xgrammar's CPU kernel writes past the end of a row that is not a whole number of words.
-        index = slice(None) if rows is None else torch.tensor(rows, dtype=torch.long)
-        shifts = torch.arange(32, dtype=torch.int32)
-        allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :logits.shape[-1]].bool()
-        logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
-        return
+    (default: row ``i``); the other rows are left alone, at no cost. Only the first ``vocab_size`` columns
+    (default: all) are the vocabulary; padding columns beyond it are left alone."""
     import xgrammar as xgr
 
+    backend = BITMASK_KERNELS.get(logits.device.type, "torch_native")
+    vocab_size = logits.shape[-1] if vocab_size is None else vocab_size
+    bitmask = bitmask.to(logits.device, non_blocking=True)
     if rows is None or len(rows) == logits.shape[0]:
-        xgr.apply_token_bitmask_inplace(logits, bitmask)
+        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab_size, backend=backend)
         return
     full = torch.empty((logits.shape[0], bitmask.shape[1]), dtype=bitmask.dtype, device=logits.device)
     full.index_copy_(0, torch.tensor(rows, dtype=torch.long).to(logits.device, non_blocking=True), bitmask)
-    xgr.apply_token_bitmask_inplace(logits, full, indices=rows)
+    xgr.apply_token_bitmask_inplace(logits, full, vocab_size=vocab_size, indices=rows, backend=backend)

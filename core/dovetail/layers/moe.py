@@ -21,6 +21,8 @@ import torch
 from torch import nn
 
 from dovetail.checkpoint_tensor import read
+from dovetail.distributed import all_reduce, tp_rank, tp_size
+from dovetail.distributed.partition import divide
 from dovetail.errors import ConfigError, ModelLoadError, SelectionError
 from dovetail.model_interface import ModelContext
 from dovetail.moe_ops import ACTIVATIONS, Fp8ExpertScales
@@ -31,21 +33,35 @@ from dovetail.quantization.params import replace_param
 _SCALE_OF = {"w13_weight": "w13_weight_scale", "w2_weight": "w2_weight_scale"}
 
 
+def rank_expert_map(num_experts: int) -> torch.Tensor:
+    """Expert parallelism over the tensor-parallel ranks: rank ``r`` holds experts ``[r * E / tp, (r + 1) * E / tp)``
+    as its rows ``0 .. E / tp - 1``; the others are ``-1``."""
+    per_rank = divide(num_experts, "num_experts")
+    mapping = torch.full((num_experts,), -1, dtype=torch.int32)
+    start = tp_rank() * per_rank
+    mapping[start:start + per_rank] = torch.arange(per_rank, dtype=torch.int32)
+    return mapping
+
+
 class FusedMoE(nn.Module):
     """The experts of one mixture-of-experts block; ``forward(x, router_logits)`` routes and runs them.
 
     - ``top_k``: experts per token; ``renormalize``: rescale the chosen
       experts' probabilities to sum to 1 (HF's ``norm_topk_prob``; Mixtral always does).
     - ``expert_map``: for expert parallelism, global expert id -> row of this layer's
-      weights, ``-1`` for the experts another rank holds (None: all ``num_experts`` here).
-      Checkpoint tensors of experts held elsewhere are skipped at load.
+      weights, ``-1`` for the experts another rank holds (None: all ``num_experts`` here,
+      or, under tensor parallelism, :func:`rank_expert_map`'s consecutive share of them).
+      Checkpoint tensors of experts held elsewhere are skipped at load (never read).
+    - Under tensor parallelism every rank routes every token alike (the router is
+      replicated); an expert held elsewhere adds nothing on this rank and an all-reduce
+      sums the ranks' parts (``reduce_results=False`` leaves the partial sum to the caller).
     - Checkpoint tensors load per expert through :meth:`load_expert` (gate,
       up and down projections, and FP8 scales) or whole through :meth:`load_stacked`.
     """
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
                  ctx: ModelContext, prefix: str = "", renormalize: bool = True, activation: str = "silu",
-                 expert_map: Sequence[int] | torch.Tensor | None = None):
+                 expert_map: Sequence[int] | torch.Tensor | None = None, reduce_results: bool = True):
         super().__init__()
         if not 0 < top_k <= num_experts:
             raise ModelLoadError(f"{prefix}: num_experts_per_tok must be between 1 and the number of experts "
@@ -64,7 +80,10 @@ class FusedMoE(nn.Module):
         self.activation = activation
         self.prefix = prefix
         self.ops = ctx.ops
+        if expert_map is None and tp_size() > 1:
+            expert_map = rank_expert_map(num_experts)
         self.expert_map = self._check_expert_map(expert_map, num_experts, prefix)
+        self.reduce_results = reduce_results and tp_size() > 1
         self.local_experts = num_experts if self.expert_map is None else int((self.expert_map >= 0).sum())
         if self.expert_map is not None:
             self.register_buffer("expert_map_device", self.expert_map.to(ctx.device), persistent=False)
@@ -109,8 +128,9 @@ class FusedMoE(nn.Module):
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         weights, ids = self.ops.select_experts(router_logits, self.top_k, self.renormalize)
         expert_map = self.expert_map_device if self.expert_map is not None else None
-        return self.ops.fused_moe(x, self.w13_weight, self.w2_weight, weights, ids, self.activation,
-                                  expert_map=expert_map, fp8=self.fp8_scales())
+        out = self.ops.fused_moe(x, self.w13_weight, self.w2_weight, weights, ids, self.activation,
+                                 expert_map=expert_map, fp8=self.fp8_scales())
+        return all_reduce(out) if self.reduce_results else out
 
     def fp8_scales(self) -> Fp8ExpertScales | None:
         """The FP8 experts' scales (None for 16/32-bit experts)."""
@@ -155,7 +175,7 @@ class FusedMoE(nn.Module):
         if self.fp8_scheme.block_size is not None:
             self._copy(target, tensor, name, f"{param_name} block scales")
             return
-        flat = tensor.reshape(-1)
+        flat = read(tensor).reshape(-1)
         if flat.numel() not in (1, rows):
             raise ModelLoadError(f"tensor {name!r} has shape {tuple(tensor.shape)}: expected one per-tensor scale "
                                  f"or {rows} per-channel scales for {self.prefix}.{param_name}")
@@ -166,8 +186,12 @@ class FusedMoE(nn.Module):
         target = getattr(self, param_name).data
         if self.expert_map is not None:
             held = (self.expert_map >= 0).nonzero().flatten()
-            if tensor.shape[:1] == (self.num_experts,):
-                tensor = tensor.index_select(0, held)
+            if tuple(tensor.shape[:1]) == (self.num_experts,):
+                first, count = int(held[0]), len(held)
+                if held.tolist() == list(range(first, first + count)):  # read only those experts
+                    tensor = tensor.narrow(0, first, count)
+                else:
+                    tensor = read(tensor).index_select(0, held)
         self._copy(target, tensor, name, param_name)
         return True
 

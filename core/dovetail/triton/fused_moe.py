@@ -60,14 +60,15 @@ def _table(device_key: str) -> ConfigTable:
     return ConfigTable(device_key)
 
 
-def _device_key() -> str:
+@functools.lru_cache(maxsize=None)
+def _device_key(device: torch.device) -> str:
     """The GPU kind, as triton's driver names it (backend, architecture, multiprocessors), and triton's version."""
     import triton
     from triton.runtime import driver
 
     target = driver.active.get_current_target()
     try:
-        index = driver.active.get_current_device()
+        index = device.index if device.index is not None else driver.active.get_current_device()
         units = driver.active.utils.get_device_properties(index).get("multiprocessor_count", 0)
     except Exception:  # a driver without device properties
         units = 0
@@ -86,14 +87,15 @@ def select_config(tokens: int, shape: LayerShape, w13: torch.Tensor, w2: torch.T
     when tuning is on), else :func:`~dovetail.triton.moe_configs.default_config`."""
     if not tuning_enabled(w13.device):
         return default_config(tokens, shape)
-    table = _table(_device_key())
+    table = _table(_device_key(w13.device))
     configs = table.get(shape)
     wanted = bucket(tokens)
     if wanted not in configs:
         from dovetail.triton.moe_tuner import tune
 
         missing = [b for b in buckets_up_to(tokens) if b not in configs]
-        table.store(shape, tune(missing, shape, w13, w2, fp8))
+        tuned = tune(missing, shape, w13, w2, fp8)
+        table.store(shape, tuned, {b: default_config(b, shape) for b in missing if b not in tuned})
     return configs[wanted]
 
 

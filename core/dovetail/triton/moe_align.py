@@ -192,11 +192,11 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int, expert_m
     pdl = launch_kwargs(use_pdl(device))
     blocks_tile = max(16, min(128, 4096 // e_p2))
     if num_pairs <= small_pairs:
-        chunk = max(16, min(256, 4096 // e_p2))
+        chunk = max(16, min(256, 16384 // e_p2))
         _align_small_kernel[(1,)](
             ids, map_arg, sorted_pairs, block_expert, num_padded,
             num_pairs, num_experts, block_expert.shape[0], HAS_MAP=has_map, E_P2=e_p2, BLOCK_M=block_m,
-            CHUNK=chunk, BLOCKS_TILE=blocks_tile, num_warps=4, **pdl)
+            CHUNK=chunk, BLOCKS_TILE=blocks_tile, num_warps=8, **pdl)
     else:
         chunk = max(32, min(1024, 16384 // e_p2))
         num_chunks = triton.cdiv(num_pairs, chunk)

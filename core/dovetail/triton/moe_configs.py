@@ -92,14 +92,17 @@ def rows_per_expert(tokens: int, shape: LayerShape) -> float:
 
 
 def block_m_candidates(tokens: int, shape: LayerShape) -> list[int]:
-    """``block_m`` values worth timing at this bucket (the first is the default)."""
+    """``block_m`` values worth timing at this bucket (the first is the default): about the rows an expert gets, so
+    that most experts fill one block (a second block reads the expert's weights again) without much padding."""
     rows = rows_per_expert(tokens, shape)
     if rows <= 8:
         return [16]
-    if rows <= 32:
+    if rows <= 16:
         return [16, 32]
+    if rows <= 32:
+        return [32, 16, 64]
     if rows <= 128:
-        return [64, 32]
+        return [64, 32, 128]
     return [128, 64]
 
 
@@ -154,14 +157,22 @@ class ConfigTable:
             self.tables[shape] = self._read(self.directory / shape.file_name())
         return self.tables[shape]
 
-    def store(self, shape: LayerShape, configs: dict[int, MoeConfig]) -> None:
+    def store(self, shape: LayerShape, configs: dict[int, MoeConfig],
+              fallback: dict[int, MoeConfig] | None = None) -> None:
+        """Add tuned ``configs`` to the table and its file; ``fallback`` configurations (where tuning failed) are
+        used by this process only, so that a later start tunes them again."""
         table = self.get(shape)
         table.update(configs)
+        for tokens, config in (fallback or {}).items():
+            table.setdefault(tokens, config)
+        if not configs:
+            return
         path = self.directory / shape.file_name()
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps({str(b): c.to_json() for b, c in sorted(table.items())}, indent=1))
+            saved = {**self._read(path), **configs}
+            tmp.write_text(json.dumps({str(b): c.to_json() for b, c in sorted(saved.items())}, indent=1))
             tmp.replace(path)
         except OSError as exc:
             logger.warning("fused MoE: cannot save tuned tiles to %s (%s); they hold for this process only", path, exc)

@@ -21,6 +21,7 @@ expert is held by another rank.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -59,7 +60,7 @@ def _moe_gemm_kernel(
     N, K, num_pairs, max_blocks,
     stride_am, stride_be, stride_bn, stride_cm, stride_asm, stride_bse, stride_bsn, stride_bsk,
     A_ROW_DIV: tl.constexpr, PAIR_PER_BLOCK: tl.constexpr, HAS_MAP: tl.constexpr, GATED: tl.constexpr, GELU_TANH: tl.constexpr, QUANT: tl.constexpr,
-    GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, IEEE: tl.constexpr, DOT_IN_FP32: tl.constexpr,
+    GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_PDL: tl.constexpr,
 ):
@@ -116,11 +117,11 @@ def _moe_gemm_kernel(
                     b_up = tl.load(b_ptrs + up_offset, mask=n_ok[None, :], other=0.0)
             else:
                 b_up = tl.load(b_ptrs + up_offset, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-        if DOT_IN_FP32:  # triton's interpreter: numpy has no bfloat16 product
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
+        if UPCAST != 0:  # 1: float32 (numpy, in the interpreter, has no bfloat16); 2: bfloat16 (no FP8 dot here)
+            a = a.to(tl.float32 if UPCAST == 1 else tl.bfloat16)
+            b = b.to(tl.float32 if UPCAST == 1 else tl.bfloat16)
             if GATED:
-                b_up = b_up.to(tl.float32)
+                b_up = b_up.to(tl.float32 if UPCAST == 1 else tl.bfloat16)
         if QUANT == 2:
             group = k0 // GROUP_K
             a_s = tl.load(a_scale_ptrs + group, mask=row_ok, other=0.0)
@@ -182,10 +183,30 @@ def grouped_gemm(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, align
         n_out, k, aligned.num_pairs, aligned.max_blocks,
         a.stride(0), weight.stride(0), weight.stride(1), out.stride(0), *scale_strides,
         A_ROW_DIV=a_row_div, PAIR_PER_BLOCK=aligned.pair_per_block, HAS_MAP=aligned.has_map, GATED=gated, GELU_TANH=gelu_tanh, QUANT=quant, GROUP_N=group_n, GROUP_K=group_k,
-        IEEE=a.dtype == torch.float32, DOT_IN_FP32=a.dtype == torch.bfloat16 and interpreter_active(), BLOCK_M=aligned.block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        IEEE=a.dtype == torch.float32, UPCAST=_upcast(a), BLOCK_M=aligned.block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         GROUP_M=config.group_m, EVEN_K=k % block_k == 0, EVEN_N=n_out % block_n == 0,
         num_warps=config.num_warps, num_stages=config.num_stages, **launch_kwargs(use_pdl(a.device)))
     return out
+
+
+def _upcast(a: torch.Tensor) -> int:
+    """How the GEMM converts its tiles before the product: 1 to float32 (bfloat16 in the interpreter), 2 to bfloat16
+    (FP8 where the GPU has no FP8 tensor-core product: exact, e4m3 values being bfloat16 values), else 0."""
+    if a.dtype == torch.bfloat16 and interpreter_active():
+        return 1
+    if a.element_size() == 1 and not interpreter_active() and not native_fp8_dot():
+        return 2
+    return 0
+
+
+@functools.lru_cache(maxsize=None)
+def native_fp8_dot() -> bool:
+    """Whether triton's current GPU multiplies FP8 tiles natively (NVIDIA sm_89 and newer; elsewhere the tiles are
+    converted to bfloat16 first)."""
+    from triton.runtime import driver
+
+    target = driver.active.get_current_target()
+    return target.backend == "cuda" and isinstance(target.arch, int) and target.arch >= 89
 
 
 @triton.jit(do_not_specialize=["num_tokens"])

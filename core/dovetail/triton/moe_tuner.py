@@ -79,13 +79,18 @@ def tune_bucket(tokens: int, shape: LayerShape, w13: torch.Tensor, w2: torch.Ten
 
 
 def tune(buckets: list[int], shape: LayerShape, w13: torch.Tensor, w2: torch.Tensor, fp8) -> dict[int, MoeConfig]:
-    """Tuned configurations of ``buckets`` (token counts) for this layer shape."""
+    """Tuned configurations of ``buckets`` (token counts) for this layer shape; a bucket whose tuning failed is
+    left out (its caller runs the defaults)."""
     started = time.perf_counter()
     logger.info("fused MoE: tuning tiles for %s at %d token counts (once per GPU kind; cached on disk)",
                 shape, len(buckets))
     configs = {}
     for tokens in buckets:
-        configs[tokens] = tune_bucket(tokens, shape, w13, w2, fp8)
+        try:
+            configs[tokens] = tune_bucket(tokens, shape, w13, w2, fp8)
+        except Exception as exc:  # tuning is an optimisation: the defaults still compute the layer
+            logger.warning("fused MoE: tuning %d tokens failed (%s: %s); using the default tiles", tokens,
+                           type(exc).__name__, exc)
         logger.info("fused MoE: %d tokens: %s", tokens, configs[tokens].describe())
     logger.info("fused MoE: tuned in %.1f s", time.perf_counter() - started)
     return configs

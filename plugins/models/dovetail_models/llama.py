@@ -90,17 +90,22 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    """Merged gate/up projection, gated activation, down projection (column- then row-parallel)."""
+    """Merged gate/up projection, gated activation, down projection (column- then row-parallel).
+
+    ``size_field`` names the config field of ``intermediate_size`` in errors; ``reduce_results=False`` leaves
+    the down projection's partial sum to the caller (a MoE block reduces it with the experts').
+    """
 
     def __init__(self, config, ctx: ModelContext, prefix: str, intermediate_size: int | None = None,
-                 hidden_act: str | None = None):
+                 hidden_act: str | None = None, size_field: str = "intermediate_size", reduce_results: bool = True):
         super().__init__()
         inter = intermediate_size or config.intermediate_size
-        divide(inter, "intermediate_size")
+        divide(inter, size_field)
         bias = getattr(config, "mlp_bias", False)
         self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [inter, inter], bias, ctx,
                                                  f"{prefix}.gate_up_proj")
-        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias, ctx, f"{prefix}.down_proj")
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias, ctx, f"{prefix}.down_proj",
+                                           reduce_results=reduce_results)
         self.act_fn = gated_activation(hidden_act or config.hidden_act, ctx)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
