@@ -56,6 +56,7 @@ def test_ray_tp2_matches_one_rank(tiny_llama_dir, tmp_path):
     prompts = [[5, 6, 7, 8, 9, 10], list(range(20, 47)), [42, 17] * 9 + [3]]
     one = _greedy(LLM(str(tiny_llama_dir), **COMMON), prompts)
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # a local Ray of its own
+    env["RAY_memory_monitor_refresh_ms"] = "0"  # Ray's own OOM killer would count other processes' memory
     proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(SCRIPT), str(tiny_llama_dir), json.dumps(COMMON),
                              json.dumps(prompts)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env, start_new_session=True)
