@@ -56,10 +56,10 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def tp_ranks():
     """``tp_ranks(world)``: a group of ``world`` rank processes over gloo (see tests/spmd.py), shared by the
-    session's tests and replaced after a failure."""
+    module's tests, replaced after a failure and stopped after the module (no process outlives it)."""
     from spmd import SpmdRanks
 
     groups: dict[int, SpmdRanks] = {}
