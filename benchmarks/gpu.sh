@@ -12,6 +12,8 @@
 #   hf        benchmarks/peer_hf.py (HF transformers, B1 and B2) for each model
 #   vllm      benchmarks/peer_vllm.py (B1 and B2 on the same requests) for each model, when vLLM is installed
 #   kernels   benchmarks/kernels_attention.py and benchmarks/kernels_linear.py (first model)
+#   moe       benchmarks/kernels_moe.py (the MoE layer against its bounds, vLLM's beside it when installed) for
+#             each model of MODELS that is a mixture of experts (its first start on a GPU kind tunes the tiles)
 #
 # Variables:
 #   MODELS     named shapes (dovetail.bench.shapes) or model directories  default: "qwen3-0.6b llama-3.1-8b"
@@ -19,10 +21,14 @@
 #   KINDS      throughput (B1) and/or latency (B2)                          default: "latency throughput"
 #   FLAGS      extra `dovetail bench` flag sets, separated by "|"; each set is one variant, and the variants
 #              alternate within a round. FLAGS="|--quantization fp8|--kv-cache-dtype fp8"    default: ""
+#              Leading NAME=VALUE words of a set are environment variables for its command:
+#              FLAGS="-tp 2|DOVETAIL_ALL_REDUCE=symm_mem -tp 2"
 #   ROUNDS     rounds of the bench loop                                     default: 1
+#   TP         tensor-parallel size of the startup step                     default: 1
 #   TESTS      pytest arguments                                             default: "-m gpu -rs tests"
 #   HF_B1_PROMPTS  how many of B1's 256 requests HF runs                    default: 64
 #   VLLM_TP    vLLM's tensor-parallel size                                  default: 1
+#   MOE_MODEL  the MoE shape of the kernels step                            default: qwen3-moe-15b-a3b
 #   TIMEOUT    seconds each benchmark command may take                      default: 300
 #   TEST_TIMEOUT  seconds the tests may take                                default: 580
 #   SKIP_INSTALL=1  the machine was set up by an earlier call
@@ -44,6 +50,7 @@
 #   MODELS=llama-3.1-8b BACKENDS="TRITON FLASHINFER" ROUNDS=2 bash benchmarks/gpu.sh bench
 #   MODELS=qwen3-0.6b FLAGS="|--kv-cache-dtype fp8" bash benchmarks/gpu.sh bench hf vllm
 #   MODELS=qwen3-0.6b KINDS=throughput FLAGS="--structured-output json" bash benchmarks/gpu.sh bench
+#   MODELS="qwen3-moe-15b-a3b qwen3-30b-a3b" bash benchmarks/gpu.sh moe bench
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT/raw"
@@ -52,6 +59,7 @@ BACKENDS=${BACKENDS:-TRITON}
 KINDS=${KINDS:-"latency throughput"}
 FLAGS=${FLAGS:-}
 ROUNDS=${ROUNDS:-1}
+TP=${TP:-1}
 TESTS=${TESTS:-"-m gpu -rs tests"}
 HF_B1_PROMPTS=${HF_B1_PROMPTS:-64}
 VLLM_TP=${VLLM_TP:-1}
@@ -74,7 +82,7 @@ install() {
     python3 -c "import sys, zstandard; zstandard.ZstdDecompressor().copy_stream(open(sys.argv[1], 'rb'), sys.stdout.buffer)" \
       /tmp/parts.tar.zst | tar -xf - -C /tmp/site || return 1
   fi
-  python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . -e plugins/cuda -e plugins/models \
+  python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . -e plugins/cpu -e plugins/cuda -e plugins/models \
     >"$OUT/install.log" 2>&1 || { tail -20 "$OUT/install.log"; return 1; }
   if [ -f .fi_cache/flashinfer.tgz ]; then mkdir -p ~/.cache && tar xzf .fi_cache/flashinfer.tgz -C ~/.cache; fi
 }
@@ -125,6 +133,8 @@ elif step == "latency":
     figures.append(("B2", d["ms_per_token"], "ms/token", {"runs": d["ms_per_token_runs"]}))
 elif step == "startup":
     base["backend"] = data.get("attention_backend", backend)
+    if data.get("tensor_parallel_size", 1) > 1:
+        base["flags"] = f"-tp {data['tensor_parallel_size']}"
     figures.append(("start-up", data["startup_to_first_token_s"], "s", {"engine_s": round(data["engine_s"], 1)}))
 else:  # peers
     for name, unit, key in (("B1", "output tok/s", "output_tokens_per_s"), ("B2", "ms/token", "ms_per_token")):
@@ -147,7 +157,7 @@ run_tests() {
 }
 
 run_bench() {
-  local round model backend variant kind args n=0
+  local round model backend variant kind args word n=0
   IFS='|' read -r -a variants <<<"$FLAGS"
   [ ${#variants[@]} -eq 0 ] && variants=("")
   for round in $(seq "$ROUNDS"); do
@@ -159,8 +169,13 @@ run_bench() {
             args=(bench "$kind" --model "$model" --output-json "$OUT/raw/bench_$n.json")
             [ "$backend" != auto ] && args+=(--attention-backend "$backend")
             log "round $round: dovetail ${args[*]:0:4} $backend $variant"
+            local envs=() flags=()
             # shellcheck disable=SC2086  # a flag set is split into its words on purpose
-            if timeout "$TIMEOUT" dovetail --log-level WARNING "${args[@]}" $variant >/dev/null 2>>"$OUT/bench.log"; then
+            for word in $variant; do
+              if [ ${#flags[@]} -eq 0 ] && [[ $word =~ ^[A-Z_][A-Z0-9_]*= ]]; then envs+=("$word"); else flags+=("$word"); fi
+            done
+            if timeout "$TIMEOUT" env "${envs[@]}" dovetail --log-level WARNING "${args[@]}" "${flags[@]}" \
+                >/dev/null 2>>"$OUT/bench.log"; then
               record "$kind" "$model" "$backend" "$variant" "$round" "$OUT/raw/bench_$n.json"
               tail -1 "$OUT/results.jsonl" | cut -c1-220
             else
@@ -193,8 +208,8 @@ for step in ${@:-tests bench}; do
         for backend in $BACKENDS; do
           log "start-up $model $backend"
           extra=(); [ "$backend" != auto ] && extra=(--attention-backend "$backend")
-          run_python startup "$model" "$backend" "$OUT/raw/startup_${model//\//_}_$backend.json" \
-            benchmarks/startup.py --model "$model" "${extra[@]}"
+          run_python startup "$model" "$backend" "$OUT/raw/startup_${model//\//_}_${backend}_tp$TP.json" \
+            benchmarks/startup.py --model "$model" -tp "$TP" "${extra[@]}"
         done
       done ;;
     hf)
@@ -217,7 +232,15 @@ for step in ${@:-tests bench}; do
         >"$OUT/kernels_attention.log" 2>&1; tail -15 "$OUT/kernels_attention.log"
       timeout "$TIMEOUT" python3 benchmarks/kernels_linear.py --model "$model" --json "$OUT/raw/kernels_linear.json" \
         >"$OUT/kernels_linear.log" 2>&1; tail -12 "$OUT/kernels_linear.log" ;;
-    *) echo "unknown step '$step' (tests bench startup hf vllm kernels)"; exit 2 ;;
+    moe)
+      for model in $MODELS; do
+        case $model in *moe*|*-a3b) ;; *) continue ;; esac
+        log "MoE layer ($model)"
+        timeout "$TIMEOUT" python3 benchmarks/kernels_moe.py --model "$model" --vllm \
+          --json "$OUT/raw/kernels_moe_${model//\//_}.json" >"$OUT/kernels_moe_${model//\//_}.log" 2>&1
+        tail -20 "$OUT/kernels_moe_${model//\//_}.log"
+      done ;;
+    *) echo "unknown step '$step' (tests bench startup hf vllm kernels moe)"; exit 2 ;;
   esac
 done
 

@@ -1,6 +1,6 @@
 """Start-up time to the first generated token: from launching a fresh Python process to its first token.
 
-    python benchmarks/startup.py --model qwen3-0.6b [--attention-backend TRITON] [--enforce-eager] [--device D]
+    python benchmarks/startup.py --model qwen3-0.6b [--attention-backend TRITON] [--enforce-eager] [--device D] [-tp N]
 
 The parent notes the wall clock, starts a child interpreter that imports
 Dovetail, builds the engine for a named dummy-weight shape and generates one
@@ -25,14 +25,14 @@ def child(args) -> None:
     t_import = time.time()
     model_dir, defaults = shapes.materialize(args.model)
     llm = LLM(model_dir, device=args.device, attention_backend=args.attention_backend,
-              enforce_eager=args.enforce_eager or None, **defaults)
+              enforce_eager=args.enforce_eager or None, tensor_parallel_size=args.tensor_parallel_size, **defaults)
     t_engine = time.time()
     llm.generate([{"prompt_token_ids": list(range(1000, 1128))}],
                  SamplingParams(temperature=0, max_tokens=1, ignore_eos=True), use_tqdm=False)
     t_token = time.time()
     print(json.dumps({"child_start": t_start, "imported": t_import, "engine_ready": t_engine,
                       "first_token": t_token, "attention_backend": llm.llm_engine.attention_backend.name,
-                      "graphs": llm.llm_engine.runner.graphs is not None}))
+                      "graphs": llm.llm_engine.executor.collective_rpc("describe")[0]["graph_sizes"] is not None}))
 
 
 def main() -> int:
@@ -41,13 +41,14 @@ def main() -> int:
     p.add_argument("--attention-backend", default=None)
     p.add_argument("--device", default=None)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--child", action="store_true")
     args = p.parse_args()
     if args.child:
         child(args)
         return 0
     t0 = time.time()
-    command = [sys.executable, __file__, "--child", "--model", args.model]
+    command = [sys.executable, __file__, "--child", "--model", args.model, "-tp", str(args.tensor_parallel_size)]
     for flag, value in (("--attention-backend", args.attention_backend), ("--device", args.device)):
         if value:
             command += [flag, value]
@@ -58,7 +59,8 @@ def main() -> int:
         print(done.stderr[-4000:], file=sys.stderr)
         return done.returncode
     times = json.loads(done.stdout.strip().splitlines()[-1])
-    print(json.dumps({"model": args.model, "attention_backend": times["attention_backend"],
+    print(json.dumps({"model": args.model, "tensor_parallel_size": args.tensor_parallel_size,
+                      "attention_backend": times["attention_backend"],
                       "graphs": times["graphs"],
                       "startup_to_first_token_s": times["first_token"] - t0,
                       "interpreter_s": times["child_start"] - t0, "imports_s": times["imported"] - times["child_start"],

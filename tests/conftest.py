@@ -54,3 +54,22 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not has_cuda:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def tp_ranks():
+    """``tp_ranks(world)``: a group of ``world`` rank processes over gloo (see tests/spmd.py), shared by the
+    session's tests and replaced after a failure."""
+    from spmd import SpmdRanks
+
+    groups: dict[int, SpmdRanks] = {}
+
+    def get(world: int) -> SpmdRanks:
+        group = groups.get(world)
+        if group is None or group.broken:
+            group = groups[world] = SpmdRanks(world)
+        return group
+
+    yield get
+    for group in groups.values():
+        group.close()

@@ -54,6 +54,21 @@ def test_throughput_generates_every_requested_token(tiny_llama_dir, tmp_path):
     assert result["dovetail"]["output_tokens_per_s"] > 0
 
 
+def test_throughput_with_a_text_prompt_reports_the_time_to_queue(tmp_path):
+    from dovetail.llm import default_model
+
+    out = tmp_path / "enqueue.json"
+    rc = main(["--log-level", "WARNING", "bench", "throughput", "--model", default_model(), "--num-prompts", "40",
+               "--output-len", "1", "--prompt", "12+34=", "--output-json", str(out)])
+    assert rc == 0
+    result = json.loads(out.read_text())
+    assert result["prompt"] == "12+34=" and result["num_requests"] == 40
+    dovetail = result["dovetail"]
+    assert dovetail["output_tokens"] == 40
+    assert dovetail["prompt_tokens"] == 40 * 7, "<s> and the six characters of each prompt"
+    assert 0 < dovetail["enqueue_seconds"] < dovetail["seconds"]
+
+
 def test_latency_reports_decode_time_per_token(tiny_llama_dir, tmp_path):
     out = tmp_path / "latency.json"
     rc = main(["--log-level", "WARNING", "bench", "latency", "--model", str(tiny_llama_dir), "--device", "cpu",
@@ -61,6 +76,29 @@ def test_latency_reports_decode_time_per_token(tiny_llama_dir, tmp_path):
     assert rc == 0
     result = json.loads(out.read_text())["dovetail"]
     assert result["ms_per_token"] > 0 and len(result["ms_per_token_runs"]) == 2
+
+
+def test_moe_shapes_are_qwen3_30b_a3b_and_its_first_half():
+    """qwen3-30b-a3b has Qwen3-30B-A3B's 30.5B parameters (3.3B active per token); qwen3-moe-15b-a3b its layer
+    shape with 24 of the 48 layers."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from dovetail.bench.shapes import SHAPES, materialize
+
+    def billions(name):
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(SHAPES[name].config())
+        return sum(p.numel() for p in model.parameters()) / 1e9
+
+    full, half = billions("qwen3-30b-a3b"), billions("qwen3-moe-15b-a3b")
+    assert 30.4 < full < 30.6
+    embeddings = 2 * 151936 * 2048 / 1e9
+    assert abs((half - embeddings) * 2 - (full - embeddings)) < 1e-5  # the layers, less one final norm
+    path, defaults = materialize("qwen3-moe-15b-a3b")
+    config = AutoConfig.from_pretrained(path)
+    assert config.architectures == ["Qwen3MoeForCausalLM"] and defaults["load_format"] == "dummy"
+    assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size) == (128, 8, 768)
 
 
 def test_throughput_with_structured_output_reports_both_runs_and_the_compile_time(tiny_llama_dir, tmp_path):

@@ -72,8 +72,14 @@ def test_apply_token_bitmask_keeps_exactly_the_allowed_tokens():
         words[row, token // 32] |= 1 << (token % 32)
     bitmask = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # int32 words, as xgrammar packs
     masked = logits.clone()
-    apply_token_bitmask(masked, bitmask)
+    apply_token_bitmask(masked, bitmask)  # 70 tokens: the last word is partly past the vocabulary
     torch.testing.assert_close(masked, logits.masked_fill(~allowed, float("-inf")))
+    some = logits.clone()
+    apply_token_bitmask(some, bitmask[[0, 1]], rows=[2, 0])  # bitmask rows constrain logits rows 2 and 0
+    expected = logits.clone()
+    expected[2] = logits[2].masked_fill(~allowed[0], float("-inf"))
+    expected[0] = logits[0].masked_fill(~allowed[1], float("-inf"))
+    torch.testing.assert_close(some, expected)
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from dovetail import LLM, SamplingParams
-from tiny_models import assert_greedy_matches, build_tokenizer, first_divergence, hf_greedy, load_hf
+from tiny_models import (assert_greedy_matches, build_tokenizer, check_matches, completions, first_divergence,
+                         hf_greedy, load_hf)
 
 VOCAB = 320
 WINDOW = 8
@@ -44,7 +45,8 @@ CASES = {
         rope_type="dynamic", factor=2.0, rope_theta=10000.0)),
     "llama-rope-yarn": lambda: _config("LlamaConfig", rope_parameters=dict(
         rope_type="yarn", factor=4.0, original_max_position_embeddings=32, rope_theta=10000.0)),
-    "mistral-sliding": lambda: _config("MistralConfig", sliding_window=WINDOW),
+    # An odd vocabulary: two ranks hold 161 rows each, the last one padding.
+    "mistral-sliding-odd-vocab": lambda: _config("MistralConfig", sliding_window=WINDOW, vocab_size=VOCAB + 1),
     "qwen2-bias-sliding-layer": lambda: _config("Qwen2Config", use_sliding_window=True, sliding_window=WINDOW,
                                                 max_window_layers=1, tie_word_embeddings=True),
     "qwen3-qknorm-head_dim": lambda: _config("Qwen3Config", head_dim=24, attention_bias=True),
@@ -54,6 +56,10 @@ CASES = {
     "qwen3moe-sparse-step": lambda: _config(
         "Qwen3MoeConfig", num_experts=6, num_experts_per_tok=3, moe_intermediate_size=32, norm_topk_prob=False,
         decoder_sparse_step=2),
+    "qwen2moe-shared-expert-dense-layer": lambda: _config(
+        "Qwen2MoeConfig", num_hidden_layers=3, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, norm_topk_prob=False, mlp_only_layers=[1], use_sliding_window=True,
+        sliding_window=WINDOW, max_window_layers=1),
     "mixtral-sliding": lambda: _config("MixtralConfig", num_local_experts=4, num_experts_per_tok=2,
                                        sliding_window=WINDOW),
     "gemma2-softcap-sliding": lambda: _config(
@@ -101,22 +107,43 @@ def run_engine(path, prompts=PROMPTS, **kwargs):
     return llm, llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
 
 
-def check_matches_hf(outputs, reference, tol: float = 1e-4):
-    for out, (tokens, hf_logprobs) in zip(outputs, reference):
-        completion = out.outputs[0]
-        assert_greedy_matches(completion.token_ids, tokens, hf_logprobs)
-        same_until = first_divergence(completion.token_ids, tokens)
-        for step in range(len(tokens) if same_until is None else same_until):
-            entry, hf_step = completion.logprobs[step], hf_logprobs[step]
-            token = completion.token_ids[step]
-            assert abs(entry[token].logprob - float(hf_step[token])) < tol, f"step {step}"
+def check_matches_hf(completed, reference, tol: float = 1e-4):
+    for (tokens, logprobs), (hf_tokens, hf_logprobs) in zip(completed, reference):
+        assert_greedy_matches(tokens, hf_tokens, hf_logprobs)
+        same_until = first_divergence(tokens, hf_tokens)
+        for step in range(len(hf_tokens) if same_until is None else same_until):
+            entry, hf_step = logprobs[step], hf_logprobs[step]
+            token = tokens[step]
+            assert abs(entry[token] - float(hf_step[token])) < tol, f"step {step}"
             top = hf_step.topk(3)
             for tid, lp in zip(top.indices.tolist(), top.values.tolist()):
-                assert tid in entry and abs(entry[tid].logprob - lp) < tol, f"step {step}, token {tid}"
+                assert tid in entry and abs(entry[tid] - lp) < tol, f"step {step}, token {tid}"
 
 
-def test_engine_matches_hf(case):
+@pytest.fixture(scope="module")
+def one_rank(case):
+    """The engine's completions of the case on one rank."""
+    _, path, _ = case
+    return completions(run_engine(path)[1])
+
+
+def test_engine_matches_hf(case, one_rank):
     name, path, reference = case
     assert len(list(path.glob("*.safetensors"))) > 1, "the checkpoint must be sharded"
-    _, outputs = run_engine(path)
-    check_matches_hf(outputs, reference)
+    check_matches_hf(one_rank, reference)
+
+
+def tp_generate(path: str) -> list:
+    """On each rank of a tensor-parallel group: the engine's completions (run by tests/spmd.py)."""
+    return completions(run_engine(path, cpu_threads=1)[1])
+
+
+def test_engine_matches_hf_at_tensor_parallel_2(case, one_rank, tp_ranks):
+    """Every architecture with its weights split over two ranks (real processes over gloo, reused across
+    cases; tests/test_tp_engine.py runs some through the engine's ``mp`` executor): the same greedy tokens
+    and log-probabilities as HF and as one rank, and the same on both ranks."""
+    name, path, reference = case
+    ranks = tp_ranks(2).run(tp_generate, str(path))
+    assert ranks[0] == ranks[1], "the ranks sampled different tokens or log-probabilities"
+    check_matches_hf(ranks[0], reference)
+    check_matches(ranks[0], one_rank)

@@ -519,3 +519,64 @@ def test_act_order_permutations_that_disagree_across_merged_shards_are_refused(f
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ModelLoadError, match=r"qkv_proj.g_idx \(shard \d\) differs from the other shards"):
         LLM(str(path), **ENGINE)
+
+
+# -- tensor parallelism ---------------------------------------------------------------------------------
+
+
+def tp_run(path: str) -> tuple[dict, list]:
+    """On each rank of a tensor-parallel group (tests/spmd.py): the shapes of two layers' parameters, and
+    greedy completions with their top log-probabilities."""
+    llm = LLM(path, cpu_threads=1, **ENGINE)
+    return layer_shapes(llm), tiny_models.completions(llm.generate(
+        [{"prompt_token_ids": p} for p in PROMPTS], TP_PARAMS, use_tqdm=False))
+
+
+TP_PARAMS = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=2)
+TP_LAYERS = ("model.layers.0.self_attn.qkv_proj", "model.layers.0.mlp.down_proj")
+
+
+def layer_shapes(llm) -> dict[str, tuple[int, ...]]:
+    return {f"{layer}.{name}": tuple(p.shape) for layer in TP_LAYERS
+            for name, p in llm.llm_engine.model.get_submodule(layer).named_parameters()}
+
+
+#: Checkpoints whose sharding changes nothing but the order of float32 sums: weight-only formats, FP8
+#: blocks (activations quantized per group of 32 features, which the ranks' slices hold whole) and
+#: static activation scales. Per-token dynamic activations would differ: a rank sees half a token.
+TP_CHECKPOINTS = {
+    "gptq-g32-actorder": lambda src, dst: build_gptq(src, dst, 32, True, False),  # every rank keeps every group
+    "gptq-g128-sym-v2": lambda src, dst: build_gptq(src, dst, 128, False, True, "gptq_v2"),
+    "awq-g32": lambda src, dst: build_awq(src, dst, 32),  # o_proj and down_proj ranks keep their own groups
+    "autofp8-static": build_autofp8,
+    "fp8-block32": lambda src, dst: build_hf_finegrained(src, dst, [32, 32]),
+    "int8-static": lambda src, dst: build_compressed_tensors(src, dst, "int", static=True),
+}
+
+
+def rank_shape(layer: str, name: str, shape: tuple[int, ...], fmt: str) -> tuple[int, ...]:
+    """A parameter's shape on each of two ranks: QKV (column-parallel) halves its output dimension,
+    down_proj (row-parallel) its input dimension; act-order GPTQ keeps every group's scales and zeros."""
+    if layer.endswith("qkv_proj"):
+        dim = {"weight": 0, "weight_scale": 0, "weight_scale_inv": 0, "qweight": 1, "scales": 1, "zeros": 1}.get(name)
+    else:
+        dim = {"weight": 1, "weight_scale_inv": 1, "qweight": 0, "g_idx": 0}.get(name)
+        if name in ("scales", "zeros") and fmt != "gptq-g32-actorder":
+            dim = 0
+    return shape if dim is None else shape[:dim] + (shape[dim] // 2,) + shape[dim + 1:]
+
+
+@pytest.mark.parametrize("fmt", sorted(TP_CHECKPOINTS))
+def test_quantized_checkpoints_at_tensor_parallel_2_match_one_rank(float_dir, tmp_path, tp_ranks, fmt):
+    """Two ranks (real processes over gloo) hold their slices of the quantized tensors and generate what one
+    rank does."""
+    path, _ = TP_CHECKPOINTS[fmt](float_dir, tmp_path / fmt)
+    llm = LLM(str(path), **ENGINE)
+    one_rank = tiny_models.completions(llm.generate([{"prompt_token_ids": p} for p in PROMPTS], TP_PARAMS,
+                                                    use_tqdm=False))
+    (shapes, results), (shapes_1, results_1) = tp_ranks(2).run(tp_run, str(path))
+    assert results == results_1, "the ranks sampled different tokens or log-probabilities"
+    tiny_models.check_matches(results, one_rank, tol=1e-3)
+    expected = {name: rank_shape(name.rsplit(".", 1)[0], name.rsplit(".", 1)[1], shape, fmt)
+                for name, shape in layer_shapes(llm).items()}
+    assert shapes == shapes_1 == expected

@@ -151,7 +151,7 @@ def test_waiting_queue_limit_counts_sequences(llm):
         await engine.add([NewRequest("waiting", [5, 6], long.model_copy(update={"n": 3}))])
         with pytest.raises(QueueFullError, match="3 sequences waiting, 2 more asked for, max_waiting_requests=4"):
             await engine.add([NewRequest("two-more", [5, 6], GREEDY.model_copy(update={"n": 2}))])
-        with pytest.raises(RequestError, match="n: the request makes 5 sequences"):
+        with pytest.raises(QueueFullError, match="the request makes 5 sequences, more than may ever wait"):
             await engine.add([NewRequest("never-fits", [5, 6], GREEDY.model_copy(update={"n": 5}))])
         first.abort()
         return await _final(await engine.add([NewRequest("after", [5, 6], GREEDY)]))

@@ -50,3 +50,23 @@ def test_bench_serve_reports_every_rate(server, tmp_path):
     args.rates, args.output_len = ["1"], "3:1000"
     with pytest.raises(SystemExit, match="max_model_len"):
         asyncio.run(benchmark(args))
+
+
+def test_bench_serve_sends_a_background_request_first_and_reports_it(server, tmp_path):
+    out = tmp_path / "background.json"
+    fan_out = json.dumps({"prompt": ["hi"] * 3, "n": 200, "max_tokens": 1})  # 600 sequences: over the limit
+    args = build_parser_args(server, "--rates", "inf", "--num-prompts", "2", "--input-len", "4", "--output-len", "3",
+                             "--background-request", fan_out, "--background-delay", "0.2", "--output-json", str(out))
+    assert args.func(args) == 0
+    result = json.loads(out.read_text())
+    assert result["results"][0]["completed"] == 2
+    background = result["background"]
+    assert background["status"] == 400 and background["error"]["param"] == "n"
+    assert background["answered_before_the_measured_requests_ended"] is True
+    assert background["seconds"] > 0
+
+
+def build_parser_args(server, *extra):
+    from dovetail.cli.main import build_parser
+
+    return build_parser().parse_args(["bench", "serve", "--base-url", server.base_url, "--api-key", API_KEY, *extra])

@@ -34,14 +34,20 @@ def free_port() -> int:
 class ServerProcess:
     """A ``dovetail serve`` subprocess on a free loopback port, ready once ``/health`` answers 200."""
 
-    def __init__(self, model_dir, *flags: str, startup_timeout: float = 180.0):
+    def __init__(self, model_dir, *flags: str, startup_timeout: float = 180.0, preload: str | None = None,
+                 env: dict | None = None):
+        """``preload`` names a module of tests/ the server process imports first (a spy); ``env`` adds variables."""
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="dovetail-serve-", suffix=".log", delete=False)
         env = dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-                   OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
+                   OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"), **(env or {}))
         env.pop("DOVETAIL_API_KEY", None)
-        cmd = [sys.executable, "-m", "dovetail.cli.main", "--log-level", "WARNING", "serve", str(model_dir),
+        launcher = ["-m", "dovetail.cli.main"]
+        if preload is not None:
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.dirname(__file__), env.get("PYTHONPATH")]))
+            launcher = ["-c", f"import sys, {preload}; from dovetail.cli.main import main; sys.exit(main())"]
+        cmd = [sys.executable, *launcher, "--log-level", "WARNING", "serve", str(model_dir),
                "--port", str(self.port), "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning", *flags]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         self._wait_ready(startup_timeout)
@@ -113,7 +119,7 @@ def test_serve_help_lists_server_and_engine_flags():
     out = subprocess.run([sys.executable, "-m", "dovetail.cli.main", "serve", "--help"], capture_output=True,
                          text=True, check=True).stdout
     for flag in ("--host", "--port", "--served-model-name", "--api-key", "--max-waiting-requests", "--max-body-bytes",
-                 "--device", "--attention-backend", "--quantization", "--dtype", "--max-model-len"):
+                 "--max-sequences-per-request", "--allowed-hosts", "--device", "--attention-backend", "--quantization", "--dtype", "--max-model-len"):
         assert flag in out
 
 
@@ -122,6 +128,65 @@ def test_serve_rejects_a_bad_flag_value_naming_it(tiny_llama_dir):
                            "--max-waiting-requests", "0"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert "--max-waiting-requests" in done.stderr
+
+
+def _serve(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dovetail.cli.main", "--log-level", "INFO", "serve", *args],
+                          capture_output=True, text=True, timeout=300)
+
+
+def _engine_was_built(output: str) -> bool:
+    return "engine ready" in output or "chosen automatically" in output
+
+
+def test_a_bad_port_is_one_line_before_the_model_loads(tiny_llama_dir):
+    done = _serve(str(tiny_llama_dir), "--port", "99999")
+    assert done.returncode == 2
+    assert done.stderr.strip() == "error: --port: must be at most 65535 (got 99999)"
+    assert not _engine_was_built(done.stderr + done.stdout)
+
+
+def test_a_port_in_use_stops_the_server_before_the_model_loads(tiny_llama_dir):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        done = _serve(str(tiny_llama_dir), "--port", str(port))
+    assert done.returncode == 2, done.stderr
+    errors = [line for line in done.stderr.splitlines() if not line.startswith("INFO")]
+    assert errors == [f"error: --port: 127.0.0.1:{port} is already in use; choose another port"]
+    assert "Traceback" not in done.stderr and not _engine_was_built(done.stderr)
+
+
+def test_a_host_that_is_not_here_is_one_line(tiny_llama_dir):
+    done = _serve(str(tiny_llama_dir), "--host", "name.that-does-not-resolve.invalid")
+    assert done.returncode == 2 and "error: --host: cannot resolve" in done.stderr
+    assert "Traceback" not in done.stderr and not _engine_was_built(done.stderr)
+
+
+def test_generate_refuses_an_empty_prompt_before_loading(tiny_llama_dir):
+    done = subprocess.run([sys.executable, "-m", "dovetail.cli.main", "--log-level", "INFO", "generate", "12+34=", "",
+                           "--model", str(tiny_llama_dir)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2
+    assert "error: prompt: prompt 2 is empty" in done.stderr and not _engine_was_built(done.stderr)
+
+
+def test_allowed_hosts_default_to_loopback_names_only_where_rebinding_reaches():
+    from dovetail.cli.serve_cmd import LOOPBACK_NAMES, allowed_hosts
+    from dovetail.server.middleware import AllowedHostsMiddleware, host_name
+
+    assert allowed_hosts(None, "127.0.0.1", None) == LOOPBACK_NAMES
+    assert allowed_hosts(None, "::1", None) == LOOPBACK_NAMES
+    assert allowed_hosts(None, "localhost", None) == LOOPBACK_NAMES
+    assert allowed_hosts(None, "127.0.0.1", "sk-key") is None, "the key already closes the door"
+    assert allowed_hosts(None, "0.0.0.0", None) is None, "the names it is reached by are unknown"
+    assert allowed_hosts(["api.example.com"], "0.0.0.0", None) == ["api.example.com"]
+    assert allowed_hosts(["*"], "127.0.0.1", None) is None
+    assert [host_name(h) for h in ("127.0.0.1:8000", "[::1]:8000", "LocalHost", "localhost.:80")] == \
+        ["127.0.0.1", "[::1]", "localhost", "localhost"]
+    middleware = AllowedHostsMiddleware(None, ["api.example.com", "*.internal.example"])
+    assert middleware.allows("api.example.com") and middleware.allows("a.b.internal.example")
+    assert not middleware.allows("internal.example") and not middleware.allows("evil.com")
 
 
 def test_api_key_from_environment(tiny_llama_dir, monkeypatch):

@@ -96,6 +96,49 @@ def test_malformed_json_is_400(server, raw):
     assert error["message"].startswith(("body", "temperature"))
 
 
+@pytest.mark.parametrize("raw,expected", [
+    (b'{"prompt": ' + b"[" * 50_000 + b"]" * 50_000 + b"}", "nests arrays or objects too deeply"),
+    (b'{"prompt": "hi", "max_tokens": ' + b"1" * 5000 + b"}", "a number in the JSON has too many digits"),
+    (b'{"prompt": "\xff"}', "not valid UTF-8"),
+], ids=["deeply-nested", "5000-digit-number", "not-utf8"])
+def test_a_body_that_cannot_be_parsed_says_why(server, raw, expected):
+    rejected = _metric(server, REJECTED)
+    error = _assert_error(_post(server, "/v1/completions", raw), 400)
+    assert error["message"].startswith("body: ") and expected in error["message"]
+    if expected != "not valid UTF-8":
+        assert "UTF-8" not in error["message"]
+    assert _metric(server, REJECTED) == rejected + 1
+
+
+#: Request text with a lone surrogate (valid JSON, but not Unicode text any tokenizer takes).
+SURROGATE = "12+3\\ud800="
+TOKENIZER_FAILURES = [
+    ("/v1/completions", '{"prompt": "%s", "max_tokens": 2}' % SURROGATE, "prompt"),
+    ("/v1/completions", '{"prompt": ["hi", "%s"], "max_tokens": 2}' % SURROGATE, "prompt.1"),
+    ("/v1/chat/completions", '{"messages": [{"role": "system", "content": "hi"}, {"role": "user", "content": "%s"}]}'
+     % SURROGATE, "messages.1.content"),
+    ("/tokenize", '{"prompt": "%s"}' % SURROGATE, "prompt"),
+    ("/tokenize", '{"messages": [{"role": "user", "content": "%s"}]}' % SURROGATE, "messages.0.content"),
+]
+
+
+@pytest.mark.parametrize("path,raw,field", TOKENIZER_FAILURES, ids=[f"{p}-{f}" for p, _, f in TOKENIZER_FAILURES])
+def test_text_the_tokenizer_cannot_take_is_the_clients_400(server, path, raw, field):
+    rejected, errors = _metric(server, REJECTED), _metric(server, ERRORS)
+    error = _assert_error(_post(server, path, raw), 400, field)
+    assert "lone surrogate" in error["message"]
+    if path != "/tokenize":
+        assert _metric(server, REJECTED) == rejected + 1
+    assert _metric(server, ERRORS) == errors
+
+
+def test_head_health_and_hosts_with_a_key(server):
+    assert httpx.head(server.url("/health")).status_code == 200
+    # With an API key, the key is what a rebinding page lacks: any Host header is answered.
+    response = httpx.get(server.url("/v1/models"), headers={**auth(), "Host": "attacker.example"})
+    assert response.status_code == 200
+
+
 def test_tokenize_and_detokenize_errors(server):
     _assert_error(_post(server, "/detokenize", {"tokens": [1, -5]}), 400, "tokens")
     _assert_error(_post(server, "/detokenize", {"tokens": [1, 10**6]}), 400, "tokens")
@@ -156,6 +199,8 @@ def _wait_for(predicate, timeout=30.0):
 
 
 ABORTED = 'dovetail_requests_total{outcome="aborted"}'
+REJECTED = 'dovetail_requests_total{outcome="rejected"}'
+ERRORS = 'dovetail_requests_total{outcome="error"}'
 
 
 def test_stream_disconnect_aborts_the_request_and_frees_its_blocks(server):

@@ -9,9 +9,11 @@ what they give at TP=1.
 
 from __future__ import annotations
 
+import gc
 import logging
 import multiprocessing
 import os
+import time
 
 import pytest
 
@@ -54,12 +56,36 @@ def assert_workers_gone(pids: list[int]) -> None:
         assert state == "Z", f"worker process {pid} is still running (state {state})"
 
 
+def assert_sharded(whole: dict, ranks: list[dict]) -> None:
+    """Each rank holds a part of the large weights (attention, dense MLP, embedding): a parameter is either
+    the whole one or smaller in one dimension, by about the number of ranks."""
+    world = len(ranks)
+    for info in ranks:
+        parts = info["parameters"]
+        assert parts.keys() == whole.keys()
+        split = []
+        for name, shape in parts.items():
+            if shape == whole[name]:
+                continue
+            dims = [d for d, (a, b) in enumerate(zip(shape, whole[name])) if a != b]
+            assert len(dims) == 1 and shape[dims[0]] * world >= whole[name][dims[0]] > shape[dims[0]], \
+                f"rank {info['rank']}: {name} is {shape}, the whole is {whole[name]}"
+            split.append(name)
+        kinds = ["qkv_proj", "o_proj", "embed_tokens"] + (["gate_up_proj", "down_proj"] if any(
+            "gate_up_proj" in name for name in whole) else [])  # experts are checked where they are split
+        for kind in kinds:
+            assert any(kind in name for name in split), f"rank {info['rank']} holds every {kind} whole"
+
+
 def check_against_hf_and_one_rank(path, world_size: int = 2) -> LLM:
     hf = load_hf(path)
     references = [hf_greedy(hf, p, MAX_TOKENS) for p in PROMPTS]
-    one = _greedy(LLM(str(path), **COMMON))
+    single = LLM(str(path), **COMMON)
+    one = _greedy(single)
     llm = LLM(str(path), tensor_parallel_size=world_size, **COMMON)
     assert llm.llm_engine.executor.name == "mp" and llm.llm_engine.world_size == world_size
+    assert_sharded(single.llm_engine.executor.worker.describe()["parameters"],
+                   llm.llm_engine.executor.collective_rpc("describe"))
     many = _greedy(llm)
     for ours, single, (tokens, logprobs) in zip(many, one, references):
         assert_greedy_matches(ours, tokens, logprobs)
@@ -79,8 +105,22 @@ def test_tp2_greedy_matches_hf_and_one_rank(case, tmp_path):
 
 def test_tp4_greedy_matches_hf_and_one_rank(tmp_path):
     """Four ranks for a model with two KV heads: the KV heads are shared by pairs of ranks."""
-    llm = check_against_hf_and_one_rank(save_checkpoint(tmp_path, CASES["llama-rope-llama3"]()), world_size=4)
-    llm.llm_engine.shutdown()
+    config = CASES["llama-rope-llama3"]()
+    llm = check_against_hf_and_one_rank(save_checkpoint(tmp_path, config), world_size=4)
+    head, hidden = config.hidden_size // config.num_attention_heads, config.hidden_size
+    for info in llm.llm_engine.executor.collective_rpc("describe"):  # each rank: one query head, one KV head
+        shapes = info["parameters"]
+        assert shapes["model.layers.0.self_attn.qkv_proj.weight"] == (3 * head, hidden)
+        assert shapes["model.layers.0.self_attn.o_proj.weight"] == (hidden, head)
+        assert shapes["model.layers.0.mlp.gate_up_proj.weight"] == (2 * config.intermediate_size // 4, hidden)
+        assert shapes["model.embed_tokens.weight"] == (config.vocab_size // 4, hidden)
+    pids = llm.llm_engine.executor.pids
+    del llm  # an engine dropped without shutdown() stops its workers too
+    gc.collect()
+    deadline = time.monotonic() + 20
+    while any(os.path.exists(f"/proc/{pid}") for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert_workers_gone(pids)
 
 
 def test_one_rank_runs_in_process(tiny_llama_dir):

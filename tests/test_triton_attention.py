@@ -331,10 +331,10 @@ def test_backend_declares_and_validates():
     caps = TritonBackend.capabilities()
     assert {64, 80, 96, 128, 256} <= set(caps["head_sizes"])
     assert set(caps["dtypes"]) == {"float16", "bfloat16", "float32"}
-    reasons = TritonBackend.validate(requirements(head_size=48, kv_cache_dtype="fp8", device_type="cpu",
+    reasons = TritonBackend.validate(requirements(head_size=48, kv_cache_dtype="fp8_e5m2", device_type="cpu",
                                                   num_heads=12, num_kv_heads=5))
     text = "\n".join(reasons)
-    assert "head size 48" in text and "kv_cache_dtype 'fp8'" in text and "device type 'cpu'" in text
+    assert "head size 48" in text and "kv_cache_dtype 'fp8_e5m2'" in text and "device type 'cpu'" in text
     assert "multiple of num_kv_heads" in text
 
 

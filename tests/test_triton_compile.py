@@ -64,6 +64,63 @@ def gemv_variant(weight, dot, split_k, block_n, block_k, num_stages, even=False)
     return _gemv_kernel, types, constexprs, dict(num_warps=4, num_stages=num_stages)
 
 
+MOE_GEMM_TYPES = dict(c_ptr="*bf16", a_scale_ptr="*fp32", b_scale_ptr="*fp32", sorted_ptr="*i32",
+                      block_expert_ptr="*i32", num_padded_ptr="*i32")
+
+
+def moe_gemm_variant(dtype, gated, block_m, config, quant=0, pair_per_block=False, upcast=0):
+    """The grouped GEMM of the fused MoE; ``quant`` 1: FP8 per-channel, 2: FP8 128x128 blocks; ``upcast`` 2: FP8 tiles
+    multiplied as bfloat16 (GPUs without an FP8 product)."""
+    from dovetail.triton.moe_gemm import _moe_gemm_kernel
+
+    operand = "*fp8e4nv" if quant else f"*{dtype}"
+    types = dict(MOE_GEMM_TYPES, a_ptr=operand, b_ptr=operand, c_ptr=f"*{dtype}",
+                 sorted_ptr="*i64" if pair_per_block else "*i32")
+    constexprs = dict(A_ROW_DIV=8 if gated else 1, PAIR_PER_BLOCK=pair_per_block, HAS_MAP=pair_per_block,
+                      GATED=gated, GELU_TANH=False, QUANT=quant, GROUP_N=128 if quant == 2 else 1,
+                      GROUP_K=128 if quant == 2 else 1, IEEE=dtype == "fp32", UPCAST=upcast, BLOCK_M=block_m,
+                      BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m, EVEN_K=True,
+                      EVEN_N=False)
+    return _moe_gemm_kernel, types, constexprs, dict(num_warps=config.num_warps, num_stages=config.num_stages)
+
+
+def moe_variants():
+    from dovetail.triton import moe_align
+    from dovetail.triton.moe_configs import gemm_candidates
+    from dovetail.triton.moe_gemm import _moe_sum_kernel
+    from dovetail.triton.moe_routing import _topk_softmax_kernel
+
+    align = dict(ids_ptr="*i32", map_ptr="*i32", sorted_ptr="*i32", block_expert_ptr="*i32", num_padded_ptr="*i32",
+                 counts_ptr="*i32")
+    return {
+        "moe routing 128 experts top 8": (_topk_softmax_kernel, dict(logits_ptr="*bf16", weights_ptr="*fp32",
+                                                                      ids_ptr="*i32"),
+                                          dict(TOP_K=8, K_P2=8, RENORMALIZE=True, BLOCK_T=16, BLOCK_E=128),
+                                          dict(num_warps=4)),
+        "moe align, one program": (moe_align._align_small_kernel, align,
+                                   dict(HAS_MAP=True, E_P2=128, BLOCK_M=16, CHUNK=32, BLOCKS_TILE=32),
+                                   dict(num_warps=4)),
+        "moe align: count": (moe_align._count_kernel, align, dict(HAS_MAP=False, E_P2=128, CHUNK=128),
+                             dict(num_warps=8)),
+        "moe align: scan": (moe_align._scan_kernel, align, dict(E_P2=128, BLOCK_M=64, ROWS=32, BLOCKS_TILE=32),
+                            dict(num_warps=8)),
+        "moe align: place": (moe_align._place_kernel, align, dict(HAS_MAP=True, E_P2=128, CHUNK=128),
+                             dict(num_warps=8)),
+        "moe gate/up bf16, one token": moe_gemm_variant("bf16", True, 16, gemm_candidates(16, True)[0],
+                                                        pair_per_block=True),
+        "moe gate/up bf16 prefill": moe_gemm_variant("bf16", True, 128, gemm_candidates(128, True)[0]),
+        "moe down bf16 prefill": moe_gemm_variant("bf16", False, 64, gemm_candidates(64, False)[0]),
+        "moe gate/up fp8 per channel": moe_gemm_variant("fp16", True, 16, gemm_candidates(16, True)[0], quant=1),
+        "moe gate/up fp8 blocks": moe_gemm_variant("bf16", True, 64, gemm_candidates(64, True)[0], quant=2),
+        "moe down fp8 blocks as bf16": moe_gemm_variant("bf16", False, 16, gemm_candidates(16, False)[0], quant=2,
+                                                       upcast=2),
+        "moe down fp32": moe_gemm_variant("fp32", False, 16, gemm_candidates(16, False)[1]),
+        "moe sum with an expert map": (_moe_sum_kernel, dict(c_ptr="*bf16", w_ptr="*fp32", ids_ptr="*i32",
+                                                             map_ptr="*i32", out_ptr="*bf16"),
+                                       dict(TOP_K=8, HAS_MAP=True, BLOCK_H=1024), dict(num_warps=4)),
+    }
+
+
 def variants(pdl: bool = False):
     """Name -> (kernel, argument types, constexpr values, options), covering every branch.
 
@@ -123,6 +180,7 @@ def _variants():
         "gemv fp8 dot split-k": gemv_variant("fp8", True, 4, 64, 128, 3),
         "gemv fp8 dot, tiles dividing the weight": gemv_variant("fp8", True, 4, 64, 256, 3, even=True),
         "gemv bf16 register sums": gemv_variant("bf16", False, 1, 8, 1024, 3),
+        **moe_variants(),
     }
 
 

@@ -108,6 +108,28 @@ def assert_greedy_matches(ours: list[int], theirs: list[int], hf_logprobs: list[
     raise AssertionError(f"greedy tokens diverge at step {i}: ours {ours[i:i + 5]} vs HF {theirs[i:i + 5]}{gap}")
 
 
+def completions(outputs) -> list[tuple[list[int], list[dict[int, float]]]]:
+    """Each request's greedy tokens and, per step, its top log-probabilities (plain data, picklable)."""
+    return [(list(out.outputs[0].token_ids), [{t: lp.logprob for t, lp in step.items()}
+                                              for step in out.outputs[0].logprobs]) for out in outputs]
+
+
+def check_matches(completed, expected, tol: float = 1e-4):
+    """Greedy tokens equal to ``expected``'s (the comparison stops at a near tie of its top two), and
+    the log-probabilities of every token both report within ``tol``."""
+    for (tokens, logprobs), (want, want_logprobs) in zip(completed, expected):
+        for step, (token, wanted) in enumerate(zip(tokens, want)):
+            for tid, lp in want_logprobs[step].items():
+                if tid in logprobs[step]:
+                    assert abs(logprobs[step][tid] - lp) < tol, f"step {step}, token {tid}"
+            if token != wanted:
+                top2 = sorted(want_logprobs[step].values(), reverse=True)[:2]
+                assert token in want_logprobs[step] and top2[0] - top2[1] < tol, \
+                    f"greedy tokens diverge at step {step}: {tokens[step:step + 5]} vs {want[step:step + 5]}"
+                break
+        assert len(tokens) == len(want)
+
+
 #: A chat template in the manner of Hermes/Qwen: tools in a system turn, assistant tool calls as
 #: ``<tool_call>`` blocks, tool results as ``<tool_response>``, and ``enable_thinking=False`` closing an
 #: empty reasoning in the generation prompt (as Qwen3's template does).

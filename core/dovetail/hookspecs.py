@@ -48,9 +48,9 @@ plain torch unless the selected platform returns something faster:
 
 - ``Platform.fused_ops()`` -- a :class:`dovetail.ops.FusedOps` subclass: the dense linear layers and LM
   head (``linear``), RMSNorm with the residual add, rotary (with per-head q/k norms), the gated
-  activations, the mixture-of-experts layer (``fused_moe``) and greedy sampling's ``argmax``. Every
-  model layer calls these; override what the hardware does faster. GPU platforms built on
-  :class:`dovetail.torch_device_platform.TorchDevicePlatform` get the core's Triton kernels
+  activations, the mixture-of-experts layer (routing, ``select_experts``; the experts, ``fused_moe``) and
+  greedy sampling's ``argmax``. Every model layer calls these; override what the hardware does faster.
+  GPU platforms built on :class:`dovetail.torch_device_platform.TorchDevicePlatform` get the core's Triton kernels
   (:class:`dovetail.triton.fused_ops.TritonFusedOps`) and may tune them (``gemv_max_rows``).
 - ``Platform.quant_kernels()`` -- a :class:`dovetail.quantization.kernels.QuantKernels` subclass: the
   products of the quantized formats (FP8, INT8, GPTQ/AWQ) that every quantization method calls, and

@@ -80,6 +80,11 @@ class DovetailModel(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load checkpoint tensors by HF name; return the names of the parameters filled.
 
+        Under tensor parallelism (``dovetail.distributed.tp_size() > 1``) the tensors are
+        :class:`~dovetail.checkpoint_tensor.CheckpointTensor` objects, read only in the
+        part a rank keeps: :class:`~dovetail.layers.weights.WeightMapper` and the core
+        layers handle both kinds; other code reads one with ``dovetail.checkpoint_tensor.read``.
+
         Raise :class:`dovetail.errors.ModelLoadError` naming any unexpected or
         mis-shaped tensor.
         """

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
 from typing import Iterator
 
 import torch
 
+from dovetail.checkpoint_tensor import CheckpointTensor, read
+from dovetail.distributed import tp_size
 from dovetail.errors import ModelLoadError
 
 logger = logging.getLogger("dovetail")
@@ -132,14 +135,18 @@ def safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def iterate_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every checkpoint tensor, one at a time, memory-mapped from its file."""
+def iterate_weights(path: Path, lazy: bool = False) -> Iterator[tuple[str, torch.Tensor | CheckpointTensor]]:
+    """Every checkpoint tensor, one at a time, memory-mapped from its file.
+
+    ``lazy`` yields :class:`~dovetail.checkpoint_tensor.CheckpointTensor` objects, read
+    only in the part the model keeps (tensor parallelism: each rank its slice).
+    """
     from safetensors import safe_open
 
     for file in safetensors_files(path):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                yield name, CheckpointTensor(f.get_slice(name), name) if lazy else f.get_tensor(name)
 
 
 def quantization_config(hf_config) -> dict | None:
@@ -180,9 +187,47 @@ def process_weights_after_loading(model: torch.nn.Module) -> None:
             module.process_weights_after_loading()
 
 
+#: Checkpoint tensors that hold a layer's calibrated FP8 KV-cache scales, as vLLM names them: ``...layers.N.
+#: self_attn.k_scale`` and ``.v_scale``, or the older ``.kv_scale`` for both.
+KV_SCALE_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\..*\b(k_scale|v_scale|kv_scale)$")
+
+
+def set_kv_cache_scales(model: torch.nn.Module, scales: dict[int, dict[str, float]]) -> int:
+    """Give each attention layer its checkpoint scales (``{layer: {"k_scale": s, ...}}``); how many got some."""
+    from dovetail.layers.attention import Attention
+
+    count = 0
+    for module in model.modules():
+        found = scales.get(getattr(module, "layer_index", -1)) if isinstance(module, Attention) else None
+        if found:
+            both = found.get("kv_scale", 1.0)
+            module.impl.k_scale = found.get("k_scale", both)
+            module.impl.v_scale = found.get("v_scale", both)
+            count += 1
+    return count
+
+
 def load_weights(model, path: Path) -> None:
-    """Fill ``model`` from the checkpoint; any parameter left unfilled is an error naming it."""
-    loaded = model.load_weights(iterate_weights(path))
+    """Fill ``model`` from the checkpoint; any parameter left unfilled is an error naming it.
+
+    Calibrated KV-cache scales (:data:`KV_SCALE_NAME`) go to the attention layers, as vLLM reads them for an
+    FP8 KV cache (the largest, where a scale has several elements). With several tensor-parallel ranks the
+    model receives lazy tensors, so each rank reads only its shards
+    (:meth:`dovetail.model_interface.DovetailModel.load_weights`).
+    """
+    scales: dict[int, dict[str, float]] = {}
+
+    def weights_but_kv_scales():
+        for name, tensor in iterate_weights(path, lazy=tp_size() > 1):
+            match = KV_SCALE_NAME.search(name)
+            if match:
+                scales.setdefault(int(match[1]), {})[match[2]] = float(read(tensor).float().max())
+            else:
+                yield name, tensor
+
+    loaded = model.load_weights(weights_but_kv_scales())
+    if scales:
+        logger.info("KV-cache scales from the checkpoint for %d attention layers", set_kv_cache_scales(model, scales))
     expected = {name for name, p in model.named_parameters() if not getattr(p, "load_optional", False)}
     missing = sorted(expected - set(loaded))
     if missing:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from dovetail import moe_ops
+
 
 class FusedOps:
     """Plain-torch definitions of the fused operations models use."""
@@ -71,17 +73,26 @@ class FusedOps:
         index of each row."""
         return logits.argmax(dim=-1)
 
+    def select_experts(self, router_logits: torch.Tensor, top_k: int, renormalize: bool):
+        """Mixture-of-experts routing: the ``top_k`` experts of each token by softmax probability (float32), and
+        their weights, renormalized to sum to 1 when ``renormalize``. Returns float32 weights and integer ids
+        (int32 or int64), both ``[tokens, top_k]``; the definition is :func:`dovetail.moe_ops.select_experts`."""
+        return moe_ops.select_experts(router_logits, top_k, renormalize)
+
     def fused_moe(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+                  topk_ids: torch.Tensor, activation: str = "silu", expert_map: torch.Tensor | None = None,
+                  fp8: moe_ops.Fp8ExpertScales | None = None) -> torch.Tensor:
         """Mixture-of-experts MLPs of ``x`` ``[tokens, hidden]``: each token through its ``top_k`` experts.
 
         ``w13`` is ``[experts, 2 * inter, hidden]`` (gate rows, then up rows), ``w2``
         ``[experts, hidden, inter]``; ``topk_weights`` (float32) and ``topk_ids``
-        are ``[tokens, top_k]``. The definition is :func:`dovetail.layers.moe.moe_reference`.
+        are ``[tokens, top_k]``. ``expert_map`` (global expert id -> row of the weights,
+        -1 for experts held by another rank) and FP8 weights with ``fp8`` scales are
+        described in :mod:`dovetail.moe_ops`, whose :func:`~dovetail.moe_ops.moe_reference`
+        is the definition. A GPU implementation must not read device values on the host
+        (decode steps are captured in device graphs).
         """
-        from dovetail.layers.moe import fused_experts
-
-        return fused_experts(x, w13, w2, topk_weights, topk_ids, activation)
+        return moe_ops.fused_experts(x, w13, w2, topk_weights, topk_ids, activation, expert_map, fp8)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_size: int, rotary_dim: int):

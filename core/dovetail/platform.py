@@ -232,6 +232,18 @@ class Platform(ABC):
 
         return QuantKernels()
 
+    def all_reduce_kernel(self, group, device: "torch.device") -> "Callable[[torch.Tensor], bool] | None":
+        """A faster all-reduce than ``dist_backend``'s for the messages it takes, or None (the default).
+
+        Called on every rank of a group of several, after it is formed, with its process group; the
+        result goes to :func:`dovetail.distributed.set_all_reduce_kernel`: ``kernel(tensor)`` sums
+        ``tensor`` over the group in place and returns True, or returns False for a tensor it does not
+        take. It must come from a maintained library, be capturable in device graphs, never read device
+        values on the host, and never use NVLink multicast (``NCCL_NVLS_ENABLE=0``,
+        ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` must hold).
+        """
+        return None
+
     # -- engine integration ------------------------------------------------------------
 
     @abstractmethod

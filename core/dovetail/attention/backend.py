@@ -118,10 +118,17 @@ class RotaryInputs:
 
 
 class AttentionImpl(ABC):
-    """The attention computation of one layer."""
+    """The attention computation of one layer.
+
+    ``k_scale`` and ``v_scale`` are the layer's per-tensor scales for an 8-bit KV cache, as vLLM's: such a
+    cache holds ``key / k_scale`` and ``value / v_scale``. They are 1.0 unless the checkpoint carries calibrated
+    ``k_scale`` / ``v_scale`` tensors; backends without 8-bit caches ignore them.
+    """
 
     def __init__(self, spec: AttentionLayerSpec):
         self.spec = spec
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     def forward_rotary(self, q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", kv_cache: "torch.Tensor",
                        metadata: Any, rotary: RotaryInputs) -> "torch.Tensor":

@@ -9,7 +9,10 @@ itself and, given the layer's rotary (``forward_rotary``), rotates their q and k
 (after Qwen 3's per-head norms): a small decode-only step then launches neither a
 cache write nor a rotary kernel. Once per step the
 metadata builder orders the decodes longest context first for the decode launch
-(:mod:`dovetail.triton.paged_attention` says why). The kernels are in
+(:mod:`dovetail.triton.paged_attention` says why). With ``kv_cache_dtype="fp8"`` the
+cache holds e4m3 keys and values divided by the layer's ``k_scale``/``v_scale`` (1.0
+unless the checkpoint has calibrated ones), half the bytes of a 16-bit cache: the
+writes quantise and the attention dequantises as it loads. The kernels are in
 :mod:`dovetail.triton`; this module imports them (and triton) only when a layer is
 built, so it imports cleanly where triton is absent.
 """
@@ -143,10 +146,12 @@ class TritonAttentionImpl(AttentionImpl):
         fused = self._fuses_into_decode_launch(n, q)
         q_rest, k_rest = rest if rest is not None else (q[n:end], k[n:end])
         if not written:
+            scales = (self.k_scale, self.v_scale)
             if not fused:
-                self._kv_cache_write.write_kv_cache(k, v, kv_cache, metadata.slot_mapping)
+                self._kv_cache_write.write_kv_cache(k, v, kv_cache, metadata.slot_mapping, *scales)
             elif n < end:
-                self._kv_cache_write.write_kv_cache(k_rest, v[n:end], kv_cache, metadata.slot_mapping[n:end])
+                self._kv_cache_write.write_kv_cache(k_rest, v[n:end], kv_cache, metadata.slot_mapping[n:end],
+                                                    *scales)
         if q.stride(-1) != 1:
             q = q.contiguous()
         if q_rest.stride(-1) != 1:
@@ -176,12 +181,13 @@ class TritonAttentionImpl(AttentionImpl):
 
     def _kernel_options(self) -> dict:
         spec = self.spec
-        return dict(scale=spec.scale, sliding_window=spec.sliding_window, logit_softcap=spec.logit_softcap)
+        return dict(scale=spec.scale, sliding_window=spec.sliding_window, logit_softcap=spec.logit_softcap,
+                    k_scale=self.k_scale, v_scale=self.v_scale)
 
 
 class TritonBackend(AttentionBackend):
     """Paged attention in Triton: prefill, chunked prefill and decode in one kernel; GQA,
-    sliding window and logit soft-capping; float16, bfloat16 and float32."""
+    sliding window and logit soft-capping; float16, bfloat16 and float32; a 16/32-bit or an FP8 (e4m3) KV cache."""
 
     name = "TRITON"
     verification = ("ran on NVIDIA H200 and H100 GPUs (triton 3.6, launched with programmatic "
@@ -189,11 +195,12 @@ class TritonBackend(AttentionBackend):
                     "64-256, block sizes, window, soft-capping, GQA, the split decode launch's own cache write and "
                     "rotation, the rotary kernel's cache write), in whole models (greedy output against HF, "
                     "CUDA-graph decode on and off, batch-1 decode) and in the B1/B2 benchmarks. In CI: against "
-                    "REFERENCE in triton's CPU interpreter. Never run on an AMD or Intel GPU")
+                    "REFERENCE in triton's CPU interpreter. The FP8 KV cache: in triton's CPU interpreter only "
+                    "(kernels against REFERENCE, the engine's greedy output). Never run on an AMD or Intel GPU")
     # Any head size works (padded to a power of two); these are the ones tested.
     supported_head_sizes = (32, 64, 80, 96, 112, 128, 160, 192, 256)
     supported_dtypes = ("float16", "bfloat16", "float32")
-    supported_kv_cache_dtypes = ("auto",)
+    supported_kv_cache_dtypes = ("auto", "fp8", "fp8_e4m3")
     supported_block_sizes = None
     supports_sliding_window = True
     supports_logit_softcap = True

@@ -10,6 +10,12 @@ gap between a stream's chunks (the server sends one per engine step, merging
 steps only for a client that lags behind). The client is plain asyncio
 (HTTP/1.1 and server-sent events), so it needs nothing beyond the standard
 library and measures every chunk when it arrives.
+
+``--background-request JSON`` first sends one other completions request (not
+streamed; e.g. a fan-out of many prompts and samples) and starts the measured
+requests ``--background-delay`` seconds later: their latencies then say how
+much that request holds up everyone else, and the report gives its status and
+how long it took.
 """
 
 from __future__ import annotations
@@ -42,6 +48,10 @@ def add_parser(sub) -> None:
     p.add_argument("--workload-seed", type=int, default=0, help="seed of the request set and the arrivals")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take")
     p.add_argument("--output-json", default=None, help="also write the result to this file")
+    p.add_argument("--background-request", default=None, metavar="JSON",
+                   help="a /v1/completions body (JSON, or @FILE) sent before the measured requests")
+    p.add_argument("--background-delay", type=float, default=1.0,
+                   help="seconds between the background request and the measured ones (default 1)")
     p.set_defaults(func=run)
 
 
@@ -107,6 +117,15 @@ async def get_json(url: str, headers: dict) -> dict:
     if status != 200:
         raise HTTPError(f"GET {url}: {status} {body[:300]!r}")
     return json.loads(body)
+
+
+async def post_json(url: str, headers: dict, payload: dict) -> tuple[int, bytes]:
+    """POST ``payload``; the status and the body, whatever the status."""
+    status, response_headers, reader, writer = await _request(url, "POST", headers, json.dumps(payload).encode())
+    try:
+        return status, b"".join([c async for c in _body_chunks(response_headers, reader)])
+    finally:
+        writer.close()
 
 
 async def stream_events(url: str, headers: dict, payload: dict) -> AsyncIterator[tuple[float, bytes]]:
@@ -235,15 +254,50 @@ async def benchmark(args) -> dict:
     warm = await one_request(url, headers, card["id"], BenchRequest(requests[0].prompt_token_ids, 4), args.timeout)
     if warm.error:
         raise SystemExit(f"the warm-up request failed: {warm.error}")
-    results = []
-    for text in args.rates:
-        rate = float(text)
+    rates = [float(text) for text in args.rates]
+    for text, rate in zip(args.rates, rates):
         if not rate > 0:
             raise SystemExit(f"--rates: {text!r} is not a positive rate")
+    background = None
+    if args.background_request is not None:
+        background = asyncio.create_task(_timed(post_json(url, headers, _background_body(args.background_request))))
+        await asyncio.sleep(args.background_delay)
+    results = []
+    for rate in rates:
         results.append(await run_rate(url, headers, card["id"], requests, rate, args.workload_seed, args.timeout))
-    return {"benchmark": "serve (B3)", "base_url": base, "model": card["id"], "environment": environment(),
-            "num_prompts": args.num_prompts, "input_len": list(in_range), "output_len": list(out_range),
-            "workload_seed": args.workload_seed, "results": results}
+    report = {"benchmark": "serve (B3)", "base_url": base, "model": card["id"], "environment": environment(),
+              "num_prompts": args.num_prompts, "input_len": list(in_range), "output_len": list(out_range),
+              "workload_seed": args.workload_seed, "results": results}
+    if background is not None:
+        answered_first = background.done()
+        seconds, (status, body) = await asyncio.wait_for(background, args.timeout)
+        report["background"] = {"request": args.background_request, "status": status, "seconds": seconds,
+                                "answered_before_the_measured_requests_ended": answered_first,
+                                "error": None if status == 200 else _error_of(body)}
+    return report
+
+
+def _error_of(body: bytes):
+    try:
+        return json.loads(body).get("error")
+    except (ValueError, AttributeError):
+        return body[:300].decode("utf-8", "replace")
+
+
+def _background_body(text: str) -> dict:
+    if text.startswith("@"):
+        with open(text[1:]) as f:
+            text = f.read()
+    body = json.loads(text)
+    if not isinstance(body, dict):
+        raise SystemExit("--background-request: expected a JSON object (a /v1/completions body)")
+    return body
+
+
+async def _timed(awaitable):
+    start = time.perf_counter()
+    result = await awaitable
+    return time.perf_counter() - start, result
 
 
 def run(args) -> int:

@@ -16,7 +16,7 @@ class Shape:
     description: str
 
     def config(self):
-        from transformers import LlamaConfig, Qwen3Config
+        from transformers import LlamaConfig, Qwen3Config, Qwen3MoeConfig
 
         if self.name == "qwen3-0.6b":
             return Qwen3Config(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
@@ -42,6 +42,14 @@ class Shape:
                                rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
                                architectures=["LlamaForCausalLM"])
+        if self.name in ("qwen3-moe-15b-a3b", "qwen3-30b-a3b"):
+            # Qwen3-30B-A3B's layer; the 15B shape keeps half of its 48 layers.
+            return Qwen3MoeConfig(hidden_size=2048, num_hidden_layers=24 if self.name == "qwen3-moe-15b-a3b" else 48,
+                                  num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                                  moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                                  norm_topk_prob=True, intermediate_size=6144, vocab_size=151936,
+                                  tie_word_embeddings=False, max_position_embeddings=40960, rope_theta=1000000.0,
+                                  rms_norm_eps=1e-6, architectures=["Qwen3MoeForCausalLM"])
         if self.name == "c1":
             return LlamaConfig(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
                                intermediate_size=1376, vocab_size=32000, max_position_embeddings=2048,
@@ -54,6 +62,9 @@ SHAPES = {
     "llama-3.1-8b": Shape("llama-3.1-8b", "bfloat16", "Llama 3.1 8B shape (B1/B2 on GPUs)"),
     "qwen3-32b": Shape("qwen3-32b", "bfloat16", "Qwen3 32B shape (B1/B2 with tensor parallelism)"),
     "llama-3.1-70b": Shape("llama-3.1-70b", "bfloat16", "Llama 3.1 70B shape (B1/B2 with tensor parallelism)"),
+    "qwen3-moe-15b-a3b": Shape("qwen3-moe-15b-a3b", "bfloat16",
+                               "Qwen3-30B-A3B's layers, 24 of them: 128 experts, 8 per token (B1/B2 on GPUs)"),
+    "qwen3-30b-a3b": Shape("qwen3-30b-a3b", "bfloat16", "Qwen3-30B-A3B shape: 48 MoE layers (B1/B2 on GPUs)"),
     "c1": Shape("c1", "float32", "small Llama of C1/C2 (CPU)"),
 }
 

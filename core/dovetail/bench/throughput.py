@@ -1,8 +1,11 @@
 """``dovetail bench throughput``: B1 (GPU) / C1 (CPU) offline throughput, against HF if asked.
 
 Output tokens divided by the wall time of ``LLM.generate`` over the whole
-request set, after one warm-up call. ``--structured-output json`` adds the same
-run under a JSON schema (:mod:`dovetail.bench.structured`).
+request set, after one warm-up call. ``enqueue_seconds`` is the part of that
+time ``LLM.generate`` took to queue every request (from the call to the last
+request's arrival). ``--prompt TEXT`` gives every request that text instead of
+random token ids, so that queueing includes tokenising. ``--structured-output
+json`` adds the same run under a JSON schema (:mod:`dovetail.bench.structured`).
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ def add_parser(sub) -> None:
     p.add_argument("--input-len", default=None, help="LOW:HIGH prompt lengths (uniform)")
     p.add_argument("--output-len", default=None, help="LOW:HIGH output lengths (uniform)")
     p.add_argument("--hf-batch-size", type=int, default=None)
+    p.add_argument("--prompt", default=None, metavar="TEXT",
+                   help="every request's prompt is this text (tokenised by generate) instead of random token ids")
     p.add_argument("--structured-output", choices=("json",), default=None,
                    help="run the requests again, each under one JSON schema, and report both runs, their ratio "
                         "and the grammar's compile time (a named shape gets a synthetic tokenizer)")
@@ -41,22 +46,30 @@ def workload(args, vocab_size: int) -> tuple[list[BenchRequest], tuple[int, int]
 
 
 def run(args) -> int:
+    if args.prompt is not None and args.compare_hf:
+        raise SystemExit("--prompt: HF runs the random token-id requests; leave out --compare-hf")
     hf_batch = args.hf_batch_size or DEFAULTS.get(args.model or "c1", DEFAULTS[None])[3]
     llm, model_dir, kwargs, load_s = build_llm(args)
     engine = llm.llm_engine
     requests, in_range, out_range = workload(args, engine.vocab_size)
     num = len(requests)
     prompts, params = greedy_inputs(requests)
-    warm_up(llm, prompts, params)
-    t0 = time.perf_counter()
+    if args.prompt is not None:
+        llm.generate([args.prompt[::-1]] * 2, params[:2], use_tqdm=False)  # the warm-up, on other text
+        prompts = [args.prompt] * num
+    else:
+        warm_up(llm, prompts, params)
+    t0, t0_monotonic = time.perf_counter(), time.monotonic()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - t0
+    enqueue = max(o.metrics.arrival_time for o in outputs) - t0_monotonic
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    in_tokens = sum(len(r.prompt_token_ids) for r in requests)
+    in_tokens = sum(len(o.prompt_token_ids) for o in outputs)
     result = {
         "benchmark": "throughput", "model": args.model or "c1", "engine_args": kwargs, "environment": environment(engine.platform),
-        "num_requests": num, "input_len": list(in_range), "output_len": list(out_range),
+        "num_requests": num, "input_len": list(in_range), "output_len": list(out_range), "prompt": args.prompt,
         "dovetail": {"output_tokens": out_tokens, "prompt_tokens": in_tokens, "seconds": elapsed,
+                     "enqueue_seconds": enqueue,
                      "output_tokens_per_s": out_tokens / elapsed, "total_tokens_per_s": (out_tokens + in_tokens) / elapsed,
                      "device": engine.platform.name, "attention_backend": engine.attention_backend.name,
                      "world_size": engine.world_size, "executor": engine.executor_name,

@@ -8,7 +8,7 @@ are identities, so single-device code pays nothing.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -16,12 +16,17 @@ import torch.distributed as dist
 _group: Optional[dist.ProcessGroup] = None
 _rank = 0
 _size = 1
+#: Whether the backend gathers into one tensor (gloo has no ``all_gather_into_tensor``); read once, so a
+#: gather captured in a device graph asks the host nothing.
+_gathers_into_tensor = True
+#: A platform's faster all-reduce for the messages it takes (see :func:`set_all_reduce_kernel`).
+_all_reduce_kernel: Optional[Callable[[torch.Tensor], bool]] = None
 
 
 def init_tensor_parallel(world_size: int, rank: int, backend: str, init_method: str,
                          device: torch.device | None = None) -> None:
     """Join the group of ``world_size`` ranks at ``init_method`` (e.g. ``tcp://127.0.0.1:PORT``) as ``rank``."""
-    global _group, _rank, _size
+    global _group, _rank, _size, _gathers_into_tensor
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside a world of size {world_size}")
     _rank, _size = rank, world_size
@@ -32,14 +37,25 @@ def init_tensor_parallel(world_size: int, rank: int, backend: str, init_method: 
         kwargs = {"device_id": device} if device is not None and device.type != "cpu" else {}
         dist.init_process_group(backend, init_method=init_method, world_size=world_size, rank=rank, **kwargs)
     _group = dist.group.WORLD
+    _gathers_into_tensor = dist.get_backend(_group) != "gloo"
 
 
 def destroy_tensor_parallel() -> None:
     """Leave the group (a no-op with one rank)."""
-    global _group, _rank, _size
+    global _group, _rank, _size, _all_reduce_kernel
     if _group is not None and dist.is_initialized():
         dist.destroy_process_group()
-    _group, _rank, _size = None, 0, 1
+    _group, _rank, _size, _all_reduce_kernel = None, 0, 1, None
+
+
+def set_all_reduce_kernel(kernel: Optional[Callable[[torch.Tensor], bool]]) -> None:
+    """Sum over the group with ``kernel(tensor)`` where it returns True (it took the tensor and summed it in
+    place); the backend's all-reduce runs where it returns False. None: the backend's everywhere.
+
+    A platform's :meth:`~dovetail.platform.Platform.all_reduce_kernel` supplies one (small decode messages
+    through torch symmetric memory on NVLink); every rank must install the same."""
+    global _all_reduce_kernel
+    _all_reduce_kernel = kernel
 
 
 def is_initialized() -> bool:
@@ -60,7 +76,7 @@ def tp_group() -> Optional[dist.ProcessGroup]:
 
 def all_reduce(tensor: torch.Tensor) -> torch.Tensor:
     """Sum ``tensor`` over the ranks, in place; returns it."""
-    if _size > 1:
+    if _size > 1 and not (_all_reduce_kernel is not None and _all_reduce_kernel(tensor)):
         dist.all_reduce(tensor, group=_group)
     return tensor
 
@@ -72,8 +88,8 @@ def all_gather(tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
     dim = dim % tensor.dim()
     tensor = tensor.contiguous()
     out = torch.empty((_size, *tensor.shape), dtype=tensor.dtype, device=tensor.device)
-    if dist.get_backend(_group) == "gloo":  # gloo has no all_gather_into_tensor
-        dist.all_gather(list(out.unbind(0)), tensor, group=_group)
-    else:
+    if _gathers_into_tensor:
         dist.all_gather_into_tensor(out, tensor, group=_group)
+    else:
+        dist.all_gather(list(out.unbind(0)), tensor, group=_group)
     return out.movedim(0, dim).flatten(dim, dim + 1)

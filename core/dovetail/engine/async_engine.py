@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Sequence
 
 from dovetail.engine.llm_engine import LLMEngine, PromptType
-from dovetail.errors import DovetailError, RequestError, WorkerError
+from dovetail.errors import DovetailError, WorkerError
 from dovetail.outputs import RequestOutput
 from dovetail.sampling_params import SamplingParams
 
@@ -245,8 +245,8 @@ class AsyncLLMEngine:
             return
         adding = sum(r.params.n for r in requests)
         if adding > limit:
-            raise RequestError(f"n: the request makes {adding} sequences, more than the server ever queues "
-                               f"(max_waiting_requests={limit})", field="n")
+            raise QueueFullError(f"the request makes {adding} sequences, more than may ever wait "
+                                 f"(max_waiting_requests={limit}); send fewer prompts or a smaller n")
         waiting = len(engine.scheduler.waiting)
         if waiting + adding > limit:
             raise QueueFullError(f"the waiting queue is full ({waiting} sequences waiting, {adding} more asked for, "

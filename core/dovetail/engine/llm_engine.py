@@ -228,13 +228,13 @@ class LLMEngine:
         """Reject what can never run, naming the field: bad token ids, lengths beyond the context."""
         if not prompt_ids:
             raise RequestError("prompt: the prompt is empty", field="prompt")
+        if len(prompt_ids) >= self.max_model_len:  # before looking at millions of ids
+            raise RequestError(f"prompt: the prompt has {len(prompt_ids)} tokens, but max_model_len is "
+                               f"{self.max_model_len} (at least one token must be generated)", field="prompt")
         for t in prompt_ids:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
                 raise RequestError(f"prompt_token_ids: token id {t!r} is out of range [0, {self.vocab_size})",
                                    field="prompt_token_ids")
-        if len(prompt_ids) >= self.max_model_len:
-            raise RequestError(f"prompt: the prompt has {len(prompt_ids)} tokens, but max_model_len is "
-                               f"{self.max_model_len} (at least one token must be generated)", field="prompt")
         if params.max_tokens is not None and len(prompt_ids) + params.max_tokens > self.max_model_len:
             raise RequestError(
                 f"max_tokens: the prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) "

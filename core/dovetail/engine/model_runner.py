@@ -30,7 +30,7 @@ from dovetail.layers.attention import Attention
 from dovetail.platform import DeviceGraph, Platform
 
 if TYPE_CHECKING:
-    from dovetail.engine.worker import RequestState
+    from dovetail.engine.request_state import RequestState
 
 logger = logging.getLogger("dovetail")
 
@@ -135,6 +135,11 @@ class ModelRunner:
         self.kv_dtype = dtype if kv_cache_dtype == "auto" else KV_CACHE_DTYPES[kv_cache_dtype]
         self.attention_layers: list[Attention] = sorted(
             (m for m in model.modules() if isinstance(m, Attention)), key=lambda m: m.layer_index)
+        if self.kv_dtype.itemsize == 1:
+            calibrated = sum(1 for m in self.attention_layers if (m.impl.k_scale, m.impl.v_scale) != (1.0, 1.0))
+            logger.info("KV cache in %s: %d of %d layers with the checkpoint's scales, the others 1.0 (as vLLM; "
+                        "uncalibrated scales may cost accuracy)", kv_cache_dtype, calibrated,
+                        len(self.attention_layers))
         self.metadata_builder = backend.metadata_builder_cls()(
             backend, [layer.spec for layer in self.attention_layers], block_size, device, dtype)
         self.kv_caches: list[torch.Tensor] = []

@@ -13,7 +13,7 @@ draws the same noise. Everything runs on the logits' device; per-request values
 travel in one non-blocking copy, and the only synchronisation is the single
 transfer of the results to the host at the end of :func:`sample`.
 
-The rows are a worker's request mirrors (:class:`~dovetail.engine.worker.RequestState`),
+The rows are a worker's request mirrors (:class:`~dovetail.engine.request_state.RequestState`),
 or anything with their fields.
 """
 
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from dovetail.engine.worker import RequestState
+    from dovetail.engine.request_state import RequestState
 
 
 @dataclass

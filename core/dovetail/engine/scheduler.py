@@ -44,6 +44,44 @@ class ScheduledBatch:
         return bool(self.requests)
 
 
+class WaitingQueue:
+    """Requests waiting to be scheduled, the next one first (index 0).
+
+    Sorted by each request's ``queue_key`` (priority, arrival, order of insertion), which the
+    request keeps while it waits: adding and removing take O(log N), membership O(1).
+    """
+
+    def __init__(self):
+        self._sorted = SortedKeyList(key=operator.attrgetter("queue_key"))
+
+    def add(self, request: Request, key: tuple) -> None:
+        request.queue_key = key
+        self._sorted.add(request)
+
+    def remove(self, request: Request) -> None:
+        """Take ``request`` out if it waits here."""
+        if request in self:
+            self._sorted.remove(request)
+            request.queue_key = None
+
+    def pop(self, index: int = 0) -> Request:
+        request = self._sorted.pop(index)
+        request.queue_key = None
+        return request
+
+    def __contains__(self, request) -> bool:
+        return getattr(request, "queue_key", None) is not None
+
+    def __getitem__(self, index: int) -> Request:
+        return self._sorted[index]
+
+    def __iter__(self):
+        return iter(self._sorted)
+
+    def __len__(self) -> int:
+        return len(self._sorted)
+
+
 class Scheduler:
     """Decides each step's batch under the token budget, the sequence limit and the KV cache."""
 
@@ -56,8 +94,7 @@ class Scheduler:
         self.token_budget = sched.max_num_batched_tokens
         self.chunked = sched.enable_chunked_prefill
         self.by_priority = sched.scheduling_policy == "priority"
-        #: Requests not running, first to be scheduled first (index 0); O(log N) insert and removal.
-        self.waiting: SortedKeyList = SortedKeyList(key=operator.attrgetter("queue_key"))
+        self.waiting = WaitingQueue()
         #: Running requests in the order they were scheduled (a dict used as an ordered set).
         self.running: dict[Request, None] = {}
         self.num_preemptions = 0
@@ -72,16 +109,14 @@ class Scheduler:
     def _insert_waiting(self, request: Request) -> None:
         # Equal priority and arrival (the n samples of one request, a re-queued preempted one) keep insertion order.
         priority = request.priority if self.by_priority else 0
-        request.queue_key = (priority, request.metrics.arrival_time, next(self._insertions))
-        self.waiting.add(request)
+        self.waiting.add(request, (priority, request.metrics.arrival_time, next(self._insertions)))
 
     def abort(self, request: Request) -> None:
         """Remove a request wherever it is and free its blocks at once."""
         if request in self.running:
             del self.running[request]
-        elif request.queue_key is not None:
-            self.waiting.discard(request)
-        request.queue_key = None
+        else:
+            self.waiting.remove(request)
         self.kv.free(request)
 
     def finish(self, request: Request) -> None:
@@ -151,7 +186,6 @@ class Scheduler:
                 request.num_computed_tokens = 0
                 break
             self.waiting.pop(index)
-            request.queue_key = None
             request.num_cached_tokens = num_cached
             request.status = RequestStatus.RUNNING
             if request.metrics.first_scheduled_time is None:

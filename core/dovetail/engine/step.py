@@ -87,17 +87,20 @@ EMPTY_OUTPUT = StepOutput([], [])
 BITMASK_KERNELS = {"cuda": "triton"}
 
 
-def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Optional[list[int]] = None) -> None:
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Optional[list[int]] = None,
+                        vocab_size: Optional[int] = None) -> None:
     """Set to ``-inf``, in place, the logits of tokens whose bit is 0 in ``bitmask`` (see
     :attr:`StepDescription.token_bitmask`): row ``i`` of ``bitmask`` constrains row ``rows[i]`` of ``logits``
-    (default: row ``i``); the other rows are left alone, at no cost."""
+    (default: row ``i``); the other rows are left alone, at no cost. Only the first ``vocab_size`` columns
+    (default: all) are the vocabulary; padding columns beyond it are left alone."""
     import xgrammar as xgr
 
     backend = BITMASK_KERNELS.get(logits.device.type, "torch_native")
+    vocab_size = logits.shape[-1] if vocab_size is None else vocab_size
     bitmask = bitmask.to(logits.device, non_blocking=True)
     if rows is None or len(rows) == logits.shape[0]:
-        xgr.apply_token_bitmask_inplace(logits, bitmask, backend=backend)
+        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab_size, backend=backend)
         return
     full = torch.empty((logits.shape[0], bitmask.shape[1]), dtype=bitmask.dtype, device=logits.device)
     full.index_copy_(0, torch.tensor(rows, dtype=torch.long).to(logits.device, non_blocking=True), bitmask)
-    xgr.apply_token_bitmask_inplace(logits, full, indices=rows, backend=backend)
+    xgr.apply_token_bitmask_inplace(logits, full, vocab_size=vocab_size, indices=rows, backend=backend)

@@ -23,14 +23,14 @@ from dovetail import distributed, model_loader, selection
 from dovetail.attention.backend import AttentionRequirements
 from dovetail.config import EngineConfig
 from dovetail.engine.model_runner import ModelRunner
+from dovetail.engine.request_state import RequestState
 from dovetail.engine.sampler import PendingSample, launch_sample, prompt_logprobs
 from dovetail.engine.scheduler import ScheduledBatch
-from dovetail.engine.step import EMPTY_OUTPUT, NewRequestData, StepDescription, StepOutput, apply_token_bitmask
+from dovetail.engine.step import EMPTY_OUTPUT, StepDescription, StepOutput, apply_token_bitmask
 from dovetail.errors import ConfigError
 from dovetail.model_interface import ModelContext
 from dovetail.plugin_manager import get_plugin_manager
 from dovetail.platform import Platform
-from dovetail.sampling_params import SamplingParams
 
 logger = logging.getLogger("dovetail")
 
@@ -74,42 +74,6 @@ def check_heads_divide(shape, world_size: int) -> None:
                           f"tensor_parallel_size={world_size} ranks (nor replicated evenly)")
 
 
-class RequestState:
-    """A worker's mirror of one sequence: what the model runner and the sampler read.
-
-    ``all_token_ids`` are the tokens this worker knows; ``num_pending`` more were
-    sampled on the device and are known once the engine takes the step's output,
-    the newest being row ``pending_row`` of the last step's tokens.
-    """
-
-    __slots__ = ("request_id", "params", "eos_token_ids", "prompt_token_ids", "all_token_ids",
-                 "output_token_ids", "num_computed_tokens", "num_pending", "pending_row", "block_ids")
-
-    def __init__(self, data: NewRequestData):
-        self.request_id = data.request_id
-        self.params: SamplingParams = data.params
-        self.eos_token_ids = data.eos_token_ids
-        self.prompt_token_ids = data.prompt_token_ids
-        self.all_token_ids = [*data.prompt_token_ids, *data.output_token_ids]
-        self.output_token_ids = list(data.output_token_ids)
-        self.num_computed_tokens = data.num_computed_tokens
-        self.num_pending = 0
-        self.pending_row = -1
-        self.block_ids = list(data.block_ids)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.all_token_ids) + self.num_pending
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.output_token_ids) + self.num_pending
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
-
 @dataclass
 class _Launched:
     """A step whose sampling is queued on the device: its rows and its prompt logprobs."""
@@ -137,6 +101,8 @@ class Worker:
         self.device = platform.device(self.local_rank)
         distributed.init_tensor_parallel(world_size, rank, platform.dist_backend, distributed_init_method or "",
                                          self.device)
+        if world_size > 1:
+            distributed.set_all_reduce_kernel(platform.all_reduce_kernel(distributed.tp_group(), self.device))
         platform.seed_everything(config.model.seed)
 
         path = model_loader.resolve_model_path(spec.model_path)
@@ -260,7 +226,7 @@ class Worker:
         if rows:
             if token_bitmask is not None:
                 with torch.inference_mode():  # the logits are the model's inference tensors
-                    apply_token_bitmask(sample_logits[:, :self.vocab_size], token_bitmask, bitmask_rows)
+                    apply_token_bitmask(sample_logits, token_bitmask, bitmask_rows, self.vocab_size)
             launched.sample = launch_sample(sample_logits, rows, self.vocab_size, self.ops.argmax)
             launched.sample.start_transfer(self.platform)
             for row, state in enumerate(rows):

@@ -86,20 +86,20 @@ def _worker_main(spec: WorkerSpec, rank: int, world_size: int, init_method: str,
     worker = None
     try:
         worker = Worker(spec, rank, world_size, init_method)
-        conn.send((True, None))
+        conn.send((True, None, 0))
         while True:
-            method, args, reply = pickle.loads(conn.recv_bytes())
+            call, method, args, reply = pickle.loads(conn.recv_bytes())
             if method is None:
                 break
             result = getattr(worker, method)(*args)
             if reply == _ALL or (reply == _DRIVER and rank == 0):
-                conn.send((True, result))
+                conn.send((True, result, call))
     except EOFError:  # the engine is gone
         return
     except BaseException as exc:
         text = "".join(traceback.format_exception(exc))
         try:
-            conn.send((False, (_picklable(exc), text)))
+            conn.send((False, (_picklable(exc), text), -1))
         except Exception:
             pass
         os._exit(1)
@@ -128,9 +128,11 @@ def _describe_exit(code: int | None) -> str:
     return f"exited with status {code}"
 
 
-def _stop(processes: list, conns: list) -> None:
+def _stop(processes: list, conns: list, wake) -> None:
     """Ask the workers to stop, then terminate and kill whatever is still alive."""
-    stop = pickle.dumps((None, (), _NONE))
+    with contextlib.suppress(Exception):
+        wake.send_bytes(b"")  # the watcher is not to report these exits
+    stop = pickle.dumps((0, None, (), _NONE))
     for conn in conns:
         with contextlib.suppress(Exception):
             conn.send_bytes(stop)
@@ -150,6 +152,20 @@ def _stop(processes: list, conns: list) -> None:
             conn.close()
 
 
+def _watch(executor_ref, sentinels: list, wake) -> None:
+    """Notice a rank that dies while the engine is idle (between steps the engine waits on no rank).
+
+    It holds the executor only weakly, so a dropped engine still stops its workers."""
+    ready = multiprocessing.connection.wait([*sentinels, wake])
+    executor = executor_ref()
+    if wake in ready or executor is None or executor._failure is not None:
+        return
+    rank = next(i for i, s in enumerate(sentinels) if s in ready)
+    logger.error("worker rank %d (pid %d) died", rank, executor.pids[rank])
+    if executor.on_worker_death is not None:
+        executor.on_worker_death()
+
+
 class MultiprocExecutor(Executor):
     """``world_size`` worker processes on this host, rank ``r`` on device ``r``."""
 
@@ -162,7 +178,9 @@ class MultiprocExecutor(Executor):
         self._processes: list = []
         self._conns: list = []
         self._failure: WorkerError | None = None
-        self._finalizer = weakref.finalize(self, _stop, self._processes, self._conns)
+        self._calls = 0  # calls sent so far; an answer carries its call's number
+        wake_r, wake_w = ctx.Pipe(duplex=False)
+        self._finalizer = weakref.finalize(self, _stop, self._processes, self._conns, wake_w)
         log_level = logging.getLogger("dovetail").getEffectiveLevel()
         with _main_module_hidden():
             for rank in range(world_size):
@@ -174,8 +192,8 @@ class MultiprocExecutor(Executor):
                 self._processes.append(proc)
                 self._conns.append(parent_end)
         self._receive(range(world_size))  # every rank has built its model
-        self._watch_wake_r, self._watch_wake_w = ctx.Pipe(duplex=False)
-        threading.Thread(target=self._watch, name="dovetail-worker-watch", daemon=True).start()
+        threading.Thread(target=_watch, args=(weakref.ref(self), [p.sentinel for p in self._processes], wake_r),
+                         name="dovetail-worker-watch", daemon=True).start()
         logger.info("mp executor: %d worker processes (pids %s)", world_size,
                     ", ".join(str(p.pid) for p in self._processes))
 
@@ -187,7 +205,8 @@ class MultiprocExecutor(Executor):
 
     def _send(self, method: str, args: tuple, reply: int) -> None:
         self._check_alive()
-        payload = pickle.dumps((method, args, reply), protocol=pickle.HIGHEST_PROTOCOL)
+        self._calls += 1
+        payload = pickle.dumps((self._calls, method, args, reply), protocol=pickle.HIGHEST_PROTOCOL)
         for rank, conn in enumerate(self._conns):
             try:
                 conn.send_bytes(payload)
@@ -196,7 +215,8 @@ class MultiprocExecutor(Executor):
                 raise self._fail(WorkerError(f"worker rank {rank} stopped taking work", rank))
 
     def _receive(self, ranks) -> list[Any]:
-        """Wait for an answer from each of ``ranks``; any rank's error or death fails the executor."""
+        """Wait for an answer to the last call from each of ``ranks``; any rank's error or death fails the
+        executor. An answer to an earlier call (whose wait was interrupted) is dropped."""
         results: dict[int, Any] = {}
         pending = set(ranks)
         by_conn = {conn: rank for rank, conn in enumerate(self._conns)}
@@ -213,11 +233,13 @@ class MultiprocExecutor(Executor):
                 if obj in by_conn:
                     rank = by_conn[obj]
                     try:
-                        ok, value = obj.recv()
+                        ok, value, call = obj.recv()
                     except (EOFError, OSError):
                         raise self._fail(self._death(rank)) from None
                     if not ok:
                         raise self._fail(self._error(rank, *value))
+                    if call < self._calls:
+                        continue
                     if rank not in pending:
                         raise self._fail(WorkerError(f"worker rank {rank} answered a call it was not asked", rank))
                     results[rank] = value
@@ -245,17 +267,6 @@ class MultiprocExecutor(Executor):
 
     # -- failures ----------------------------------------------------------------------------
 
-    def _watch(self) -> None:
-        """Notice a rank that dies while the engine is idle (between steps, the engine waits on no rank)."""
-        sentinels = {proc.sentinel: rank for rank, proc in enumerate(self._processes)}
-        ready = multiprocessing.connection.wait([*sentinels, self._watch_wake_r])
-        if self._failure is not None or self._finalizer.alive is False or self._watch_wake_r in ready:
-            return
-        rank = next(sentinels[s] for s in ready if s in sentinels)
-        logger.error("worker rank %d (pid %d) died", rank, self._processes[rank].pid)
-        if self.on_worker_death is not None:
-            self.on_worker_death()
-
     def check_health(self) -> None:
         """Raise :class:`WorkerError` naming the first rank that is no longer alive."""
         self._check_alive()
@@ -281,6 +292,9 @@ class MultiprocExecutor(Executor):
     def _fail(self, error: BaseException) -> BaseException:
         if self._failure is None:
             self._failure = error if isinstance(error, WorkerError) else WorkerError(str(error))
+        for proc in self._processes:  # the others may wait in a collective for the one that failed
+            if proc.is_alive():
+                proc.terminate()
         self.shutdown()
         return error
 
@@ -289,8 +303,4 @@ class MultiprocExecutor(Executor):
             raise WorkerError(f"the engine stopped earlier: {self._failure}", self._failure.rank)
 
     def shutdown(self) -> None:
-        wake = getattr(self, "_watch_wake_w", None)
-        if wake is not None and self._finalizer.alive:
-            with contextlib.suppress(Exception):
-                wake.send_bytes(b"")
         self._finalizer()

@@ -8,6 +8,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from dovetail.checkpoint_tensor import read
 from dovetail.errors import ModelLoadError
 from dovetail.layers.linear import Linear
 from dovetail.layers.moe import FusedMoE
@@ -29,12 +30,16 @@ DEFAULT_EXPERT_PROJECTIONS = {
 #: transformers 5's own layout: every expert in one tensor.
 STACKED_EXPERT_TENSORS = {"gate_up_proj": "w13_weight", "down_proj": "w2_weight"}
 
-_PER_EXPERT = re.compile(r"^(?P<module>(?:.+\.)?experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
+_PER_EXPERT = re.compile(r"^(?P<module>(?:.+\.)?experts)\.(?P<expert>\d+)\.(?P<proj>\w+)"
+                         r"\.weight(?P<scale>_scale(?:_inv)?)?$")
 _ALL_EXPERTS = re.compile(r"^(?P<module>(?:.+\.)?experts)\.(?P<proj>gate_up_proj|down_proj)$")
 
 
 class WeightMapper:
     """Loads ``(name, tensor)`` pairs into ``model`` and reports what was filled.
+
+    A tensor may be a :class:`~dovetail.checkpoint_tensor.CheckpointTensor` (under tensor
+    parallelism): each layer reads only its rank's part of it.
 
     - ``stacked``: checkpoint name parts that load as a shard of a merged parameter.
     - ``ignore``: regular expressions of checkpoint names to skip (e.g. rotary buffers).
@@ -78,11 +83,13 @@ class WeightMapper:
             module, param = self.params[target]
             if isinstance(module, Linear):
                 module.load_shard(param, tensor, shard, name)
+            elif getattr(param, "weight_loader", None) is not None:
+                param.weight_loader(param, tensor, shard)
             else:
                 if tuple(param.shape) != tuple(tensor.shape):
                     raise ModelLoadError(f"tensor {name!r} has shape {tuple(tensor.shape)}, but parameter "
                                          f"{target!r} expects {tuple(param.shape)}")
-                param.data.copy_(tensor)
+                param.data.copy_(read(tensor))
             if shard is None:
                 loaded.add(target)
             else:
@@ -102,6 +109,8 @@ class WeightMapper:
                 raise ModelLoadError(f"unexpected tensor {name!r} in the checkpoint: expert projection "
                                      f"{match['proj']!r} is not one of {known}")
             param, shard = self.expert_projections[match["proj"]]
+            if match["scale"]:  # an FP8 checkpoint's weight_scale / weight_scale_inv
+                param = f"{param}_scale"
             complete = layer.load_expert(param, tensor, int(match["expert"]), shard, name)
             return {f"{match['module']}.{param}"} if complete else set()
         match = _ALL_EXPERTS.match(name)

@@ -57,20 +57,23 @@ class AwqMethod(QuantMethod):
     def create_weights(self, layer, input_size, output_sizes, params_dtype):
         pack = 32 // BITS
         wna16.check_packable(layer, input_size, output_sizes, pack, pack)
-        if self.group_size != -1 and input_size % self.group_size:
-            raise ConfigError(f"layer {layer.prefix}: input size {input_size} is not a multiple of "
+        total_input = getattr(layer, "total_input_size", input_size)
+        if self.group_size != -1 and total_input % self.group_size:
+            raise ConfigError(f"layer {layer.prefix}: input size {total_input} is not a multiple of "
                               f"quantization_config.group_size {self.group_size}")
         out = sum(output_sizes)
-        groups = wna16.num_groups(input_size, self.group_size)
-        add_param(layer, "qweight", (input_size, out // pack), torch.int32, output_dim=1)
-        add_param(layer, "qzeros", (groups, out // pack), torch.int32, output_dim=1)
-        add_param(layer, "scales", (groups, out), torch.float32, output_dim=1)
+        splits = wna16.splits_groups(layer, self.group_size, False)
+        groups = wna16.rank_num_groups(layer, self.group_size, splits)
+        group_dim = 0 if splits else None
+        add_param(layer, "qweight", (input_size, out // pack), torch.int32, output_dim=1, input_dim=0)
+        add_param(layer, "qzeros", (groups, out // pack), torch.int32, output_dim=1, input_dim=group_dim)
+        add_param(layer, "scales", (groups, out), torch.float32, output_dim=1, input_dim=group_dim)
 
     def process_weights_after_loading(self, layer):
         values = quant_ops.unpack_int32(layer.qweight.data, BITS, dim=1, order=quant_ops.AWQ_PACK_ORDER)
         qweight = quant_ops.pack_int32(values, BITS, dim=0)
         zeros = quant_ops.unpack_int32(layer.qzeros.data, BITS, dim=1, order=quant_ops.AWQ_PACK_ORDER)
-        g_idx = wna16.default_g_idx(layer.input_size, self.group_size, qweight.device)
+        g_idx = wna16.rank_g_idx(layer, self.group_size, None, wna16.splits_groups(layer, self.group_size, False))
         wna16.finish(layer, qweight, layer.scales.data, zeros, g_idx, BITS, drop=("qzeros",))
 
     def apply(self, layer, x, bias):

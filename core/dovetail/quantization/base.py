@@ -11,8 +11,18 @@ Parameters a method creates carry two attributes the loader reads:
 - ``output_dim``: the dimension that indexes output features (``None`` when the
   tensor has none, e.g. GPTQ's ``g_idx``). Merged layers (QKV, gate/up) place
   each checkpoint shard along it, at ``offset * param.shape[output_dim] // total``.
+- ``input_dim`` (optional): the dimension that indexes input features (``None``
+  or absent when it has none, e.g. a per-channel scale).
+
+  Under tensor parallelism a column-parallel layer gives each rank its part of
+  every checkpoint tensor along ``output_dim``, a row-parallel layer along
+  ``input_dim`` (equal parts, so packed or blocked dimensions split in
+  proportion); a dimension of size 1 is a broadcast value and stays whole.
+  ``create_weights`` receives this rank's sizes; the layer's ``input_part`` and
+  ``output_parts`` say how it is split, ``total_input_size`` and
+  ``total_output_sizes`` give the checkpoint's sizes.
 - ``weight_loader`` (optional): ``fn(param, tensor, shard_index)`` replacing
-  the default placement.
+  the default placement; ``tensor`` is already this rank's part.
 - ``load_optional`` (optional): True when the checkpoint may lack the tensor
   (e.g. a scale a method computes itself when it quantizes a float checkpoint).
 """
@@ -86,6 +96,12 @@ class QuantMethod(ABC):
                     activation: str) -> torch.Tensor | None:
         """``act(y[:, :N/2]) * y[:, N/2:]`` for ``y = apply(layer, x, bias)`` in one kernel, or None where the
         method has none (the layer then runs :meth:`apply` and its activation module)."""
+        return None
+
+    def expert_fp8_scheme(self, prefix: str):
+        """How the mixture-of-experts weights at ``prefix`` are stored when this method quantizes them: an
+        :class:`dovetail.quantization.fp8.Fp8Scheme` (FP8 experts), or None where the method cannot quantize
+        experts (the model is then refused, naming the layer)."""
         return None
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:

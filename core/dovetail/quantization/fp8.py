@@ -51,18 +51,20 @@ class Fp8Scheme:
     def create_weights(self, layer, input_size: int, output_sizes: list[int], params_dtype: torch.dtype) -> None:
         out = sum(output_sizes)
         if not self.serialized:
-            add_param(layer, "weight", (out, input_size), params_dtype, output_dim=0)
+            add_param(layer, "weight", (out, input_size), params_dtype, output_dim=0, input_dim=1)
             return
-        add_param(layer, "weight", (out, input_size), quant_ops.fp8_dtype(), output_dim=0)
+        add_param(layer, "weight", (out, input_size), quant_ops.fp8_dtype(), output_dim=0, input_dim=1)
         if self.block_size is None:
-            add_param(layer, self.scale_name, (out,), torch.float32,
+            add_param(layer, self.scale_name, (out,), torch.float32, output_dim=0,
                       loader=channel_scale_loader(layer, self.scale_name))
         else:
             bn, bk = self.block_size
             if len(output_sizes) > 1 and any(size % bn for size in output_sizes):
                 raise ConfigError(f"quantization_config.weight_block_size: layer {layer.prefix} merges outputs "
                                   f"of sizes {output_sizes}, which must be multiples of the block's {bn} rows")
-            add_param(layer, self.scale_name, (-(-out // bn), -(-input_size // bk)), torch.float32, output_dim=0)
+            _check_rank_blocks(layer, input_size, output_sizes, bn, bk)
+            add_param(layer, self.scale_name, (-(-out // bn), -(-input_size // bk)), torch.float32, output_dim=0,
+                      input_dim=1)
         if self.static:
             add_param(layer, self.input_scale_name, (), torch.float32,
                       loader=max_scalar_loader(layer, self.input_scale_name))
@@ -83,6 +85,19 @@ class Fp8Scheme:
 
     def _input_scale(self, layer) -> torch.Tensor | None:
         return getattr(layer, self.input_scale_name) if self.static else None
+
+
+def _check_rank_blocks(layer, input_size: int, output_sizes: list[int], bn: int, bk: int) -> None:
+    """A rank's slice of a tensor-parallel layer must hold whole scale blocks (else a block straddles ranks)."""
+    if any(not part.whole for part in getattr(layer, "output_parts", ())) and any(s % bn for s in output_sizes):
+        raise ConfigError(f"quantization_config.weight_block_size: layer {layer.prefix} gives each rank "
+                          f"{output_sizes} output rows, which must be multiples of the block's {bn} rows "
+                          "(lower tensor_parallel_size)")
+    input_part = getattr(layer, "input_part", None)
+    if input_part is not None and not input_part.whole and input_size % bk:
+        raise ConfigError(f"quantization_config.weight_block_size: layer {layer.prefix} gives each rank "
+                          f"{input_size} input features, which must be a multiple of the block's {bk} columns "
+                          "(lower tensor_parallel_size)")
 
 
 def fp8_reasons(method: QuantMethod, platform) -> list[str]:
@@ -143,6 +158,12 @@ class Fp8Method(QuantMethod):
 
     def quantizes(self, prefix: str) -> bool:
         return not layer_matches(prefix, self.skip, "ignored_layers")
+
+    def expert_fp8_scheme(self, prefix):
+        if self.scheme.static:
+            raise ConfigError(f"quantization_config.activation_scheme: 'static' activation scales are not supported "
+                              f"for mixture-of-experts layers ({prefix}); use a checkpoint with 'dynamic'")
+        return self.scheme
 
     def create_weights(self, layer, input_size, output_sizes, params_dtype):
         self.scheme.create_weights(layer, input_size, output_sizes, params_dtype)

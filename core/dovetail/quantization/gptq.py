@@ -67,18 +67,21 @@ class GptqMethod(QuantMethod):
         pack = 32 // self.bits
         wna16.check_packable(layer, input_size, output_sizes, pack, pack)
         out = sum(output_sizes)
-        groups = wna16.num_groups(input_size, self.group_size)
-        add_param(layer, "qweight", (input_size // pack, out), torch.int32, output_dim=1)
-        add_param(layer, "qzeros", (groups, out // pack), torch.int32, output_dim=1)
-        add_param(layer, "scales", (groups, out), torch.float32, output_dim=1)
-        g_idx = add_param(layer, "g_idx", (input_size,), torch.int32, loader=same_on_every_shard_loader(layer, "g_idx"))
+        splits = wna16.splits_groups(layer, self.group_size, self.desc_act)
+        groups = wna16.rank_num_groups(layer, self.group_size, splits)
+        group_dim = 0 if splits else None
+        add_param(layer, "qweight", (input_size // pack, out), torch.int32, output_dim=1, input_dim=0)
+        add_param(layer, "qzeros", (groups, out // pack), torch.int32, output_dim=1, input_dim=group_dim)
+        add_param(layer, "scales", (groups, out), torch.float32, output_dim=1, input_dim=group_dim)
+        g_idx = add_param(layer, "g_idx", (input_size,), torch.int32, input_dim=0,
+                          loader=same_on_every_shard_loader(layer, "g_idx"))
         g_idx.load_optional = not self.desc_act  # without act-order, g_idx is k // group_size; some tools omit it
 
     def process_weights_after_loading(self, layer):
         zeros = quant_ops.unpack_int32(layer.qzeros.data, self.bits, dim=1) + self.zero_offset
-        g_idx = layer.g_idx.data
-        if not getattr(layer.g_idx, "was_loaded", False):
-            g_idx = wna16.default_g_idx(layer.input_size, self.group_size, g_idx.device)
+        loaded = layer.g_idx.data if getattr(layer.g_idx, "was_loaded", False) else None
+        g_idx = wna16.rank_g_idx(layer, self.group_size, loaded, wna16.splits_groups(layer, self.group_size,
+                                                                                     self.desc_act))
         groups = layer.scales.shape[0]
         if g_idx.numel() and (int(g_idx.min()) < 0 or int(g_idx.max()) >= groups):
             raise ModelLoadError(f"{layer.prefix}.g_idx: group indices must lie in [0, {groups}) "

@@ -32,10 +32,11 @@ class Int8Scheme:
     def create_weights(self, layer, input_size: int, output_sizes: list[int], params_dtype: torch.dtype) -> None:
         out = sum(output_sizes)
         if not self.serialized:
-            add_param(layer, "weight", (out, input_size), params_dtype, output_dim=0)
+            add_param(layer, "weight", (out, input_size), params_dtype, output_dim=0, input_dim=1)
             return
-        add_param(layer, "weight", (out, input_size), torch.int8, output_dim=0)
-        add_param(layer, "weight_scale", (out,), torch.float32, loader=channel_scale_loader(layer, "weight_scale"))
+        add_param(layer, "weight", (out, input_size), torch.int8, output_dim=0, input_dim=1)
+        add_param(layer, "weight_scale", (out,), torch.float32, output_dim=0,
+                  loader=channel_scale_loader(layer, "weight_scale"))
         if self.static:
             add_param(layer, "input_scale", (), torch.float32, loader=max_scalar_loader(layer, "input_scale"))
 

@@ -1,7 +1,7 @@
 """Creating a quantized layer's parameters, and the loaders for those a plain copy cannot fill.
 
-A merged layer (QKV, gate/up) receives one checkpoint tensor per shard; the
-loaders here place them: a per-tensor or per-channel scale as rows of a
+A merged layer (QKV, gate/up) receives one checkpoint tensor per shard (under
+tensor parallelism, already narrowed to this rank's part); the loaders here place them: a per-tensor or per-channel scale as rows of a
 per-channel vector, a static activation scale as the largest of the shards',
 and a tensor every shard must agree on (GPTQ's ``g_idx``) once.
 """
@@ -17,10 +17,13 @@ from dovetail.errors import ModelLoadError
 
 
 def add_param(layer: nn.Module, name: str, shape: tuple[int, ...], dtype: torch.dtype,
-              output_dim: int | None = None, loader: Callable | None = None) -> nn.Parameter:
-    """Register an uninitialised, frozen parameter ``name`` on ``layer``."""
+              output_dim: int | None = None, loader: Callable | None = None,
+              input_dim: int | None = None) -> nn.Parameter:
+    """Register an uninitialised, frozen parameter ``name`` on ``layer``; ``output_dim`` and ``input_dim`` name
+    the dimensions that index output and input features (how merged shards and tensor-parallel ranks split it)."""
     param = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
     param.output_dim = output_dim
+    param.input_dim = input_dim
     if loader is not None:
         param.weight_loader = loader
     layer.register_parameter(name, param)

@@ -15,7 +15,7 @@ class UnquantizedMethod(QuantMethod):
     def create_weights(self, layer, input_size, output_sizes, params_dtype):
         weight = torch.nn.Parameter(torch.empty(sum(output_sizes), input_size, dtype=params_dtype),
                                     requires_grad=False)
-        weight.output_dim = 0
+        weight.output_dim, weight.input_dim = 0, 1
         layer.register_parameter("weight", weight)
 
     def apply(self, layer, x, bias):

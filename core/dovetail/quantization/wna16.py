@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from dovetail.distributed.partition import WHOLE
 from dovetail.errors import ConfigError
 from dovetail.quantization.params import replace_param
 
@@ -47,10 +48,30 @@ def finish(layer, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tens
     layer.wna16_bits = bits
 
 
-def default_g_idx(input_size: int, group_size: int, device) -> torch.Tensor:
-    if group_size == -1:
-        return torch.zeros(input_size, dtype=torch.int32, device=device)
-    return torch.arange(input_size, dtype=torch.int32, device=device) // group_size
+def splits_groups(layer, group_size: int, act_order: bool) -> bool:
+    """Whether this rank of a row-parallel layer holds only its own groups' scales and zeros: its slice of the
+    inputs is whole groups, in order. Otherwise (act-order, a single group, groups across ranks) it holds every
+    group's, as vLLM does, and its ``g_idx`` keeps indexing them."""
+    part = getattr(layer, "input_part", WHOLE)
+    return not part.whole and group_size != -1 and not act_order and layer.input_size % group_size == 0
+
+
+def rank_num_groups(layer, group_size: int, splits: bool) -> int:
+    """Rows of this rank's ``scales`` and zeros (see :func:`splits_groups`)."""
+    total = getattr(layer, "total_input_size", layer.input_size)
+    return num_groups(layer.input_size if splits else total, group_size)
+
+
+def rank_g_idx(layer, group_size: int, loaded: torch.Tensor | None, splits: bool) -> torch.Tensor:
+    """The group of each of this rank's input features, as a row of the scales it holds; ``loaded`` is the
+    checkpoint's ``g_idx`` slice (None: the default ``k // group_size``)."""
+    start = getattr(layer, "input_part", WHOLE).index * layer.input_size
+    if loaded is None:
+        device = layer.scales.device
+        if group_size == -1:
+            return torch.zeros(layer.input_size, dtype=torch.int32, device=device)
+        loaded = torch.arange(start, start + layer.input_size, dtype=torch.int32, device=device) // group_size
+    return loaded - start // group_size if splits else loaded
 
 
 def apply(layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

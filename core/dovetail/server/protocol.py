@@ -7,9 +7,10 @@ turns a request into :class:`dovetail.SamplingParams`.
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+import logging
+from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictInt, Tag, field_validator, model_validator
 
 from dovetail.errors import RequestError
 from dovetail.sampling_params import SamplingParams, StructuredOutputsParams
@@ -18,9 +19,28 @@ MAX_LOGPROBS = 20
 TokenIds = list[int]
 
 
+logger = logging.getLogger("dovetail")
+#: (body, field) pairs already reported as ignored: each is logged once per process.
+_IGNORED_FIELDS: set[tuple[str, str]] = set()
+
+
 class _Body(BaseModel):
-    # Unknown fields are ignored, as OpenAI clients send ones we do not use (e.g. ``store``, ``metadata``).
+    """A request body (or part of one). Fields it does not define are ignored, as OpenAI clients send ones we do
+    not use (e.g. ``store``, ``metadata``), and each such field name is logged once, with a warning."""
+
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False, protected_namespaces=())
+
+    @model_validator(mode="before")
+    @classmethod
+    def _log_ignored_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            known = set(cls.model_fields) | {f.alias for f in cls.model_fields.values() if f.alias}
+            for name in data.keys() - known:
+                if (cls.__name__, str(name)) not in _IGNORED_FIELDS:
+                    _IGNORED_FIELDS.add((cls.__name__, str(name)))
+                    logger.warning("request field %r is not supported by %s and is ignored (logged once)",
+                                   str(name), cls.__name__)
+        return data
 
 
 class StreamOptions(_Body):
@@ -124,10 +144,35 @@ def _is_token_id(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _prompt_kind(value) -> Optional[str]:
+    """The shape of a ``prompt`` by its first element, so that pydantic checks every element against that
+    shape alone (trying each shape of the union on a list of millions of token ids took seconds)."""
+    if isinstance(value, str):
+        return "str"
+    if not isinstance(value, list) or not value:
+        return None
+    first = value[0]
+    if isinstance(first, str):
+        return "list[str]"
+    if _is_token_id(first):
+        return "list[int]"
+    return "list[list[int]]" if isinstance(first, list) else None
+
+
+#: A completions prompt: text, texts, token ids or lists of token ids (none of them empty).
+Prompt = Annotated[
+    Union[Annotated[str, Tag("str")], Annotated[list[str], Tag("list[str]")],
+          Annotated[list[StrictInt], Tag("list[int]")],
+          Annotated[list[Annotated[list[StrictInt], Field(min_length=1)]], Tag("list[list[int]]")]],
+    Discriminator(_prompt_kind, custom_error_type="prompt_shape", custom_error_message=(
+        "must be a string, a list of strings, a list of token ids or a list of lists of token ids (none of them "
+        "empty)"))]
+
+
 class CompletionRequest(SamplingFields):
     """``POST /v1/completions``."""
 
-    prompt: Union[str, list[str], TokenIds, list[TokenIds]] = Field(
+    prompt: Prompt = Field(
         description="a string, a list of strings, a list of token ids, or a list of lists of token ids")
     max_tokens: Optional[int] = Field(default=None, ge=1, description="default 16 (less if the context is full)")
     logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_LOGPROBS)
@@ -138,18 +183,10 @@ class CompletionRequest(SamplingFields):
 
     @field_validator("prompt", mode="before")
     @classmethod
-    def _prompt_shape(cls, value):
-        if isinstance(value, str):
-            return value
-        if isinstance(value, list) and value:
-            if all(isinstance(v, str) for v in value) or all(_is_token_id(v) for v in value):
-                return value
-            if all(isinstance(v, list) and v and all(_is_token_id(t) for t in v) for v in value):
-                return value
+    def _prompt_not_empty(cls, value):
         if isinstance(value, list) and not value:
             raise ValueError("the prompt is empty")
-        raise ValueError("must be a string, a list of strings, a list of token ids or a list of lists of "
-                         "token ids (none of them empty)")
+        return value
 
 
 class ContentPart(_Body):

@@ -109,10 +109,10 @@ class ServerState:
         """400 for an empty prompt, bad token ids, or a prompt that leaves no room to generate."""
         if not ids:
             raise RequestError(f"{field_name}: the prompt is empty", field=field_name)
-        self.check_token_ids(ids, field_name)
-        if len(ids) >= self.max_model_len:
+        if len(ids) >= self.max_model_len:  # before looking at millions of ids
             raise RequestError(f"{field_name}: the prompt has {len(ids)} tokens, but max_model_len is "
                                f"{self.max_model_len} (at least one token must be generated)", field=field_name)
+        self.check_token_ids(ids, field_name)
 
     def max_tokens(self, prompt_len: int, requested: Optional[int], default: Optional[int],
                    field_name: str = "max_tokens") -> int:

@@ -22,11 +22,13 @@ support a case.
 
 from dovetail.testing.attention import (AttentionCase, NotApplicable, attention_cases, check_attention_case,
                                         row_positions)
+from dovetail.testing.host_sync import HostSyncError, forbid_host_sync
 from dovetail.testing.imports import check_import_is_cheap
 from dovetail.testing.platform import check_fused_ops, check_platform
 from dovetail.testing.quant import check_quant_roundtrip
 
 __all__ = [
     "AttentionCase", "NotApplicable", "attention_cases", "check_attention_case", "check_platform",
-    "check_fused_ops", "check_quant_roundtrip", "check_import_is_cheap", "row_positions",
+    "check_fused_ops", "check_quant_roundtrip", "check_import_is_cheap", "row_positions", "forbid_host_sync",
+    "HostSyncError",
 ]

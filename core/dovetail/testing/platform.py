@@ -92,3 +92,13 @@ def check_fused_ops(ops: FusedOps, device: torch.device | str = "cpu", dtype: to
         logits[:, vocab // 3] = logits[:, 2 * vocab // 3] = logits.float().max() + 4  # a tie: the first index wins
         assert torch.equal(ops.argmax(logits).cpu(), ref.argmax(logits).cpu()), \
             f"{type(ops).__name__}.argmax differs from the first maximal index of each row"
+    for tokens, experts, top_k in ((1, 8, 2), (9, 6, 3)):
+        x, logits = rand(tokens, 64), rand(tokens, experts).float()
+        w13, w2 = rand(experts, 64, 64) * 0.125, rand(experts, 64, 32) * 0.18
+        weights, ids = ops.select_experts(logits, top_k, True)
+        want_weights, want_ids = ref.select_experts(logits, top_k, True)
+        assert torch.equal(ids.long().cpu(), want_ids.cpu()), \
+            f"{type(ops).__name__}.select_experts chose other experts than the softmax top-k"
+        close(weights, want_weights, "select_experts (weights)")
+        close(ops.fused_moe(x, w13, w2, weights, ids), ref.fused_moe(x, w13, w2, want_weights, want_ids),
+              "fused_moe")

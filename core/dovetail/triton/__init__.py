@@ -1,6 +1,7 @@
 """The core's Triton kernels, shared by the GPU plugins (CUDA, ROCm, XPU).
 
-- :mod:`dovetail.triton.kv_cache_write` -- store new keys and values at their slots.
+- :mod:`dovetail.triton.kv_cache_write` -- store new keys and values at their slots
+  (:mod:`dovetail.triton.kv_quant`: into an FP8 cache, scaled).
 - :mod:`dovetail.triton.paged_attention` -- one paged-attention kernel for prefill,
   chunked prefill and decode (with a split-KV variant for small decode batches).
 - :mod:`dovetail.triton.norm`, :mod:`dovetail.triton.rotary`,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from dovetail.ops import FusedOps
-from dovetail.triton import activation, argmax, gemv, norm, rotary
+from dovetail.triton import activation, argmax, fused_moe, gemv, moe_routing, norm, rotary
 
 #: Most tokens for which a 16-bit unquantized linear runs the Triton GEMV where a platform turns it on
 #: (the cuda platform on Hopper), and most output features (vocabulary-sized LM heads stay on cuBLAS). At
@@ -37,7 +37,8 @@ def gemv_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 class TritonFusedOps(FusedOps):
     """RMSNorm (with the residual add), NeoX rotary (with per-head q/k norms), SiLU-and-mul,
-    GELU-tanh-and-mul and greedy sampling's argmax in Triton; batch-1 linears on the Triton GEMV
+    GELU-tanh-and-mul, greedy sampling's argmax and the mixture of experts (routing and the fused
+    experts) in Triton; batch-1 linears on the Triton GEMV
     where the platform asks for it.
 
     ``gemv_max_rows``: the most tokens for which 16-bit linears run the Triton GEMV (0, the default:
@@ -94,3 +95,13 @@ class TritonFusedOps(FusedOps):
                                                     cos_sin_cache, head_size, rotary_dim)
         return rotary.rotary_embedding(positions, q, k, cos_sin_cache, head_size, rotary_dim,
                                        q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, eps=eps)
+
+    def select_experts(self, router_logits: torch.Tensor, top_k: int, renormalize: bool):
+        if not moe_routing.supports(router_logits, top_k):
+            return super().select_experts(router_logits, top_k, renormalize)
+        return moe_routing.topk_softmax(router_logits, top_k, renormalize)
+
+    def fused_moe(self, x, w13, w2, topk_weights, topk_ids, activation="silu", expert_map=None, fp8=None):
+        if not fused_moe.supports(x, w13, w2, topk_ids, fp8):
+            return super().fused_moe(x, w13, w2, topk_weights, topk_ids, activation, expert_map, fp8)
+        return fused_moe.fused_moe(x, w13, w2, topk_weights, topk_ids, activation, expert_map, fp8)

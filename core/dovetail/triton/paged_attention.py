@@ -43,7 +43,8 @@ import triton
 import triton.language as tl
 
 from dovetail.attention.backend import RotaryInputs
-from dovetail.triton import next_power_of_2, unaligned
+from dovetail.triton import interpreter_active, next_power_of_2, unaligned
+from dovetail.triton.kv_quant import from_cache, to_cache
 from dovetail.triton.pdl import launch_kwargs, pdl_prologue, use_pdl
 from dovetail.triton import rotary as rotary_kernel
 from dovetail.triton.rotary import normalised
@@ -96,21 +97,24 @@ def _rope_rows(row_ptrs, row_mask, dims, dim_valid, partner, cos, sin, norm_ptr,
 @triton.jit
 def _start_with_new_key(q, m_i, l_i, acc, key, value, slot, owner, key_cache_ptr, value_cache_ptr, kv_head, dims,
                         dim_valid, stride_cache_block, stride_cache_slot, stride_cache_head, scale, softcap,
-                        BLOCK_SIZE: tl.constexpr, USE_SOFTCAP: tl.constexpr, WIDE_OFFSETS: tl.constexpr):
+                        k_scale, v_scale, BLOCK_SIZE: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+                        WIDE_OFFSETS: tl.constexpr, KV_FP8: tl.constexpr, ROUND_FP8: tl.constexpr):
     """A decode's own key and value (``[HEAD_PAD]``), straight from the projection's output: the ``owner``
     program starts its online softmax with them and stores them at the token's slot (a negative slot: not
     stored) for later steps; the others start empty."""
+    key = to_cache(key, k_scale, key_cache_ptr.dtype.element_ty, KV_FP8, ROUND_FP8)
+    value = to_cache(value, v_scale, value_cache_ptr.dtype.element_ty, KV_FP8, ROUND_FP8)
     if owner and slot >= 0:
         block = slot // BLOCK_SIZE
         if not WIDE_OFFSETS:
             block = block.to(tl.int32)
         offset = block * stride_cache_block + (slot % BLOCK_SIZE).to(tl.int32) * stride_cache_slot
         offset += kv_head * stride_cache_head
-        tl.store(key_cache_ptr + offset + dims, key.to(key_cache_ptr.dtype.element_ty), mask=dim_valid)
-        tl.store(value_cache_ptr + offset + dims, value.to(value_cache_ptr.dtype.element_ty), mask=dim_valid)
-    # What the cache would give back: the tiles read keys and values in the cache's dtype.
-    key = key.to(key_cache_ptr.dtype.element_ty).to(tl.float32)
-    value = value.to(value_cache_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(key_cache_ptr + offset + dims, key, mask=dim_valid)
+        tl.store(value_cache_ptr + offset + dims, value, mask=dim_valid)
+    # What the cache would give back: the tiles read keys and values as they are stored.
+    key = from_cache(key, k_scale, q.dtype, KV_FP8).to(tl.float32)
+    value = from_cache(value, v_scale, q.dtype, KV_FP8).to(tl.float32)
     s = tl.sum(q.to(tl.float32) * key[None, :], 1)
     if USE_SOFTCAP:
         s = (softcap * LOG2E) * _tanh(s * (scale / softcap))
@@ -136,7 +140,7 @@ def _paged_attention_kernel(
     split_out_ptr, split_max_ptr, split_sum_ptr,
     block_table_ptr, seq_lens_ptr, query_start_loc_ptr, decode_order_ptr,
     new_k_ptr, new_v_ptr, slot_ptr, positions_ptr, cos_sin_ptr, q_norm_ptr, k_norm_ptr,
-    num_seqs, scale, softcap, window, eps,
+    num_seqs, scale, softcap, window, eps, k_scale, v_scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cache_block, stride_cache_slot, stride_cache_head, stride_table,
     stride_new_kt, stride_new_kh, stride_new_vt, stride_new_vh, stride_cos_sin,
@@ -146,7 +150,7 @@ def _paged_attention_kernel(
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, SPLIT_KV: tl.constexpr, IEEE_DOT: tl.constexpr,
     DOT_IN_FP32: tl.constexpr, DECODE_ONLY: tl.constexpr, WIDE_OFFSETS: tl.constexpr, HEADS_FASTEST: tl.constexpr,
     ORDERED: tl.constexpr, NEW_KV: tl.constexpr, ROTARY_HALF: tl.constexpr, QK_NORM: tl.constexpr,
-    NORM_WEIGHT_FP32: tl.constexpr, USE_PDL: tl.constexpr,
+    NORM_WEIGHT_FP32: tl.constexpr, KV_FP8: tl.constexpr, ROUND_FP8: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pdl_prologue(USE_PDL)
     if HEADS_FASTEST:
@@ -237,7 +241,8 @@ def _paged_attention_kernel(
         m_i, l_i, acc = _start_with_new_key(
             q, m_i, l_i, acc, key, value, tl.load(slot_ptr + decode_token), tl.program_id(2) == tl.num_programs(2) - 1,
             key_cache_ptr, value_cache_ptr, kv_head, dims, dim_valid, stride_cache_block, stride_cache_slot,
-            stride_cache_head, scale, softcap, BLOCK_SIZE, USE_SOFTCAP, WIDE_OFFSETS)
+            stride_cache_head, scale, softcap, k_scale, v_scale, BLOCK_SIZE, USE_SOFTCAP, WIDE_OFFSETS, KV_FP8,
+            ROUND_FP8)
     for tile in range(tile_lo, tile_hi):
         key_pos = tile * TILE_N + tl.arange(0, TILE_N)
         key_valid = key_pos < kv_end
@@ -247,6 +252,7 @@ def _paged_attention_kernel(
         kv_offset = block * stride_cache_block + (key_pos % BLOCK_SIZE) * stride_cache_slot + cache_head
         k = tl.load(key_cache_ptr + kv_offset[None, :] + dims[:, None],
                     mask=key_valid[None, :] & dim_valid[:, None], other=0.0)
+        k = from_cache(k, k_scale, q_ptr.dtype.element_ty, KV_FP8)
         if IEEE_DOT:
             s = tl.dot(q, k, input_precision="ieee")
         elif DOT_IN_FP32:
@@ -274,6 +280,7 @@ def _paged_attention_kernel(
             value_valid = key_pos < kv_end - 1
         v = tl.load(value_cache_ptr + kv_offset[:, None] + dims[None, :],
                     mask=value_valid[:, None] & dim_valid[None, :], other=0.0)
+        v = from_cache(v, v_scale, q_ptr.dtype.element_ty, KV_FP8)
         if IEEE_DOT:
             pv = tl.dot(p, v, input_precision="ieee")
         elif DOT_IN_FP32:
@@ -437,7 +444,7 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
                     logit_softcap: float | None = None, decode: bool = False, num_splits: int = 1,
                     config: LaunchConfig | None = None, decode_order: torch.Tensor | None = None,
                     new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                    rotary: RotaryInputs | None = None) -> None:
+                    rotary: RotaryInputs | None = None, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Attend ``num_seqs`` sequences whose queries are ``num_tokens`` rows of ``q``, into ``out``.
 
     ``q`` and ``out`` are ``[tokens, num_heads, head_size]``; their row 0 is the
@@ -453,6 +460,8 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
     slot, so that no separate KV-cache write is launched for the decodes (a negative slot is not stored).
     ``rotary`` (with ``new_kv``, where :func:`rotary_fits`): the decodes' rows of ``q`` and ``k`` are not
     rotated yet; the launch rotates them (after the per-head norms, when given) as the rotary kernel would.
+    An FP8 (``float8_e4m3fn``) cache holds keys / ``k_scale`` and values / ``v_scale``
+    (:mod:`dovetail.triton.kv_quant`): tiles are dequantised to ``q``'s dtype as they are loaded.
     """
     if num_seqs == 0 or num_tokens == 0:
         return
@@ -483,12 +492,15 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
     heads_fastest = decode and cfg.heads_fastest and num_q_blocks < 65536
     grid = (num_kv_heads, num_q_blocks, num_splits) if heads_fastest else (num_q_blocks, num_kv_heads, num_splits)
     launch = launch_kwargs(use_pdl(q.device))
+    fp8 = key_cache.dtype == torch.float8_e4m3fn
+    if fp8 and value_cache.dtype != key_cache.dtype:
+        raise ValueError("an FP8 key cache needs an FP8 value cache")
     _paged_attention_kernel[grid](
         q, key_cache, value_cache, out, split_out, split_max, split_sum,
         block_table, seq_lens, query_start_loc, decode_order if decode_order is not None else seq_lens,
         new_k, new_v, slots, *_rotary_tensors(rotary, q),
         num_seqs, float(scale), float(logit_softcap or 1.0), int(sliding_window or 0),
-        float(rotary.eps) if rotary is not None else 0.0,
+        float(rotary.eps) if rotary is not None else 0.0, float(k_scale), float(v_scale),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_table.stride(0),
         new_k.stride(0), new_k.stride(1), new_v.stride(0), new_v.stride(1),
@@ -502,7 +514,8 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
         ROTARY_HALF=rotary.rotary_dim // 2 if rotary is not None else 0,
         QK_NORM=rotary is not None and rotary.q_norm_weight is not None,
         NORM_WEIGHT_FP32=rotary is not None and rotary.q_norm_weight is not None
-        and rotary.q_norm_weight.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
+        and rotary.q_norm_weight.dtype == torch.float32, KV_FP8=fp8, ROUND_FP8=fp8 and interpreter_active(),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
     )
     if split_kv:
         _reduce_splits_kernel[(num_tokens, num_heads)](

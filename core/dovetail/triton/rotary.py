@@ -125,8 +125,10 @@ def writes_cache(k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor, valu
                  head_size: int, rotary_dim: int) -> bool:
     """Whether :func:`rotary_embedding_into_cache` covers these: whole heads rotated, ``v`` shaped as ``k``
     (``[tokens, kv_heads * head_size]``), and caches ``[blocks, block_size, kv_heads, head_size]`` of one
-    layout whose heads are contiguous rows."""
+    layout whose heads are contiguous rows, in ``k``'s dtype (an FP8 cache needs its scales:
+    :func:`dovetail.triton.kv_cache_write.write_kv_cache`)."""
     return (rotary_dim == head_size and v.shape == k.shape and v.dtype == k.dtype and v.dim() == 2
+            and key_cache.dtype == k.dtype and value_cache.dtype == k.dtype
             and v.stride(-1) == 1 and key_cache.dim() == 4
             and tuple(key_cache.shape[2:]) == (k.shape[1] // head_size, head_size)
             and key_cache.stride() == value_cache.stride() and key_cache.stride(-1) == 1

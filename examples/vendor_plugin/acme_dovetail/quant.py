@@ -25,7 +25,7 @@ class ToyInt8Method(QuantMethod):
     def create_weights(self, layer, input_size, output_sizes, params_dtype):
         total = sum(output_sizes)
         weight = torch.nn.Parameter(torch.empty(total, input_size, dtype=params_dtype), requires_grad=False)
-        weight.output_dim = 0
+        weight.output_dim, weight.input_dim = 0, 1  # how merged shards and tensor-parallel ranks split it
         scale = torch.nn.Parameter(torch.ones(total, dtype=torch.float32), requires_grad=False)
         scale.output_dim = 0
         scale.load_optional = True  # float checkpoints have no scale: it is computed at load

@@ -135,6 +135,13 @@ class CudaPlatform(TorchDevicePlatform):
             ops.gemv_max_rows = GEMV_MAX_ROWS
         return ops
 
+    def all_reduce_kernel(self, group, device):
+        """``DOVETAIL_ALL_REDUCE=symm_mem``: small bfloat16 all-reduces through torch symmetric memory
+        (:mod:`dovetail_cuda.symm_mem_all_reduce`); NCCL otherwise (the default)."""
+        from dovetail_cuda.symm_mem_all_reduce import all_reduce_kernel
+
+        return all_reduce_kernel(group, device)
+
     def quant_kernels(self):
         """On sm89+ (Ada, Hopper): FP8 on a CUDA C++ GEMV (one token), a Triton GEMV (up to 16) or
         ``_scaled_mm``, INT8 ``_int_mm``, Triton for 4/8-bit."""

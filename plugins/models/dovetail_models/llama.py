@@ -16,7 +16,8 @@ from torch import nn
 from dovetail.layers.activation import gated_activation
 from dovetail.layers.attention import Attention
 from dovetail.layers.embedding import LMHead, VocabEmbedding
-from dovetail.layers.linear import Linear
+from dovetail.distributed.partition import divide
+from dovetail.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from dovetail.layers.norm import RMSNorm
 from dovetail.layers.rotary import RotaryEmbedding, rope_parameters
 from dovetail.layers.weights import WeightMapper
@@ -44,6 +45,9 @@ def window_on_every_layer(config, layer_index: int) -> int | None:
 class LlamaAttention(nn.Module):
     """Merged QKV projection, optional q/k RMSNorm, rotary embedding, paged attention, output projection.
 
+    Under tensor parallelism each rank runs its share of the heads (QKV column-parallel,
+    ``o_proj`` row-parallel with an all-reduce).
+
     ``scale`` defaults to ``head_dim ** -0.5``; ``rope`` to the config's rope
     parameters; ``qk_norm_offset`` (None: no q/k norm) is 0 for Qwen 3 and 1
     for Gemma 3's ``(1 + weight)`` norms.
@@ -54,15 +58,19 @@ class LlamaAttention(nn.Module):
                  rope: dict | None = None, logit_softcap: float | None = None,
                  qk_norm_offset: float | None = None):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.total_num_heads = config.num_attention_heads
+        self.total_num_kv_heads = getattr(config, "num_key_value_heads", None) or self.total_num_heads
         self.head_dim = head_dim(config)
+        bias = getattr(config, "attention_bias", False)
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, self.total_num_heads,
+                                          self.total_num_kv_heads, bias if qkv_bias is None else qkv_bias, ctx,
+                                          f"{prefix}.qkv_proj")
+        # This rank's heads (all of them with one rank).
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        bias = getattr(config, "attention_bias", False)
-        self.qkv_proj = Linear(config.hidden_size, [self.q_size, self.kv_size, self.kv_size],
-                               bias if qkv_bias is None else qkv_bias, ctx, f"{prefix}.qkv_proj")
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias, ctx, f"{prefix}.o_proj")
+        self.o_proj = RowParallelLinear(self.total_num_heads * self.head_dim, config.hidden_size, bias, ctx,
+                                        f"{prefix}.o_proj")
         if qk_norm_offset is None:
             self.q_norm = self.k_norm = None
         else:
@@ -82,15 +90,22 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    """Merged gate/up projection, gated activation, down projection."""
+    """Merged gate/up projection, gated activation, down projection (column- then row-parallel).
+
+    ``size_field`` names the config field of ``intermediate_size`` in errors; ``reduce_results=False`` leaves
+    the down projection's partial sum to the caller (a MoE block reduces it with the experts').
+    """
 
     def __init__(self, config, ctx: ModelContext, prefix: str, intermediate_size: int | None = None,
-                 hidden_act: str | None = None):
+                 hidden_act: str | None = None, size_field: str = "intermediate_size", reduce_results: bool = True):
         super().__init__()
         inter = intermediate_size or config.intermediate_size
+        divide(inter, size_field)
         bias = getattr(config, "mlp_bias", False)
-        self.gate_up_proj = Linear(config.hidden_size, [inter, inter], bias, ctx, f"{prefix}.gate_up_proj")
-        self.down_proj = Linear(inter, config.hidden_size, bias, ctx, f"{prefix}.down_proj")
+        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [inter, inter], bias, ctx,
+                                                 f"{prefix}.gate_up_proj")
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias, ctx, f"{prefix}.down_proj",
+                                           reduce_results=reduce_results)
         self.act_fn = gated_activation(hidden_act or config.hidden_act, ctx)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,7 @@ ARCHITECTURES = {
     "MistralForCausalLM": "dovetail_models.mistral:MistralForCausalLM",
     "Qwen2ForCausalLM": "dovetail_models.qwen2:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "dovetail_models.qwen3:Qwen3ForCausalLM",
+    "Qwen2MoeForCausalLM": "dovetail_models.qwen2_moe:Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM": "dovetail_models.qwen3_moe:Qwen3MoeForCausalLM",
     "MixtralForCausalLM": "dovetail_models.mixtral:MixtralForCausalLM",
     "Gemma2ForCausalLM": "dovetail_models.gemma2:Gemma2ForCausalLM",

@@ -1,0 +1,211 @@
+"""The (token, expert) pairs of a mixture-of-experts step, sorted by expert and padded to whole blocks, on the device.
+
+Pair ``p = token * top_k + j`` goes to expert ``e = topk_ids[token, j]`` (through
+``expert_map`` when given; pairs whose expert is held elsewhere go nowhere). The
+result (:class:`AlignedPairs`) lists, expert after expert, each expert's pairs in
+ascending order, then padding up to a multiple of ``block_m`` marked with the
+sentinel ``num_pairs``; block ``b`` of ``block_m`` entries belongs to one expert,
+``block_expert[b]``. The grouped GEMMs of :mod:`dovetail.triton.moe_gemm` run one
+program per block and read these arrays on the device: nothing here is read on
+the host, and every buffer's size follows from the token count alone, so a device
+graph captures it.
+
+Sizes: at most ``num_pairs + min(experts, num_pairs) * (block_m - 1)`` entries
+(every expert with a pair pads fewer than ``block_m`` of them), rounded up to
+whole blocks. Blocks past ``num_padded`` are not filled and the GEMMs skip them.
+
+Two ways to count, chosen by the pair count (the results are identical):
+
+- up to :data:`SMALL_PAIRS` pairs (decode steps) one program counts, places and pads;
+- above it one program per chunk of pairs counts its chunk, one program turns the
+  counts into each chunk's first slot per expert, and one program per chunk places
+  its pairs there.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from dovetail.triton import next_power_of_2
+from dovetail.triton.pdl import launch_kwargs, pdl_prologue, use_pdl
+
+#: Most pairs aligned by the single-program kernel.
+SMALL_PAIRS = 1024
+
+
+class AlignedPairs(NamedTuple):
+    """Device arrays the grouped GEMMs read (see the module docstring)."""
+
+    sorted_pairs: torch.Tensor  # int32 [max_padded]: pair ids by expert, padding = num_pairs
+    block_expert: torch.Tensor  # int32 [max_blocks]: the expert of each block (-1 past the end)
+    num_padded: torch.Tensor  # int32 [1]: entries in use (a multiple of block_m)
+    num_pairs: int
+    block_m: int
+    #: :func:`one_pair_per_block`'s layout: ``sorted_pairs`` is ``topk_ids`` itself and ``block_expert`` the
+    #: expert map (or None), read by the GEMMs through ``has_map``.
+    pair_per_block: bool = False
+    has_map: bool = False
+
+    @property
+    def max_blocks(self) -> int:
+        return self.num_pairs if self.pair_per_block else self.block_expert.shape[0]
+
+
+def one_pair_per_block(topk_ids: torch.Tensor, block_m: int, expert_map: torch.Tensor | None = None) -> AlignedPairs:
+    """A layout without a kernel, for one token: block ``p`` holds pair ``p`` alone (its ``top_k`` experts differ, so
+    no expert's weights are read twice), its expert read from ``topk_ids`` by the GEMMs themselves."""
+    ids = topk_ids.reshape(-1)
+    return AlignedPairs(ids, expert_map if expert_map is not None else ids, ids, ids.numel(), block_m,
+                        pair_per_block=True, has_map=expert_map is not None)
+
+
+def max_padded(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Entries the sorted pairs may need at most (a multiple of ``block_m``)."""
+    worst = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
+    return triton.cdiv(worst, block_m) * block_m
+
+
+@triton.jit
+def _expert_of(ids_ptr, map_ptr, offs, ok, num_experts, HAS_MAP: tl.constexpr):
+    """Each pair's expert row, or -1 (past the end, or held elsewhere)."""
+    e = tl.load(ids_ptr + offs, mask=ok, other=-1).to(tl.int32)
+    if HAS_MAP:
+        e = tl.load(map_ptr + e, mask=ok & (e >= 0), other=-1).to(tl.int32)
+    return tl.where((e >= 0) & (e < num_experts), e, -1)
+
+
+@triton.jit
+def _finish_layout(counts, sorted_ptr, block_expert_ptr, num_padded_ptr, num_pairs, max_blocks,
+                   E_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCKS_TILE: tl.constexpr):
+    """From per-expert counts: write the padding, each block's expert and the entries in use; return each
+    expert's first slot."""
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    starts = ends - padded
+    total = tl.sum(padded, axis=0)
+    tl.store(num_padded_ptr, total)
+    for b0 in range(0, max_blocks, BLOCKS_TILE):
+        blocks = b0 + tl.arange(0, BLOCKS_TILE)
+        first = blocks * BLOCK_M
+        expert = tl.sum((ends[None, :] <= first[:, None]).to(tl.int32), axis=1)
+        tl.store(block_expert_ptr + blocks, tl.where(first < total, expert, -1), mask=blocks < max_blocks)
+    pad = (starts + counts)[:, None] + tl.arange(0, BLOCK_M)[None, :]
+    tl.store(sorted_ptr + pad, num_pairs, mask=pad < ends[:, None])
+    return starts
+
+
+@triton.jit
+def _place(e, offs, sorted_ptr, base, experts):
+    """Store each valid pair at ``base[its expert]`` plus its rank among the chunk's pairs of that expert;
+    return the chunk's count per expert."""
+    onehot = (e[:, None] == experts[None, :]).to(tl.int32)
+    rank = tl.sum(tl.cumsum(onehot, axis=0) * onehot, axis=1) - 1
+    slot = tl.sum(onehot * base[None, :], axis=1) + rank
+    tl.store(sorted_ptr + slot, offs, mask=e >= 0)
+    return tl.sum(onehot, axis=0)
+
+
+@triton.jit(do_not_specialize=["num_pairs", "max_blocks"])
+def _align_small_kernel(ids_ptr, map_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr,
+                        num_pairs, num_experts, max_blocks, HAS_MAP: tl.constexpr, E_P2: tl.constexpr,
+                        BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, BLOCKS_TILE: tl.constexpr,
+                        USE_PDL: tl.constexpr):
+    pdl_prologue(USE_PDL)
+    experts = tl.arange(0, E_P2)
+    counts = tl.zeros((E_P2,), dtype=tl.int32)
+    for start in range(0, num_pairs, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        ok = offs < num_pairs
+        e = _expert_of(ids_ptr, map_ptr, offs, ok, num_experts, HAS_MAP)
+        counts += tl.sum((e[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    starts = _finish_layout(counts, sorted_ptr, block_expert_ptr, num_padded_ptr, num_pairs, max_blocks,
+                            E_P2, BLOCK_M, BLOCKS_TILE)
+    for start in range(0, num_pairs, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        e = _expert_of(ids_ptr, map_ptr, offs, offs < num_pairs, num_experts, HAS_MAP)
+        starts += _place(e, offs, sorted_ptr, starts, experts)
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _count_kernel(ids_ptr, map_ptr, counts_ptr, num_pairs, num_experts, HAS_MAP: tl.constexpr,
+                  E_P2: tl.constexpr, CHUNK: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_prologue(USE_PDL)
+    chunk = tl.program_id(0)
+    offs = chunk * CHUNK + tl.arange(0, CHUNK)
+    ok = offs < num_pairs
+    e = _expert_of(ids_ptr, map_ptr, offs, ok, num_experts, HAS_MAP)
+    experts = tl.arange(0, E_P2)
+    tl.store(counts_ptr + chunk * E_P2 + experts, tl.sum((e[:, None] == experts[None, :]).to(tl.int32), axis=0))
+
+
+@triton.jit(do_not_specialize=["num_pairs", "num_chunks", "max_blocks"])
+def _scan_kernel(counts_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, num_pairs, num_chunks, max_blocks,
+                 E_P2: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr, BLOCKS_TILE: tl.constexpr,
+                 USE_PDL: tl.constexpr):
+    """Counts per chunk -> each chunk's first slot per expert (in place), plus the layout of the blocks."""
+    pdl_prologue(USE_PDL)
+    experts = tl.arange(0, E_P2)
+    totals = tl.zeros((E_P2,), dtype=tl.int32)
+    for r0 in range(0, num_chunks, ROWS):
+        rows = r0 + tl.arange(0, ROWS)
+        tile = tl.load(counts_ptr + rows[:, None] * E_P2 + experts[None, :], mask=(rows < num_chunks)[:, None],
+                       other=0)
+        totals += tl.sum(tile, axis=0)
+    running = _finish_layout(totals, sorted_ptr, block_expert_ptr, num_padded_ptr, num_pairs, max_blocks,
+                             E_P2, BLOCK_M, BLOCKS_TILE)
+    for r0 in range(0, num_chunks, ROWS):
+        rows = r0 + tl.arange(0, ROWS)
+        ptrs = counts_ptr + rows[:, None] * E_P2 + experts[None, :]
+        tile = tl.load(ptrs, mask=(rows < num_chunks)[:, None], other=0)
+        tl.store(ptrs, tl.cumsum(tile, axis=0) - tile + running[None, :], mask=(rows < num_chunks)[:, None])
+        running += tl.sum(tile, axis=0)
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _place_kernel(ids_ptr, map_ptr, counts_ptr, sorted_ptr, num_pairs, num_experts, HAS_MAP: tl.constexpr,
+                  E_P2: tl.constexpr, CHUNK: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_prologue(USE_PDL)
+    chunk = tl.program_id(0)
+    offs = chunk * CHUNK + tl.arange(0, CHUNK)
+    e = _expert_of(ids_ptr, map_ptr, offs, offs < num_pairs, num_experts, HAS_MAP)
+    experts = tl.arange(0, E_P2)
+    _place(e, offs, sorted_ptr, tl.load(counts_ptr + chunk * E_P2 + experts), experts)
+
+
+def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int, expert_map: torch.Tensor | None = None,
+                small_pairs: int = SMALL_PAIRS) -> AlignedPairs:
+    """Sort and pad the pairs of ``topk_ids`` ``[tokens, top_k]`` by expert (``num_experts`` rows of weights)."""
+    ids = topk_ids.contiguous()
+    device = ids.device
+    num_pairs = ids.numel()
+    e_p2 = next_power_of_2(num_experts)
+    padded = max_padded(num_pairs, num_experts, block_m)
+    sorted_pairs = torch.empty(padded, dtype=torch.int32, device=device)
+    block_expert = torch.empty(padded // block_m, dtype=torch.int32, device=device)
+    num_padded = torch.empty(1, dtype=torch.int32, device=device)
+    has_map = expert_map is not None
+    map_arg = expert_map if has_map else ids
+    pdl = launch_kwargs(use_pdl(device))
+    blocks_tile = max(16, min(128, 4096 // e_p2))
+    if num_pairs <= small_pairs:
+        chunk = max(16, min(256, 16384 // e_p2))
+        _align_small_kernel[(1,)](
+            ids, map_arg, sorted_pairs, block_expert, num_padded,
+            num_pairs, num_experts, block_expert.shape[0], HAS_MAP=has_map, E_P2=e_p2, BLOCK_M=block_m,
+            CHUNK=chunk, BLOCKS_TILE=blocks_tile, num_warps=8, **pdl)
+    else:
+        chunk = max(32, min(1024, 16384 // e_p2))
+        num_chunks = triton.cdiv(num_pairs, chunk)
+        counts = torch.empty((num_chunks, e_p2), dtype=torch.int32, device=device)
+        _count_kernel[(num_chunks,)](ids, map_arg, counts, num_pairs, num_experts,
+                                     HAS_MAP=has_map, E_P2=e_p2, CHUNK=chunk, num_warps=8, **pdl)
+        _scan_kernel[(1,)](counts, sorted_pairs, block_expert, num_padded, num_pairs, num_chunks,
+                           block_expert.shape[0], E_P2=e_p2, BLOCK_M=block_m, ROWS=max(1, 4096 // e_p2),
+                           BLOCKS_TILE=blocks_tile, num_warps=8, **pdl)
+        _place_kernel[(num_chunks,)](ids, map_arg, counts, sorted_pairs, num_pairs, num_experts, HAS_MAP=has_map,
+                                     E_P2=e_p2, CHUNK=chunk, num_warps=8, **pdl)
+    return AlignedPairs(sorted_pairs, block_expert, num_padded, num_pairs, block_m)
