@@ -25,7 +25,7 @@ ATTENTION_TYPES = dict(
 
 
 def attention_variant(dtype, head_size, group, decode, split=False, softcap=False, window=False, rotary=0,
-                      qk_norm=False):
+                      qk_norm=False, kv_fp8=False):
     from dovetail.triton import next_power_of_2
     from dovetail.triton.paged_attention import _paged_attention_kernel, default_config
 
@@ -34,7 +34,8 @@ def attention_variant(dtype, head_size, group, decode, split=False, softcap=Fals
 
     cfg = default_config(head_size, group, decode, getattr(torch, torch_dtype), num_splits=2 if split else 1)
     ptr = "*" + dtype
-    types = dict(ATTENTION_TYPES, q_ptr=ptr, key_cache_ptr=ptr, value_cache_ptr=ptr, out_ptr=ptr, new_k_ptr=ptr,
+    cache = "*fp8e4nv" if kv_fp8 else ptr
+    types = dict(ATTENTION_TYPES, q_ptr=ptr, key_cache_ptr=cache, value_cache_ptr=cache, out_ptr=ptr, new_k_ptr=ptr,
                  new_v_ptr=ptr, slot_ptr="*i64", positions_ptr="*i64", cos_sin_ptr="*fp32", q_norm_ptr=ptr,
                  k_norm_ptr=ptr, eps="fp32")
     constexprs = dict(
@@ -42,7 +43,8 @@ def attention_variant(dtype, head_size, group, decode, split=False, softcap=Fals
         BLOCK_SIZE=16, BLOCK_M=cfg.block_m, BLOCK_Q=1 if decode else cfg.block_m // group, TILE_N=cfg.tile_n,
         USE_SOFTCAP=softcap, USE_WINDOW=window, SPLIT_KV=split, IEEE_DOT=dtype == "fp32", DOT_IN_FP32=False,
         DECODE_ONLY=decode, WIDE_OFFSETS=False, HEADS_FASTEST=decode and cfg.heads_fastest,
-        ORDERED=decode, NEW_KV=decode, ROTARY_HALF=rotary // 2, QK_NORM=qk_norm, NORM_WEIGHT_FP32=False)
+        ORDERED=decode, NEW_KV=decode, ROTARY_HALF=rotary // 2, QK_NORM=qk_norm, NORM_WEIGHT_FP32=False,
+        KV_FP8=kv_fp8, ROUND_FP8=False)
     return _paged_attention_kernel, types, constexprs, dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
@@ -148,13 +150,24 @@ def _variants():
         "attention prefill fp16 h80 gqa7": attention_variant("fp16", 80, 7, False),
         "attention prefill bf16 h256": attention_variant("bf16", 256, 2, False, window=True, softcap=True),
         "attention decode fp32 h64": attention_variant("fp32", 64, 1, True),
+        "attention decode split bf16 h128 gqa4, fp8 cache": attention_variant("bf16", 128, 4, True, split=True,
+                                                                              kv_fp8=True),
+        "attention prefill bf16 h128 gqa4, fp8 cache": attention_variant("bf16", 128, 4, False, kv_fp8=True),
         "reduce splits": (_reduce_splits_kernel, dict(out_ptr="*bf16", split_out_ptr="*fp32", split_max_ptr="*fp32",
                                                       split_sum_ptr="*fp32", stride_ot="i32", stride_oh="i32"),
                           dict(NUM_HEADS=32, NUM_SPLITS=16, HEAD_SIZE=96, HEAD_PAD=128), dict(num_warps=4)),
         "kv cache write": (_kv_cache_write_kernel, dict(k_ptr="*bf16", v_ptr="*bf16", key_cache_ptr="*bf16",
                                                         value_cache_ptr="*bf16", slot_ptr="*i64"),
-                           dict(NUM_KV_HEADS=8, HEAD_SIZE=128, BLOCK_SIZE=16, HEADS_PAD=8, HEAD_PAD=128),
+                           dict(NUM_KV_HEADS=8, HEAD_SIZE=128, BLOCK_SIZE=16, HEADS_PAD=8, HEAD_PAD=128,
+                                KV_FP8=False, ROUND_FP8=False),
                            dict(num_warps=4)),
+        "kv cache write, fp8 cache": (_kv_cache_write_kernel, dict(k_ptr="*bf16", v_ptr="*bf16",
+                                                                   key_cache_ptr="*fp8e4nv",
+                                                                   value_cache_ptr="*fp8e4nv", slot_ptr="*i64",
+                                                                   k_scale="fp32", v_scale="fp32"),
+                                      dict(NUM_KV_HEADS=8, HEAD_SIZE=128, BLOCK_SIZE=16, HEADS_PAD=8, HEAD_PAD=128,
+                                           KV_FP8=True, ROUND_FP8=False),
+                                      dict(num_warps=4)),
         "add rms norm": (_rms_norm_kernel, dict(x_ptr="*bf16", residual_ptr="*bf16", weight_ptr="*bf16",
                                                 out_ptr="*bf16", summed_ptr="*bf16", eps="fp32"),
                          dict(HAS_RESIDUAL=True, WEIGHT_FP32=False, BLOCK=4096, HEADS=False), dict(num_warps=8)),

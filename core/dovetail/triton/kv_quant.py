@@ -28,13 +28,19 @@ def to_cache(x, scale, dtype: tl.constexpr, KV_FP8: tl.constexpr, ROUND_FP8: tl.
             exponent = ((bits >> 23) & 0xFF) - 127
             step = ((tl.maximum(exponent, -6) - 3 + 127) << 23).to(tl.float32, bitcast=True)
             y = ((y / step + 12582912.0) - 12582912.0) * step  # 1.5 * 2**23: round half to even
-        return y.to(dtype)
-    return x.to(dtype)
+        y = y.to(dtype)
+    else:
+        y = x.to(dtype)
+    return y
 
 
 @triton.jit
 def from_cache(x, scale, dtype: tl.constexpr, KV_FP8: tl.constexpr):
     """A cache tile ``x`` in ``dtype``, the dtype the attention computes in (FP8 dequantised with ``scale``)."""
+    # One return whose type is the same either way: Triton checks every return of a function, a static
+    # branch's too.
     if KV_FP8:
-        return (x.to(tl.float32) * scale).to(dtype)
-    return x
+        y = (x.to(tl.float32) * scale).to(dtype)
+    else:
+        y = x.to(dtype)
+    return y
