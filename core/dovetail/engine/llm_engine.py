@@ -122,7 +122,8 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
         so = config.structured_outputs
         self.reasoning = ReasoningParser(so.reasoning_parser, self.tokenizer) if so.reasoning_parser else None
-        self.structured = StructuredOutputManager(lambda: model_loader.load_tokenizer(self.tokenizer_path),
+        tokenizer_path = self.tokenizer_path  # (a closure over self would keep a dropped engine's workers alive)
+        self.structured = StructuredOutputManager(lambda: model_loader.load_tokenizer(tokenizer_path),
                                                   self.vocab_size, self.eos_token_ids, self.reasoning,
                                                   so.enable_in_reasoning)
         self._num_constrained = 0  # unfinished user requests with structured outputs

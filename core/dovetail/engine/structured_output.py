@@ -10,7 +10,9 @@ that the sampler applies to the logits on the device. Rows without a constraint
 cost nothing, and a step without constrained rows builds no bitmask.
 
 The matchers live with the requests, on the engine's side: the bitmask is a
-plain tensor handed to the sampling code. A matcher always stands for its
+plain tensor that travels to the workers with the step (or, with overlapped
+steps, just after it: the workers run the model while the engine applies the
+step before, whose tokens the matchers need). A matcher always stands for its
 sequence's output tokens (after the reasoning, when a reasoning parser is set):
 should the two ever differ, the matcher is rolled back or fed the missing tokens
 before its next mask.
