@@ -210,7 +210,7 @@ def test_a_matcher_that_falls_out_of_step_is_rolled_back_or_fed(llm):
     request.grammar = GrammarState(future, reasoning_ended=True)
     for token in ids:
         request.append_token(token)
-        assert not engine.structured.accept(request, token)
+        assert not engine.structured.accept([(request, token)])
     mask_after_ab, _ = engine.structured.bitmask([request])
     del request.output_token_ids[-2:]  # as if the last tokens were taken back: the matcher rolls back
     del request.all_token_ids[-2:]
