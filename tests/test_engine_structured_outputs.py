@@ -180,7 +180,7 @@ def test_a_slow_grammar_holds_up_only_its_own_requests(tiny_llama_dir, monkeypat
         assert re.fullmatch("[a-z]{3}", finished[rid].outputs[0].text)
 
 
-def test_preempted_constrained_requests_keep_their_grammar_state(tiny_llama_dir):
+def test_preempted_and_prefix_cached_constrained_requests_keep_their_grammar_state(tiny_llama_dir):
     from dovetail import LLM
 
     params = [_constrained(i, json=SCHEMA, disable_any_whitespace=True) for i in range(8)]
@@ -192,6 +192,7 @@ def test_preempted_constrained_requests_keep_their_grammar_state(tiny_llama_dir)
                 async_scheduling=True)
     outputs = tight.generate(prompts, params, use_tqdm=False)
     assert tight.llm_engine.scheduler.num_preemptions > 0
+    assert tight.llm_engine.kv_manager.prefix_hits > 0  # each prompt comes twice: the second hits the cache
     assert [o.outputs[0].text for o in outputs] == reference
 
 
@@ -209,7 +210,7 @@ def test_a_matcher_that_falls_out_of_step_is_rolled_back_or_fed(llm):
     request.grammar = GrammarState(future, reasoning_ended=True)
     for token in ids:
         request.append_token(token)
-        assert not engine.structured.accept(request, token)
+        assert not engine.structured.accept([(request, token)])
     mask_after_ab, _ = engine.structured.bitmask([request])
     del request.output_token_ids[-2:]  # as if the last tokens were taken back: the matcher rolls back
     del request.all_token_ids[-2:]

@@ -122,9 +122,10 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
         so = config.structured_outputs
         self.reasoning = ReasoningParser(so.reasoning_parser, self.tokenizer) if so.reasoning_parser else None
-        self.structured = StructuredOutputManager(lambda: model_loader.load_tokenizer(self.tokenizer_path),
+        tokenizer_path = self.tokenizer_path  # (a closure over self would keep a dropped engine's workers alive)
+        self.structured = StructuredOutputManager(lambda: model_loader.load_tokenizer(tokenizer_path),
                                                   self.vocab_size, self.eos_token_ids, self.reasoning,
-                                                  so.enable_in_reasoning)
+                                                  so.enable_in_reasoning, pin_memory=self.platform.is_accelerator)
         self._num_constrained = 0  # unfinished user requests with structured outputs
         self._parents: dict[str, _Parent] = {}
         self._requests: dict[str, Request] = {}
@@ -449,17 +450,22 @@ class LLMEngine:
                 self.outputs.add_prompt_logprobs(req, positions, infos)
         now = time.monotonic()
         touched: dict[str, None] = {}
+        constrained = []
         for req, token, info in zip(in_flight.requests, result.token_ids, result.logprobs):
             req.num_pending -= 1
             if req.is_finished or req.request_id not in self._requests:
                 continue  # finished by an earlier token, or aborted, while this step ran
             self.outputs.append_token(req, token, info, now)
-            if req.grammar is not None and not req.is_finished and self.structured.accept(req, token):
-                self.outputs.finish(req, "stop")  # the grammar has ended (with ignore_eos, EOS alone does not stop)
+            if req.grammar is not None and not req.is_finished:
+                constrained.append((req, token))
             if req.is_finished:
                 self.scheduler.finish(req)
                 self._drop_from_workers(req)
             touched[req.parent_id] = None
+        for req in self.structured.accept(constrained) if constrained else ():
+            self.outputs.finish(req, "stop")  # the grammar has ended (with ignore_eos, EOS alone does not stop)
+            self.scheduler.finish(req)
+            self._drop_from_workers(req)
         outputs = []
         for pid in touched:
             parent = self._parents.get(pid)

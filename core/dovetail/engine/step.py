@@ -97,6 +97,8 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Optio
 
     backend = BITMASK_KERNELS.get(logits.device.type, "torch_native")
     vocab_size = logits.shape[-1] if vocab_size is None else vocab_size
+    if logits.device.type != "cpu" and not bitmask.is_pinned():
+        bitmask = bitmask.pin_memory()  # a copy from pageable memory may wait for the work queued before it
     bitmask = bitmask.to(logits.device, non_blocking=True)
     if rows is None or len(rows) == logits.shape[0]:
         xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab_size, backend=backend)

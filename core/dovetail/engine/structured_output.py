@@ -10,7 +10,9 @@ that the sampler applies to the logits on the device. Rows without a constraint
 cost nothing, and a step without constrained rows builds no bitmask.
 
 The matchers live with the requests, on the engine's side: the bitmask is a
-plain tensor handed to the sampling code. A matcher always stands for its
+plain tensor that travels to the workers with the step (or, with overlapped
+steps, just after it: the workers run the model while the engine applies the
+step before, whose tokens the matchers need). A matcher always stands for its
 sequence's output tokens (after the reasoning, when a reasoning parser is set):
 should the two ever differ, the matcher is rolled back or fed the missing tokens
 before its next mask.
@@ -72,16 +74,13 @@ class GrammarState:
         self.start = 0
         #: Output tokens the matcher has taken.
         self.num_accepted = 0
+        #: The grammar has ended (it took a stop token), or a token broke it.
+        self.terminated = False
 
     @property
     def ready(self) -> bool:
         """Whether the grammar is compiled (one that failed never is: the engine aborts its requests)."""
         return self.future.done() and self.future.exception() is None
-
-    @property
-    def active(self) -> bool:
-        """Whether the next token is constrained."""
-        return self.reasoning_ended and self.matcher is not None and not self.matcher.is_terminated()
 
 
 class StructuredOutputManager:
@@ -93,10 +92,13 @@ class StructuredOutputManager:
     """
 
     def __init__(self, load_tokenizer: Callable[[], object], vocab_size: int, stop_token_ids: set[int],
-                 reasoning=None, enable_in_reasoning: bool = False, max_workers: int | None = None):
+                 reasoning=None, enable_in_reasoning: bool = False, max_workers: int | None = None,
+                 pin_memory: bool = False):
         self.load_tokenizer = load_tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = sorted(stop_token_ids)
+        self.stop_token_set = frozenset(stop_token_ids)
+        self.pin_memory = pin_memory
         self.reasoning = reasoning
         self.enable_in_reasoning = enable_in_reasoning
         workers = max_workers or max(1, min((os.cpu_count() or 2) // 2, 8))
@@ -185,33 +187,62 @@ class StructuredOutputManager:
             state.matcher = xgr.GrammarMatcher(state.future.result())
         return state.matcher
 
-    def accept(self, request, token: int) -> bool:
-        """Advance ``request``'s matcher to its newest output ``token``; True once the grammar has ended
-        (or the token broke it, which is logged)."""
-        state = request.grammar
-        if not state.reasoning_ended:
-            if token == self.reasoning.end_id:
-                state.reasoning_ended = True
-                state.start = len(request.output_token_ids)
-            return False
-        matcher = self._matcher(state)
-        if matcher.is_terminated():
-            return True
-        if not self._sync(request, state, len(request.output_token_ids)):
-            logger.warning("request %s: token %d does not follow its grammar; stopping it", request.request_id, token)
-            return True
-        return matcher.is_terminated()
+    def accept(self, pairs: list) -> list:
+        """Advance the matchers of ``(request, token)`` pairs by each request's newest output ``token`` (one
+        call into xgrammar for them all); return the requests whose grammar has ended, by a stop token (or
+        that a token broke, which is logged)."""
+        ended, matchers, tokens, accepting = [], [], [], []
+        for request, token in pairs:
+            state = request.grammar
+            if not state.reasoning_ended:
+                if token == self.reasoning.end_id:
+                    state.reasoning_ended = True
+                    state.start = len(request.output_token_ids)
+                continue
+            if state.terminated:
+                ended.append(request)
+                continue
+            matcher = state.matcher or self._matcher(state)
+            newest = len(request.output_token_ids) - 1
+            if state.num_accepted != newest - state.start and not self._sync(request, state, newest):
+                self._broken(request, state)
+                ended.append(request)
+                continue
+            matchers.append(matcher)
+            tokens.append(token)
+            accepting.append(request)
+        if matchers:
+            import xgrammar as xgr
+
+            for request, token, accepted in zip(accepting, tokens,
+                                                xgr.BatchGrammarMatcher.batch_accept_token(matchers, tokens)):
+                state = request.grammar
+                if not accepted:
+                    self._broken(request, state)
+                    ended.append(request)
+                    continue
+                state.num_accepted += 1
+                if token in self.stop_token_set:  # accepted only once the grammar is complete: it terminates
+                    state.terminated = True
+                    ended.append(request)
+        return ended
+
+    @staticmethod
+    def _broken(request, state: GrammarState) -> None:
+        logger.warning("request %s: its output no longer follows its grammar; stopping it", request.request_id)
+        state.terminated = True
 
     def _sync(self, request, state: GrammarState, upto: int) -> bool:
-        """Make the matcher stand for the output tokens before index ``upto`` (normally a no-op)."""
+        """Make the matcher stand for the output tokens before index ``upto`` (only needed should the two
+        ever fall out of step); False if those tokens do not follow the grammar."""
         taken = upto - state.start
         if state.num_accepted > taken:
             state.matcher.rollback(state.num_accepted - taken)
             state.num_accepted = taken
         for token in request.output_token_ids[state.start + state.num_accepted:upto]:
-            state.num_accepted += 1
             if not state.matcher.accept_token(token):
                 return False
+            state.num_accepted += 1
         return True
 
     def needs_host_tokens(self, requests: list) -> bool:
@@ -224,10 +255,12 @@ class StructuredOutputManager:
         rows, matchers = [], []
         for row, req in enumerate(requests):
             state = req.grammar
-            if state is None or req.is_finished or not state.reasoning_ended:
+            if state is None or not state.reasoning_ended or state.terminated or req.is_finished:
                 continue
-            matcher = self._matcher(state)
-            if not self._sync(req, state, upto=len(req.output_token_ids)) or matcher.is_terminated():
+            matcher = state.matcher or self._matcher(state)
+            taken = len(req.output_token_ids) - state.start
+            if state.num_accepted != taken and not self._sync(req, state, len(req.output_token_ids)):
+                self._broken(req, state)
                 continue
             rows.append(row)
             matchers.append(matcher)
@@ -235,7 +268,9 @@ class StructuredOutputManager:
             return None, []
         import xgrammar as xgr
 
-        mask = torch.empty(xgr.get_bitmask_shape(len(rows), self.vocab_size), dtype=xgr.bitmask_dtype)
+        # Pinned on accelerators: a copy from pageable memory may wait for the work queued before it.
+        mask = torch.empty(xgr.get_bitmask_shape(len(rows), self.vocab_size), dtype=xgr.bitmask_dtype,
+                           pin_memory=self.pin_memory)
         if len(matchers) >= BATCH_FILL_ROWS:
             if self._batch_matcher is None:
                 self._batch_matcher = xgr.BatchGrammarMatcher(self.max_threads)
