@@ -1,5 +1,5 @@
-"""Tensor parallelism on two NVIDIA GPUs through the engine (``mp``, NCCL): greedy float32 tokens against HF
-and one GPU, with the decode steps replayed from CUDA graphs (GPU)."""
+"""Tensor parallelism on two (and, where the host has them, four) NVIDIA GPUs through the engine (``mp``,
+NCCL): greedy float32 tokens against HF and one GPU, with the decode steps replayed from CUDA graphs (GPU)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ PROMPTS = [[5, 6, 7, 8, 9, 10], list(range(20, 61)), [3], list(range(100, 117)),
 MAX_TOKENS = 16
 ENGINE = dict(device="cuda", dtype="float32", attention_backend="TRITON", gpu_memory_utilization=0.3,
               max_num_seqs=8, max_model_len=256)
-#: Head size 128 (every CUDA backend takes it); four heads and two KV heads divide between two GPUs.
+#: Head size 128 (every CUDA backend takes it); four heads divide among two or four GPUs, and the two KV
+#: heads are split between two GPUs or each held by two of four.
 MODELS = {
     "llama": lambda: tiny_llama_config(hidden_size=512, intermediate_size=512, num_attention_heads=4,
                                        num_key_value_heads=2),
@@ -36,8 +37,11 @@ def _release_gpu_memory():
     torch.cuda.empty_cache()
 
 
+@pytest.mark.parametrize("tp", [2, 4], ids=["tp2", "tp4"])
 @pytest.mark.parametrize("name", sorted(MODELS))
-def test_tp2_greedy_matches_hf_and_one_gpu_with_graphs(name, tmp_path):
+def test_tp_greedy_matches_hf_and_one_gpu_with_graphs(name, tp, tmp_path):
+    if torch.cuda.device_count() < tp:
+        pytest.skip(f"needs {tp} NVIDIA GPUs")
     path = save_checkpoint(tmp_path, MODELS[name]())
     hf = load_hf(path)
     references = [hf_greedy(hf, p, MAX_TOKENS) for p in PROMPTS]
@@ -49,17 +53,17 @@ def test_tp2_greedy_matches_hf_and_one_gpu_with_graphs(name, tmp_path):
     del one
     gc.collect()
     torch.cuda.empty_cache()
-    llm = LLM(str(path), tensor_parallel_size=2, **ENGINE)
+    llm = LLM(str(path), tensor_parallel_size=tp, **ENGINE)
     try:
         info = llm.llm_engine.executor.collective_rpc("describe")
-        assert [i["device"] for i in info] == ["cuda:0", "cuda:1"]
+        assert [i["device"] for i in info] == [f"cuda:{rank}" for rank in range(tp)]
         assert all(i["graph_sizes"] for i in info), "decode graphs stay on under tensor parallelism"
         outputs = llm.generate(prompts, params, use_tqdm=False)
         for out, mine, (tokens, logprobs) in zip(outputs, single, references):
             assert_greedy_matches(out.outputs[0].token_ids, tokens, logprobs)
             assert_greedy_matches(out.outputs[0].token_ids, mine, logprobs)
         digests = llm.llm_engine.executor.collective_rpc("token_digest")
-        assert digests[0] == digests[1]
+        assert all(digest == digests[0] for digest in digests[1:])
     finally:
         llm.llm_engine.shutdown()
 

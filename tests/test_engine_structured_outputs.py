@@ -275,3 +275,25 @@ def test_cli_generate_follows_a_schema_file_or_a_regex(tiny_llama_dir, tmp_path,
     schema.write_text('{"type": "object", "properties": 1}')
     assert main([*base, "--json-schema", str(schema), "hello"]) == 2
     assert capsys.readouterr().err.startswith("error: --json-schema: invalid JSON schema")
+
+
+def test_a_grammar_that_fails_to_compile_aborts_only_its_request(tiny_llama_dir, monkeypatch, caplog):
+    from dovetail.engine.llm_engine import LLMEngine
+    from dovetail.engine.structured_output import StructuredOutputManager
+
+    def broken(self, grammar):
+        raise RuntimeError("[00:00:00] /x/compiler.cc:1: out of patience")
+
+    monkeypatch.setattr(StructuredOutputManager, "_compile", broken)
+    engine = LLMEngine.from_engine_args(str(tiny_llama_dir), max_model_len=256)
+    spec = StructuredOutputsParams(regex="[a-z]+")
+    engine.add_request("broken", "hello", SamplingParams(n=2, max_tokens=5, structured_outputs=spec))
+    engine.add_request("plain", "hello", SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    finished = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    assert [c.finish_reason for c in finished["broken"].outputs] == ["abort", "abort"]
+    assert len(finished["plain"].outputs[0].token_ids) == 5
+    assert "its grammar failed to compile: out of patience" in caplog.text

@@ -159,3 +159,26 @@ def test_plugins_command_says_the_world_size_and_the_executor():
     text = plugins_cmd.render(data)
     assert "parallelism: world size 2, executor mp" in text and "ray: Ray actors" in text
     assert "world size 1, executor uni" in plugins_cmd.render(plugins_cmd.collect())
+
+
+def test_the_kv_cache_is_the_smallest_any_rank_can_hold():
+    from dovetail.executor.base import Executor
+
+    class Ranks(Executor):
+        """Ranks whose devices hold different numbers of blocks (their memory differs)."""
+
+        world_size = 3
+
+        def collective_rpc(self, method, *args):
+            return {"determine_num_blocks": [412, 377, 390]}[method]
+
+        def execute_model(self, step):
+            raise NotImplementedError
+
+        def sample_with_bitmask(self, token_bitmask, bitmask_rows):
+            raise NotImplementedError
+
+        def take_output(self):
+            raise NotImplementedError
+
+    assert Ranks().determine_num_blocks() == 377

@@ -1,33 +1,78 @@
-"""The ``ray`` executor at TP=2 on the CPU with a local Ray cluster: greedy tokens as one rank, ranks agree."""
+"""The ``ray`` executor at TP=2 on the CPU with a local Ray cluster: greedy tokens as one rank, ranks agree.
+
+Ray runs in a child process with a deadline, so a Ray that cannot start on a starved machine fails this
+test instead of hanging the suite.
+"""
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
 import pytest
 
+from dovetail import LLM
+from test_tp_engine import COMMON, _greedy
+
+pytest.importorskip("ray", reason="the ray executor needs Ray (pip install 'dovetail[ray]')")
+
+DEADLINE_S = 300
+
+SCRIPT = '''
+import json, sys
+import ray
 from dovetail import LLM, SamplingParams
 from dovetail.errors import ConfigError
-from test_tp_engine import COMMON, PROMPTS, _greedy, assert_ranks_agree
 
-ray = pytest.importorskip("ray", reason="the ray executor needs Ray (pip install 'dovetail[ray]')")
-
-
-def test_ray_tp2_matches_one_rank(tiny_llama_dir, monkeypatch):
-    monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    one = _greedy(LLM(str(tiny_llama_dir), **COMMON))
-    llm = LLM(str(tiny_llama_dir), tensor_parallel_size=2, distributed_executor_backend="ray", **COMMON)
+common = json.loads(sys.argv[2])
+prompts = [{"prompt_token_ids": p} for p in json.loads(sys.argv[3])]
+llm = LLM(sys.argv[1], tensor_parallel_size=2, distributed_executor_backend="ray", **common)
+engine = llm.llm_engine
+result = {"executor": engine.executor.name, "pids": engine.executor.pids}
+greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+result["greedy"] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+sampled = llm.generate(prompts, SamplingParams(temperature=1.0, seed=5, max_tokens=6, logprobs=2, ignore_eos=True),
+                       use_tqdm=False)
+result["logprob_steps"] = [len(o.outputs[0].logprobs) for o in sampled]
+digests = engine.executor.collective_rpc("token_digest")
+result["ranks_agree"] = all(d == digests[0] for d in digests) and len(digests) == 2
+result["cpus"] = int(ray.cluster_resources()["CPU"])
+if result["cpus"] < 4:  # the model's four heads allow four ranks at most
     try:
-        engine = llm.llm_engine
-        assert engine.executor.name == "ray" and engine.executor_name == "ray" and len(engine.executor.pids) == 2
-        assert _greedy(llm) == one
-        params = SamplingParams(temperature=1.0, seed=5, max_tokens=6, logprobs=2, ignore_eos=True)
-        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-        assert all(len(o.outputs[0].logprobs) == 6 for o in outputs)
-        assert_ranks_agree(llm, outputs)
-        cpus = int(ray.cluster_resources()["CPU"])
-        if cpus < 4:  # the model's four heads allow four ranks at most
-            with pytest.raises(ConfigError, match=rf"^tensor_parallel_size: 4 ranks need 4 CPU in the Ray cluster, "
-                                                  rf"but it has {cpus}$"):
-                LLM(str(tiny_llama_dir), tensor_parallel_size=4, distributed_executor_backend="ray", **COMMON)
-    finally:
-        llm.llm_engine.shutdown()
-    assert not ray.is_initialized(), "the engine stops the local Ray it started"
+        LLM(sys.argv[1], tensor_parallel_size=4, distributed_executor_backend="ray", **common)
+    except ConfigError as exc:
+        result["too_many"] = str(exc)
+engine.shutdown()
+result["ray_stopped"] = not ray.is_initialized()
+print("RESULT " + json.dumps(result), flush=True)
+'''
+
+
+def test_ray_tp2_matches_one_rank(tiny_llama_dir, tmp_path):
+    prompts = [[5, 6, 7, 8, 9, 10], list(range(20, 47)), [42, 17] * 9 + [3]]
+    one = _greedy(LLM(str(tiny_llama_dir), **COMMON), prompts)
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # a local Ray of its own
+    env["RAY_memory_monitor_refresh_ms"] = "0"  # Ray's own OOM killer would count other processes' memory
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(SCRIPT), str(tiny_llama_dir), json.dumps(COMMON),
+                             json.dumps(prompts)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=DEADLINE_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"the ray executor did not finish in {DEADLINE_S}s:\n{output[-3000:]}")
+    lines = [line for line in output.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, output[-3000:]
+    result = json.loads(lines[-1][len("RESULT "):])
+    assert result["executor"] == "ray" and len(result["pids"]) == 2
+    assert result["greedy"] == one
+    assert result["logprob_steps"] == [6, 6, 6] and result["ranks_agree"]
+    if result["cpus"] < 4:
+        assert result["too_many"] == (f"tensor_parallel_size: 4 ranks need 4 CPU in the Ray cluster, but it has "
+                                      f"{result['cpus']}")
+    assert result["ray_stopped"], "the engine stops the local Ray it started"

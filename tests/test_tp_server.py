@@ -46,7 +46,8 @@ def _running(server) -> float:
 
 
 def test_tp2_server_answers_then_fails_in_flight_requests_when_a_worker_dies(long_context_dir):
-    server = ServerProcess(long_context_dir, "-tp", "2", "--device", "cpu", "--attention-backend", "REFERENCE")
+    server = ServerProcess(long_context_dir, "-tp", "2", "--device", "cpu", "--attention-backend", "REFERENCE",
+                           startup_timeout=300)  # three processes start on a machine that may be busy
     try:
         ok = httpx.post(server.url("/v1/completions"), json={"prompt": "hi", "max_tokens": 5, "ignore_eos": True},
                         timeout=60)

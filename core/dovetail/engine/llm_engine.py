@@ -522,8 +522,10 @@ class LLMEngine:
             raise
 
     def shutdown(self) -> None:
-        """Stop the workers (their processes, with executors other than ``uni``)."""
+        """Stop the workers (their processes, with executors other than ``uni``) and the grammar compiler's
+        threads."""
         self.executor.shutdown()
+        self.structured.shutdown()
 
     def stats(self) -> dict:
         """Queue sizes and cache usage (for metrics)."""

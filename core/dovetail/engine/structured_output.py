@@ -75,7 +75,8 @@ class GrammarState:
 
     @property
     def ready(self) -> bool:
-        return self.future.done()
+        """Whether the grammar is compiled (one that failed never is: the engine aborts its requests)."""
+        return self.future.done() and self.future.exception() is None
 
     @property
     def active(self) -> bool:
@@ -150,8 +151,7 @@ class StructuredOutputManager:
         ended = self.reasoning is None or self.enable_in_reasoning or \
             self.reasoning.prompt_ends_reasoning(request.prompt_token_ids)
         request.grammar = GrammarState(future, ended)
-        if not future.done():
-            self.waiting[request.request_id] = request
+        self.waiting[request.request_id] = request  # until poll() sees it compiled (or failed)
 
     def forget(self, request) -> None:
         self.waiting.pop(request.request_id, None)
@@ -160,11 +160,11 @@ class StructuredOutputManager:
         """Requests whose grammar failed to compile, with the reason; those compiled leave the waiting set."""
         failed = []
         for rid, request in list(self.waiting.items()):
-            if request.grammar.ready:
+            future = request.grammar.future
+            if future.done():
                 del self.waiting[rid]
-                exc = request.grammar.future.exception()
-                if exc is not None:
-                    failed.append((request, xgrammar_message(exc)))
+                if future.exception() is not None:
+                    failed.append((request, xgrammar_message(future.exception())))
         return failed
 
     def wait(self, timeout: float) -> None:
