@@ -554,6 +554,14 @@ TP_CHECKPOINTS = {
 }
 
 
+#: Log-probability tolerance at TP=2 against one rank (and the top-two gap under which their greedy tokens
+#: may part). Weight-only formats differ by float32 rounding. With quantized activations, the ranks' sums in
+#: another order can move an activation across an FP8/INT8 rounding edge: measured up to 0.03 nats on this
+#: tiny model (AVX2), where a mis-split tensor (a wrong block of scales, groups or rows) moves logits by nats.
+TP_TOLERANCE = {"weight-only": 1e-3, "w8a8": 0.15}
+W8A8 = ("autofp8-static", "fp8-block32", "int8-static")
+
+
 def rank_shape(layer: str, name: str, shape: tuple[int, ...], fmt: str) -> tuple[int, ...]:
     """A parameter's shape on each of two ranks: QKV (column-parallel) halves its output dimension,
     down_proj (row-parallel) its input dimension; act-order GPTQ keeps every group's scales and zeros."""
@@ -576,7 +584,7 @@ def test_quantized_checkpoints_at_tensor_parallel_2_match_one_rank(float_dir, tm
                                                     use_tqdm=False))
     (shapes, results), (shapes_1, results_1) = tp_ranks(2).run(tp_run, str(path))
     assert results == results_1, "the ranks sampled different tokens or log-probabilities"
-    tiny_models.check_matches(results, one_rank, tol=1e-3)
+    tiny_models.check_matches(results, one_rank, tol=TP_TOLERANCE["w8a8" if fmt in W8A8 else "weight-only"])
     expected = {name: rank_shape(name.rsplit(".", 1)[0], name.rsplit(".", 1)[1], shape, fmt)
                 for name, shape in layer_shapes(llm).items()}
     assert shapes == shapes_1 == expected

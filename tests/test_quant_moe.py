@@ -140,7 +140,7 @@ def tp_moe_run(path: str) -> tuple[tuple, list]:
 def test_fp8_moe_checkpoint_at_tensor_parallel_2_matches_one_rank(float_dir, tmp_path, tp_ranks):
     """Expert parallelism with FP8 block experts: each of two ranks holds two of the four experts (weights and
     scales) and the ranks generate what one rank does (each expert is whole on its rank, so its activations
-    are quantized as on one rank)."""
+    are quantized as on one rank; the attention's row-parallel sums are not, hence the W8A8 tolerance)."""
     path, _ = build(float_dir, tmp_path / "fp8-moe", "block")
     llm = LLM(str(path), **quant.ENGINE)
     one_rank = tiny_models.completions(llm.generate([{"prompt_token_ids": p} for p in quant.PROMPTS],
@@ -149,5 +149,5 @@ def test_fp8_moe_checkpoint_at_tensor_parallel_2_matches_one_rank(float_dir, tmp
     whole = [tuple(getattr(experts, n).shape) for n in ("w13_weight", "w13_weight_scale", "w2_weight")]
     (shapes, results), (shapes_1, results_1) = tp_ranks(2).run(tp_moe_run, str(path))
     assert results == results_1, "the ranks sampled different tokens or log-probabilities"
-    tiny_models.check_matches(results, one_rank, tol=1e-3)
+    tiny_models.check_matches(results, one_rank, tol=quant.TP_TOLERANCE["w8a8"])
     assert shapes == shapes_1 == tuple((2, *shape[1:]) for shape in whole)

@@ -7,7 +7,8 @@ import pytest
 
 import tiny_models
 from dovetail import LLM
-from test_quant_checkpoints import ENGINE, PROMPTS, TP_CHECKPOINTS, TP_PARAMS, float_dir  # noqa: F401 (fixture)
+from test_quant_checkpoints import (ENGINE, PROMPTS, TP_CHECKPOINTS, TP_PARAMS, TP_TOLERANCE, W8A8,  # noqa: F401
+                                    float_dir)
 from test_tp_engine import assert_ranks_agree
 
 FORMATS = ("int8-static", "autofp8-static", "gptq-g32-actorder", "awq-g32")
@@ -23,7 +24,8 @@ def test_quantized_checkpoint_at_tp2_through_worker_processes_matches_one_rank(f
     llm = LLM(str(path), tensor_parallel_size=2, **ENGINE)
     try:
         outputs = llm.generate(prompts, TP_PARAMS, use_tqdm=False)
-        tiny_models.check_matches(tiny_models.completions(outputs), one, tol=1e-3)
+        tol = TP_TOLERANCE["w8a8" if fmt in W8A8 else "weight-only"]  # why: test_quant_checkpoints.TP_TOLERANCE
+        tiny_models.check_matches(tiny_models.completions(outputs), one, tol=tol)
         assert_ranks_agree(llm, outputs)
         for info in llm.llm_engine.executor.collective_rpc("describe"):
             qkv = {n: s for n, s in info["parameters"].items() if n.startswith("model.layers.0.self_attn.qkv_proj.")}
