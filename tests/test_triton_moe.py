@@ -378,3 +378,26 @@ def test_tuning_runs_once_per_missing_bucket_and_failures_fall_back(tmp_path, mo
         assert sorted(saved) == [1, 2, 8, 16]
     finally:
         fused_moe_module._table.cache_clear()
+
+
+def test_tuning_leaves_out_a_failed_bucket_and_tunes_a_rank_with_fewer_experts_than_top_k(monkeypatch):
+    from dovetail.triton import moe_tuner
+    from dovetail.triton.moe_configs import LayerShape
+
+    # Expert parallelism can leave a rank one expert while each token picks two; every candidate then "runs"
+    # in no time, so the first one wins.
+    shape = LayerShape(experts=1, inter=32, hidden=32, top_k=2, dtype="float32", quant="none")
+    w13 = torch.randn(1, 64, 32, device=DEVICE)
+    w2 = torch.randn(1, 32, 32, device=DEVICE)
+    timed = []
+    monkeypatch.setattr(moe_tuner, "_time", lambda fn: timed.append(fn) or 1.0)
+    real_bucket = moe_tuner.tune_bucket
+
+    def bucket_failing_at_two(tokens, *args):
+        if tokens == 2:
+            raise RuntimeError("out of resources")
+        return real_bucket(tokens, *args)
+
+    monkeypatch.setattr(moe_tuner, "tune_bucket", bucket_failing_at_two)
+    configs = moe_tuner.tune([1, 2, 4], shape, w13, w2, None)
+    assert sorted(configs) == [1, 4] and timed

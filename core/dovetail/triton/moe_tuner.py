@@ -47,7 +47,10 @@ def tune_bucket(tokens: int, shape: LayerShape, w13: torch.Tensor, w2: torch.Ten
     gen = torch.Generator(device=device).manual_seed(tokens)
     act_dtype = getattr(torch, shape.dtype)
     x = torch.randn(tokens, shape.hidden, device=device, generator=gen).to(act_dtype)
-    ids = torch.rand(tokens, shape.experts, device=device, generator=gen).topk(shape.top_k, dim=-1).indices
+    if shape.top_k <= shape.experts:
+        ids = torch.rand(tokens, shape.experts, device=device, generator=gen).topk(shape.top_k, dim=-1).indices
+    else:  # a rank holding fewer experts than a token picks (expert parallelism): picks repeat
+        ids = torch.randint(0, shape.experts, (tokens, shape.top_k), device=device, generator=gen)
     ids = ids.to(torch.int32)
     pairs = tokens * shape.top_k
     block = None if fp8 is None else fp8.block_size
@@ -91,6 +94,7 @@ def tune(buckets: list[int], shape: LayerShape, w13: torch.Tensor, w2: torch.Ten
         except Exception as exc:  # tuning is an optimisation: the defaults still compute the layer
             logger.warning("fused MoE: tuning %d tokens failed (%s: %s); using the default tiles", tokens,
                            type(exc).__name__, exc)
-        logger.info("fused MoE: %d tokens: %s", tokens, configs[tokens].describe())
+        else:
+            logger.info("fused MoE: %d tokens: %s", tokens, configs[tokens].describe())
     logger.info("fused MoE: tuned in %.1f s", time.perf_counter() - started)
     return configs
