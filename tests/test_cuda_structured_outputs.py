@@ -7,12 +7,13 @@ import gc
 import json
 import re
 
-import jsonschema
 import pytest
 import torch
 
 from dovetail import LLM, SamplingParams, StructuredOutputsParams
 from tiny_models import save_model, tiny_llama_config
+
+jsonschema = pytest.importorskip("jsonschema")
 
 pytestmark = pytest.mark.gpu
 
