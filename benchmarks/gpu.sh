@@ -118,7 +118,8 @@ if step == "throughput":
     d = data["dovetail"]
     base["backend"] = d.get("attention_backend", backend)
     figures.append(("B1", d["output_tokens_per_s"], "output tok/s", {"output_tokens": d["output_tokens"],
-                                                                     "load_seconds": round(d["load_seconds"], 1)}))
+                                                                     "load_seconds": round(d["load_seconds"], 1),
+                                                                     "kv_blocks_per_rank": d.get("kv_cache_blocks_per_rank")}))
     so = data.get("structured_output")
     if so:  # --structured-output json: the same requests under one JSON schema
         figures.append(("B1 json", so["output_tokens_per_s"], "output tok/s", {

@@ -52,6 +52,7 @@ def test_throughput_generates_every_requested_token(tiny_llama_dir, tmp_path):
     wanted = sum(r.output_len for r in requests)
     assert result["num_requests"] == 5 and result["dovetail"]["output_tokens"] == wanted
     assert result["dovetail"]["output_tokens_per_s"] > 0
+    assert result["dovetail"]["kv_cache_blocks_per_rank"] > 0 and result["dovetail"]["world_size"] == 1
 
 
 def test_throughput_with_a_text_prompt_reports_the_time_to_queue(tmp_path):

@@ -49,6 +49,7 @@ def run(args) -> int:
                      "ms_per_token_runs": [r[1] for r in runs], "prefill_ms": statistics.median(r[0] for r in runs),
                      "device": engine.platform.name, "attention_backend": engine.attention_backend.name,
                      "world_size": engine.world_size, "executor": engine.executor_name,
+                     "kv_cache_blocks_per_rank": engine.num_blocks, "kv_block_size": engine.config.cache.block_size,
                      "load_seconds": load_s},
     }
     if args.compare_hf:

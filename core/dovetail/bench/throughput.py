@@ -73,6 +73,7 @@ def run(args) -> int:
                      "output_tokens_per_s": out_tokens / elapsed, "total_tokens_per_s": (out_tokens + in_tokens) / elapsed,
                      "device": engine.platform.name, "attention_backend": engine.attention_backend.name,
                      "world_size": engine.world_size, "executor": engine.executor_name,
+                     "kv_cache_blocks_per_rank": engine.num_blocks, "kv_block_size": engine.config.cache.block_size,
                      "load_seconds": load_s, "preemptions": engine.scheduler.num_preemptions},
     }
     if args.structured_output == "json":
