@@ -39,8 +39,10 @@ def _release_gpu_memory():
 
 @pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
 def test_fp8_kv_cache_follows_bf16(model_dir, enforce_eager):
-    """Where the greedy tokens first differ, ours is among the bfloat16 cache's 5 likeliest, and the logprobs
-    agree to 0.1 until then (vLLM's check for an FP8 KV cache)."""
+    """Where the greedy tokens first differ, each is among the other cache's 5 likeliest (vLLM's check for
+    an FP8 KV cache), and until then the chosen tokens' logprobs agree within the rounding of keys and
+    values to e4m3's three mantissa bits (up to 1/16 of each value; 0.3 nats bounds what a tiny model shows,
+    a cache read at the wrong scale or position moves them by nats)."""
     ref_llm = LLM(str(model_dir), enforce_eager=enforce_eager, **ENGINE)
     want, ref_blocks = _generate(ref_llm), ref_llm.llm_engine.num_blocks
     del ref_llm
@@ -55,8 +57,9 @@ def test_fp8_kv_cache_follows_bf16(model_dir, enforce_eager):
         for step, (token, ref_token) in enumerate(zip(ours.outputs[0].token_ids, ref.outputs[0].token_ids)):
             if token != ref_token:
                 assert token in ref.outputs[0].logprobs[step], f"step {step}: {token} not in the bf16 top 5"
+                assert ref_token in ours.outputs[0].logprobs[step], f"step {step}: {ref_token} not in the fp8 top 5"
                 break
             agreed += 1
             assert abs(ours.outputs[0].logprobs[step][token].logprob
-                       - ref.outputs[0].logprobs[step][token].logprob) < 0.1
+                       - ref.outputs[0].logprobs[step][token].logprob) < 0.3
     assert agreed >= len(PROMPTS)  # more than nothing agrees outright

@@ -194,7 +194,10 @@ def _greedy(llm, prompts=PROMPTS):
 
 
 def test_moe_model_matches_hf_with_cuda_graphs(moe_model):
-    """float16 with CUDA graphs against HF's float32: tokens may differ only where HF's top two are within 0.05."""
+    """float32 with CUDA graphs against HF's float32: tokens may differ only where HF's top two are within 1e-3.
+    (In float16 a router logit within rounding of the next expert's may pick another expert for a token,
+    which in a two-layer model moves its logits by nats; float16 graphs are checked against float16 eager
+    steps below.)"""
     hf = load_hf(moe_model).cuda()
     references = []
     with torch.no_grad():
@@ -206,10 +209,10 @@ def test_moe_model_matches_hf_with_cuda_graphs(moe_model):
                                [torch.log_softmax(s[0].float(), -1).cpu() for s in out.logits]))
     del hf
     torch.cuda.empty_cache()
-    llm = LLM(str(moe_model), **ENGINE)
+    llm = LLM(str(moe_model), **{**ENGINE, "dtype": "float32"})
     assert llm.llm_engine.runner.graphs is not None, "CUDA graphs are on by default for MoE models"
     for tokens, (hf_tokens, hf_logprobs) in zip(_greedy(llm), references):
-        assert_greedy_matches(tokens, hf_tokens, hf_logprobs, tol=0.05)
+        assert_greedy_matches(tokens, hf_tokens, hf_logprobs, tol=1e-3)
 
 
 def test_moe_graphs_on_and_off_give_identical_tokens(moe_model):

@@ -66,8 +66,9 @@ def test_symmetric_memory_all_reduce_matches_nccl_and_replays_in_a_graph():
 
 
 def test_engine_greedy_with_symmetric_memory_all_reduce(tmp_path, monkeypatch):
-    """bfloat16 at TP=2 with the symmetric-memory all-reduce: HF's greedy tokens (float32, ties within 0.05)
-    and NCCL's."""
+    """bfloat16 at TP=2: the symmetric-memory all-reduce gives NCCL's tokens exactly (with two ranks each sum
+    is one addition, rounded once, whichever kernel makes it), and NCCL's follow HF's float32 ones up to a
+    near tie (0.1 nats: bfloat16 logits carry about three significant digits)."""
     from dovetail import LLM, SamplingParams
     from test_models_vs_hf import save_checkpoint
     from tiny_models import assert_greedy_matches, hf_greedy, load_hf, tiny_llama_config
@@ -89,6 +90,6 @@ def test_engine_greedy_with_symmetric_memory_all_reduce(tmp_path, monkeypatch):
             tokens[choice] = [o.outputs[0].token_ids for o in outputs]
         finally:
             llm.llm_engine.shutdown()
-    for ours, theirs, (hf_tokens, hf_logprobs) in zip(tokens["symm_mem"], tokens["nccl"], references):
-        assert_greedy_matches(ours, hf_tokens, hf_logprobs, tol=0.05)
-        assert_greedy_matches(ours, theirs, hf_logprobs, tol=0.05)
+    assert tokens["symm_mem"] == tokens["nccl"]
+    for ours, (hf_tokens, hf_logprobs) in zip(tokens["nccl"], references):
+        assert_greedy_matches(ours, hf_tokens, hf_logprobs, tol=0.1)
