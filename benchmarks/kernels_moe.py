@@ -31,29 +31,7 @@ import statistics
 
 import torch
 
-CALLS = 16
-REPLAYS = 10
-
-
-def time_graph(fn) -> float:
-    """Median µs per call of ``fn(i)`` for i in range(CALLS), captured in one CUDA graph and replayed."""
-    for i in range(CALLS):  # compile, tune and allocate outside the capture
-        fn(i)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(CALLS):
-            fn(i)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    graph.replay()
-    times = []
-    for _ in range(REPLAYS):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / CALLS)
-    return statistics.median(times)
+from kernels_linear import CALLS, time_graph
 
 
 def copy_bandwidth() -> float:

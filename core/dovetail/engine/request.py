@@ -17,7 +17,27 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
-class Request:
+class SequenceTokens:
+    """Token counts of a sequence whose newest ``num_pending`` tokens were sampled on the device and are not
+    yet in its lists (the engine's :class:`Request` and a worker's mirror of it share them)."""
+
+    __slots__ = ()
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens of the sequence, including sampled ones still on their way to the host."""
+        return len(self.all_token_ids) + self.num_pending
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids) + self.num_pending
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+class Request(SequenceTokens):
     """One sequence being generated (a request with ``n > 1`` becomes ``n`` of these)."""
 
     def __init__(self, request_id: str, prompt: Optional[str], prompt_token_ids: list[int],
@@ -61,19 +81,6 @@ class Request:
         self.queue_key: Optional[tuple] = None
         #: The structured-outputs state (:class:`dovetail.engine.structured_output.GrammarState`), if constrained.
         self.grammar = None
-
-    @property
-    def num_tokens(self) -> int:
-        """Tokens of the sequence, including sampled ones still on their way to the host."""
-        return len(self.all_token_ids) + self.num_pending
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.output_token_ids) + self.num_pending
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
 
     @property
     def is_finished(self) -> bool:

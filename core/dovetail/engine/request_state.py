@@ -5,11 +5,12 @@ Its own module so that the worker, the runner and the sampler all name it withou
 
 from __future__ import annotations
 
+from dovetail.engine.request import SequenceTokens
 from dovetail.engine.step import NewRequestData
 from dovetail.sampling_params import SamplingParams
 
 
-class RequestState:
+class RequestState(SequenceTokens):
     """A worker's mirror of one sequence: what the model runner and the sampler read.
 
     ``all_token_ids`` are the tokens this worker knows; ``num_pending`` more were
@@ -32,14 +33,3 @@ class RequestState:
         self.pending_row = -1
         self.block_ids = list(data.block_ids)
 
-    @property
-    def num_tokens(self) -> int:
-        return len(self.all_token_ids) + self.num_pending
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.output_token_ids) + self.num_pending
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)

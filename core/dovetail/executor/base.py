@@ -8,6 +8,7 @@ from typing import Any, Optional
 import torch
 
 from dovetail.engine.step import StepDescription, StepOutput
+from dovetail.errors import WorkerError
 
 
 class Executor(ABC):
@@ -59,3 +60,24 @@ class Executor(ABC):
 
     def describe(self) -> str:
         return f"{self.name}, world size {self.world_size}"
+
+
+class RemoteExecutor(Executor):
+    """An executor whose ranks live outside the engine's process: the first failure stops them all, and
+    every later call raises it again."""
+
+    _failure: Optional[WorkerError] = None
+
+    def _stop_ranks(self) -> None:
+        """Stop the ranks still running (they may wait in a collective for the one that failed)."""
+
+    def _fail(self, error: BaseException) -> BaseException:
+        if self._failure is None:
+            self._failure = error if isinstance(error, WorkerError) else WorkerError(str(error))
+        self._stop_ranks()
+        self.shutdown()
+        return error
+
+    def _check_alive(self) -> None:
+        if self._failure is not None:
+            raise WorkerError(f"the engine stopped earlier: {self._failure}", self._failure.rank)

@@ -30,7 +30,7 @@ from typing import Any
 from dovetail.engine.step import StepDescription, StepOutput
 from dovetail.engine.worker import Worker, WorkerSpec
 from dovetail.errors import DovetailError, WorkerError
-from dovetail.executor.base import Executor
+from dovetail.executor.base import RemoteExecutor
 
 logger = logging.getLogger("dovetail")
 
@@ -166,7 +166,7 @@ def _watch(executor_ref, sentinels: list, wake) -> None:
         executor.on_worker_death()
 
 
-class MultiprocExecutor(Executor):
+class MultiprocExecutor(RemoteExecutor):
     """``world_size`` worker processes on this host, rank ``r`` on device ``r``."""
 
     name = "mp"
@@ -289,18 +289,10 @@ class MultiprocExecutor(Executor):
         last = text.strip().splitlines()[-1] if text.strip() else "unknown error"
         return WorkerError(f"worker rank {rank} failed: {last}", rank)
 
-    def _fail(self, error: BaseException) -> BaseException:
-        if self._failure is None:
-            self._failure = error if isinstance(error, WorkerError) else WorkerError(str(error))
-        for proc in self._processes:  # the others may wait in a collective for the one that failed
+    def _stop_ranks(self) -> None:
+        for proc in self._processes:
             if proc.is_alive():
                 proc.terminate()
-        self.shutdown()
-        return error
-
-    def _check_alive(self) -> None:
-        if self._failure is not None:
-            raise WorkerError(f"the engine stopped earlier: {self._failure}", self._failure.rank)
 
     def shutdown(self) -> None:
         self._finalizer()

@@ -19,7 +19,7 @@ from typing import Any
 from dovetail.engine.step import StepDescription, StepOutput
 from dovetail.engine.worker import Worker, WorkerSpec
 from dovetail.errors import ConfigError, DovetailError, WorkerError
-from dovetail.executor.base import Executor
+from dovetail.executor.base import RemoteExecutor
 from dovetail.platform import Platform
 
 logger = logging.getLogger("dovetail")
@@ -63,7 +63,7 @@ def _import_ray():
     return ray
 
 
-class RayExecutor(Executor):
+class RayExecutor(RemoteExecutor):
     """``world_size`` Ray actors, one per device, placed together by a placement group (``PACK``)."""
 
     name = "ray"
@@ -166,15 +166,6 @@ class RayExecutor(Executor):
 
     # -- failures and shutdown ----------------------------------------------------------------
 
-    def _fail(self, error: BaseException) -> BaseException:
-        if self._failure is None:
-            self._failure = error if isinstance(error, WorkerError) else WorkerError(str(error))
-        self.shutdown()
-        return error
-
-    def _check_alive(self) -> None:
-        if self._failure is not None:
-            raise WorkerError(f"the engine stopped earlier: {self._failure}", self._failure.rank)
 
     def shutdown(self) -> None:
         ray = self.ray
