@@ -32,4 +32,3 @@ class RequestState(SequenceTokens):
         self.num_pending = 0
         self.pending_row = -1
         self.block_ids = list(data.block_ids)
-
