@@ -249,3 +249,18 @@ def test_structured_outputs_across_processes_with_overlapped_steps(tiny_llama_di
         assert_ranks_agree(llm)  # (a request that stopped may hold one more token there, sampled before it stopped)
     finally:
         llm.llm_engine.shutdown()
+
+
+def test_the_engine_process_pins_no_memory_for_ranks_it_does_not_drive(tiny_llama_dir, monkeypatch):
+    """On an accelerator, the mp engine's structured-output bitmasks go to the ranks by IPC: pinning them in the
+    engine's process would open a device context there (on the first GPU) for nothing."""
+    probe = LLM(str(tiny_llama_dir), **COMMON)
+    platform_class = type(probe.llm_engine.platform)
+    assert not probe.llm_engine.structured.pin_memory  # no accelerator: nothing to pin
+    probe.llm_engine.shutdown()
+    monkeypatch.setattr(platform_class, "is_accelerator", True)  # the engine's process only: ranks are spawned
+    llm = LLM(str(tiny_llama_dir), tensor_parallel_size=2, async_scheduling=False, **COMMON)
+    try:
+        assert llm.llm_engine.executor.name == "mp" and not llm.llm_engine.structured.pin_memory
+    finally:
+        llm.llm_engine.shutdown()

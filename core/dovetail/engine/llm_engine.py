@@ -125,7 +125,7 @@ class LLMEngine:
         tokenizer_path = self.tokenizer_path  # (a closure over self would keep a dropped engine's workers alive)
         self.structured = StructuredOutputManager(lambda: model_loader.load_tokenizer(tokenizer_path),
                                                   self.vocab_size, self.eos_token_ids, self.reasoning,
-                                                  so.enable_in_reasoning, pin_memory=self.platform.is_accelerator)
+                                                  so.enable_in_reasoning, pin_memory=self._pins_host_memory())
         self._num_constrained = 0  # unfinished user requests with structured outputs
         self._parents: dict[str, _Parent] = {}
         self._requests: dict[str, Request] = {}
@@ -141,6 +141,12 @@ class LLMEngine:
                     self.model_choice.architecture, platform_name, str(self.dtype).removeprefix("torch."),
                     self.attention_backend.name, self.num_blocks, config.cache.block_size, self.world_size,
                     self.executor_name)
+
+    def _pins_host_memory(self) -> bool:
+        """Whether host buffers bound for the device are pinned: only where this process drives it (other
+        executors ship them to their ranks, and pinning here would open a device context on the first
+        GPU for nothing)."""
+        return self.platform.is_accelerator and self.executor.name == "uni"
 
     @classmethod
     def from_engine_args(cls, model: str, **kwargs) -> "LLMEngine":
