@@ -43,6 +43,14 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def start_profile(self) -> None:
+        """Start torch.profiler on every rank; needs ``DOVETAIL_TORCH_PROFILER_DIR`` (traces go there)."""
+        self.llm_engine.start_profile()
+
+    def stop_profile(self) -> list[str]:
+        """Stop it and write each rank's trace and summary; the summaries' paths."""
+        return self.llm_engine.stop_profile()
+
     def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:

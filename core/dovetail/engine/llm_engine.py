@@ -22,6 +22,7 @@ import torch
 from dovetail.config import EngineArgs, EngineConfig
 from dovetail.engine.kv_cache_manager import KVCacheManager
 from dovetail.engine.output_processor import OutputProcessor
+from dovetail.engine.profiler import profiler_dir
 from dovetail.engine.prompt_tokenizer import PromptTokenizer
 from dovetail.engine.request import Request
 from dovetail.engine.scheduler import ScheduledBatch, Scheduler
@@ -133,6 +134,7 @@ class LLMEngine:
         self._in_flight: _InFlight | None = None
         self._forget: list[str] = []  # requests the workers drop before the next step
         self.failure: WorkerError | None = None
+        self._profiling = False
         async_scheduling = config.scheduler.async_scheduling
         self.overlap = self.platform.is_accelerator if async_scheduling is None else async_scheduling
         self.startup_seconds = time.monotonic() - t0
@@ -532,6 +534,22 @@ class LLMEngine:
             self.failure = exc
             self._in_flight = None
             raise
+
+    def start_profile(self) -> None:
+        """Start torch.profiler on every rank, writing to ``DOVETAIL_TORCH_PROFILER_DIR`` (see
+        :mod:`dovetail.engine.profiler`); a ConfigError when it is unset or the profiler runs already."""
+        directory = profiler_dir()
+        if self._profiling:
+            raise ConfigError("the profiler is already running: stop it first")
+        self.executor.collective_rpc("start_profile", directory)
+        self._profiling = True
+
+    def stop_profile(self) -> list[str]:
+        """Stop the profiler on every rank once the steps queued so far have run; each rank's summary path."""
+        if not self._profiling:
+            raise ConfigError("the profiler is not running: start it first")
+        self._profiling = False
+        return self.executor.collective_rpc("stop_profile")
 
     def shutdown(self) -> None:
         """Stop the workers (their processes, with executors other than ``uni``) and the grammar compiler's

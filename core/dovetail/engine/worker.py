@@ -23,6 +23,7 @@ from dovetail import distributed, model_loader, selection
 from dovetail.attention.backend import AttentionRequirements
 from dovetail.config import EngineConfig
 from dovetail.engine.model_runner import ModelRunner
+from dovetail.engine.profiler import StepProfiler
 from dovetail.engine.request_state import RequestState
 from dovetail.engine.sampler import PendingSample, launch_sample, prompt_logprobs
 from dovetail.engine.scheduler import ScheduledBatch
@@ -128,6 +129,7 @@ class Worker:
         self._launched: collections.deque[_Launched] = collections.deque()
         self._last_tokens: torch.Tensor | None = None
         self._unsampled: torch.Tensor | None = None  # the logits of a step whose bitmask is still to come
+        self.profiler = StepProfiler(rank, platform.device_type)
 
     def _build_model(self, path):
         ctx = ModelContext(dtype=self.spec.dtype, device=self.device, quant=self.quant_method,
@@ -263,6 +265,13 @@ class Worker:
         return {"rank": self.rank, "world_size": self.world_size, "device": str(self.device),
                 "graph_sizes": list(graphs.sizes) if graphs is not None else None,
                 "parameters": {name: tuple(p.shape) for name, p in self.model.named_parameters()}}
+
+    def start_profile(self, directory: str) -> None:
+        self.profiler.start(directory)
+
+    def stop_profile(self) -> str:
+        """Stop the profiler; the path of this rank's summary (its trace is beside it)."""
+        return self.profiler.stop()
 
     def token_digest(self) -> dict[str, list[int]]:
         """Every known token of every request this rank holds (to check that the ranks agree)."""

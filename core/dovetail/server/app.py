@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from contextlib import asynccontextmanager
 
@@ -9,6 +10,8 @@ from fastapi import FastAPI, Request, Response
 
 from dovetail import __version__
 from dovetail.engine.async_engine import AsyncLLMEngine
+from dovetail.engine.profiler import PROFILER_DIR_ENV
+from dovetail.errors import ConfigError
 from dovetail.server.chat import create_chat_completion
 from dovetail.server.completions import create_completion
 from dovetail.server.errors import APIError, install_error_handlers
@@ -32,6 +35,25 @@ async def health(request: Request) -> Response:
 
 async def version() -> dict:
     return {"version": __version__}
+
+
+async def _profiler_call(request: Request, fn):
+    state: ServerState = request.app.state.server
+    try:
+        return await state.engine.call(fn)
+    except ConfigError as exc:  # started twice, or stopped while not running
+        raise APIError(400, str(exc), code="profiler_state") from None
+
+
+async def start_profile(request: Request) -> Response:
+    """Start torch.profiler on every rank (served only with ``DOVETAIL_TORCH_PROFILER_DIR`` set)."""
+    await _profiler_call(request, lambda engine: engine.start_profile())
+    return Response(status_code=200)
+
+
+async def stop_profile(request: Request) -> dict:
+    """Stop it once the steps queued so far have run; each rank's summary path."""
+    return {"summaries": await _profiler_call(request, lambda engine: engine.stop_profile())}
 
 
 async def list_models(request: Request) -> dict:
@@ -92,4 +114,7 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     app.post("/detokenize")(detokenize)
     app.post("/v1/completions", response_model=None)(create_completion)
     app.post("/v1/chat/completions", response_model=None)(create_chat_completion)
+    if os.environ.get(PROFILER_DIR_ENV, "").strip():
+        app.post("/start_profile")(start_profile)
+        app.post("/stop_profile")(stop_profile)
     return app

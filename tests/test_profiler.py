@@ -1,0 +1,83 @@
+"""torch.profiler on every rank: ``DOVETAIL_TORCH_PROFILER_DIR``, ``LLM.start_profile/stop_profile`` and the
+server's ``/start_profile`` and ``/stop_profile``."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import httpx
+import pytest
+
+from dovetail import LLM, SamplingParams
+from dovetail.errors import ConfigError
+from test_server_cli import ServerProcess, auth
+
+COMMON = dict(device="cpu", attention_backend="REFERENCE", dtype="float32", max_model_len=128)
+PARAMS = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+
+def _profiled_ops(summary_path: str) -> str:
+    text = open(summary_path).read()
+    assert "Name" in text and "Self CPU" in text
+    return text
+
+
+def _trace_events(directory, rank: int) -> list:
+    (trace,) = directory.glob(f"rank{rank}.*.pt.trace.json.gz")
+    with gzip.open(trace, "rt") as f:
+        return json.load(f)["traceEvents"]
+
+
+@pytest.mark.parametrize("tp", [1, 2], ids=["one-rank", "two-ranks"])
+def test_each_rank_writes_a_trace_and_a_summary_of_its_steps(tiny_llama_dir, tmp_path, monkeypatch, tp):
+    monkeypatch.setenv("DOVETAIL_TORCH_PROFILER_DIR", str(tmp_path / "traces"))
+    llm = LLM(str(tiny_llama_dir), tensor_parallel_size=tp, **COMMON)
+    try:
+        llm.generate([{"prompt_token_ids": [5, 6, 7]}], PARAMS, use_tqdm=False)  # not profiled
+        llm.start_profile()
+        with pytest.raises(ConfigError, match="already running"):
+            llm.start_profile()
+        llm.generate([{"prompt_token_ids": [8, 9, 10, 11]}], PARAMS, use_tqdm=False)
+        summaries = llm.stop_profile()
+        with pytest.raises(ConfigError, match="not running"):
+            llm.stop_profile()
+    finally:
+        llm.llm_engine.shutdown()
+    assert [s.rsplit("/", 1)[-1] for s in summaries] == [f"rank{r}_summary.txt" for r in range(tp)]
+    for rank, summary in enumerate(summaries):
+        assert "aten::" in _profiled_ops(summary)  # the model's operators ran under the profiler
+        names = {event.get("name", "") for event in _trace_events(tmp_path / "traces", rank)}
+        assert any(name.startswith("aten::") for name in names)
+        if tp == 2:
+            assert any("allreduce" in name for name in names), f"rank {rank}'s collectives are in its trace"
+
+
+def test_profiling_needs_the_directory(tiny_llama_dir, monkeypatch):
+    monkeypatch.delenv("DOVETAIL_TORCH_PROFILER_DIR", raising=False)
+    llm = LLM(str(tiny_llama_dir), **COMMON)
+    with pytest.raises(ConfigError, match="DOVETAIL_TORCH_PROFILER_DIR"):
+        llm.start_profile()
+
+
+def test_the_server_profiles_between_requests_when_the_directory_is_set(tiny_llama_dir, tmp_path):
+    server = ServerProcess(tiny_llama_dir, "--served-model-name", "tiny",
+                           env={"DOVETAIL_TORCH_PROFILER_DIR": str(tmp_path)})
+    try:
+        assert httpx.post(server.url("/start_profile"), timeout=60).status_code == 200
+        again = httpx.post(server.url("/start_profile"), timeout=60)
+        assert again.status_code == 400 and "already running" in again.json()["error"]["message"]
+        done = httpx.post(server.url("/v1/completions"), timeout=60, json={
+            "model": "tiny", "prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0})
+        assert done.status_code == 200
+        stopped = httpx.post(server.url("/stop_profile"), timeout=120)
+        assert stopped.status_code == 200
+        (summary,) = stopped.json()["summaries"]
+        assert "aten::" in _profiled_ops(summary)
+    finally:
+        server.stop()
+    plain = ServerProcess(tiny_llama_dir, env={"DOVETAIL_TORCH_PROFILER_DIR": ""})
+    try:
+        assert httpx.post(plain.url("/start_profile"), headers=auth(), timeout=30).status_code == 404
+    finally:
+        plain.stop()
