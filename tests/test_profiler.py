@@ -81,3 +81,17 @@ def test_the_server_profiles_between_requests_when_the_directory_is_set(tiny_lla
         assert httpx.post(plain.url("/start_profile"), headers=auth(), timeout=30).status_code == 404
     finally:
         plain.stop()
+
+
+def test_bench_profiles_its_timed_run(tiny_llama_dir, tmp_path, monkeypatch):
+    from dovetail.cli.main import main
+
+    out = tmp_path / "latency.json"
+    monkeypatch.delenv("DOVETAIL_TORCH_PROFILER_DIR", raising=False)
+    args = ["--log-level", "WARNING", "bench", "latency", "--model", str(tiny_llama_dir), "--device", "cpu",
+            "--input-len", "8", "--output-len", "4", "--repeats", "1", "--profile", "--output-json", str(out)]
+    assert main(args) != 0 and not out.exists(), "--profile without the directory is refused before the run"
+    monkeypatch.setenv("DOVETAIL_TORCH_PROFILER_DIR", str(tmp_path / "traces"))
+    assert main(args) == 0
+    (summary,) = json.loads(out.read_text())["dovetail"]["profile_summaries"]
+    assert "aten::" in _profiled_ops(summary)

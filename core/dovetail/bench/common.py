@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import platform as _platform
 import subprocess
@@ -18,12 +19,33 @@ def add_common_arguments(p) -> None:
     p.add_argument("--compare-hf", action="store_true", help="run HF transformers generate in the same run")
     p.add_argument("--output-json", default=None, help="also write the result to this file")
     p.add_argument("--workload-seed", type=int, default=0)
+    p.add_argument("--profile", action="store_true",
+                   help="run torch.profiler on every rank over the timed part (traces and summaries go to "
+                        "DOVETAIL_TORCH_PROFILER_DIR; the figures then include the profiler's cost)")
+
+
+@contextlib.contextmanager
+def profiled(llm, enabled: bool):
+    """Profile the block on every rank when ``enabled``; yields the list that receives the summaries' paths."""
+    summaries: list[str] = []
+    if not enabled:
+        yield summaries
+        return
+    llm.start_profile()
+    try:
+        yield summaries
+    finally:
+        summaries.extend(llm.stop_profile())
 
 
 def build_llm(args):
     """The LLM for ``args.model`` (a directory or a named shape) and the directory used."""
     from dovetail.llm import LLM
 
+    if getattr(args, "profile", False):
+        from dovetail.engine.profiler import profiler_dir
+
+        profiler_dir()  # unset: the error comes before the model loads
     model = args.model or "c1"
     needs_tokenizer = getattr(args, "structured_output", None) is not None
     model_dir, defaults = shapes.materialize(model, with_tokenizer=needs_tokenizer)

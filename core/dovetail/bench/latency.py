@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from dovetail.bench.common import add_common_arguments, build_llm, emit, environment
+from dovetail.bench.common import add_common_arguments, build_llm, emit, environment, profiled
 from dovetail.bench.workload import random_requests
 
 
@@ -41,7 +41,8 @@ def run(args) -> int:
     prompt = random_requests(1, (args.input_len, args.input_len), (1, 1), engine.vocab_size,
                              args.workload_seed)[0].prompt_token_ids
     _decode_ms(engine, prompt, 8, "warmup")
-    runs = [_decode_ms(engine, prompt, args.output_len, f"r{i}") for i in range(args.repeats)]
+    with profiled(llm, args.profile) as summaries:
+        runs = [_decode_ms(engine, prompt, args.output_len, f"r{i}") for i in range(args.repeats)]
     result = {
         "benchmark": "latency", "model": args.model or "c1", "engine_args": kwargs, "environment": environment(engine.platform),
         "input_len": args.input_len, "output_len": args.output_len,
@@ -50,7 +51,7 @@ def run(args) -> int:
                      "device": engine.platform.name, "attention_backend": engine.attention_backend.name,
                      "world_size": engine.world_size, "executor": engine.executor_name,
                      "kv_cache_blocks_per_rank": engine.num_blocks, "kv_block_size": engine.config.cache.block_size,
-                     "load_seconds": load_s},
+                     "profile_summaries": summaries, "load_seconds": load_s},
     }
     if args.compare_hf:
         from dovetail.bench.hf_peer import hf_latency, load_hf_model

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 
-from dovetail.bench.common import add_common_arguments, build_llm, emit, environment
+from dovetail.bench.common import add_common_arguments, build_llm, emit, environment, profiled
 from dovetail.bench.workload import BenchRequest, greedy_inputs, parse_range, random_requests, warm_up
 
 #: Defaults per named shape: (requests, prompt range, output range, HF batch size). Every GPU shape runs B1
@@ -59,9 +59,10 @@ def run(args) -> int:
         prompts = [args.prompt] * num
     else:
         warm_up(llm, prompts, params)
-    t0, t0_monotonic = time.perf_counter(), time.monotonic()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - t0
+    with profiled(llm, args.profile) as summaries:
+        t0, t0_monotonic = time.perf_counter(), time.monotonic()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - t0
     enqueue = max(o.metrics.arrival_time for o in outputs) - t0_monotonic
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     in_tokens = sum(len(o.prompt_token_ids) for o in outputs)
@@ -74,7 +75,7 @@ def run(args) -> int:
                      "device": engine.platform.name, "attention_backend": engine.attention_backend.name,
                      "world_size": engine.world_size, "executor": engine.executor_name,
                      "kv_cache_blocks_per_rank": engine.num_blocks, "kv_block_size": engine.config.cache.block_size,
-                     "load_seconds": load_s, "preemptions": engine.scheduler.num_preemptions},
+                     "profile_summaries": summaries, "load_seconds": load_s, "preemptions": engine.scheduler.num_preemptions},
     }
     if args.structured_output == "json":
         from dovetail.bench.structured import run_constrained
