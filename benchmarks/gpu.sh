@@ -50,6 +50,8 @@
 #   MODELS=qwen3-0.6b FLAGS="|--kv-cache-dtype fp8" bash benchmarks/gpu.sh bench hf vllm
 #   MODELS=qwen3-0.6b KINDS=throughput FLAGS="--structured-output json" bash benchmarks/gpu.sh bench
 #   MODELS="qwen3-moe-15b-a3b qwen3-30b-a3b" bash benchmarks/gpu.sh moe bench
+#   MODELS=llama-3.1-8b KINDS=throughput FLAGS="DOVETAIL_TORCH_PROFILER_DIR=/tmp/out/prof --profile --num-prompts 32 -tp 2" \
+#     bash benchmarks/gpu.sh bench        (each rank's trace and operator summary under $OUT/prof)
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT/raw"
