@@ -50,10 +50,6 @@ class StepProfiler:
         self._profile: torch.profiler.profile | None = None
         self._directory = ""
 
-    @property
-    def running(self) -> bool:
-        return self._profile is not None
-
     def start(self, directory: str) -> None:
         if self._profile is not None:
             raise ConfigError("the profiler is already running: stop it first")
