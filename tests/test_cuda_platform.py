@@ -271,9 +271,20 @@ def test_flash_attn_request_sets_block_size_256_unless_the_user_chose_one(instal
     (24, "NVIDIA L4", (8192, 256), (8192, 256)),
 ])
 def test_batch_defaults_follow_vllm_by_device(monkeypatch, memory_gib, name, llm, server):
+    """Read through NVML, so the engine's process opens no CUDA context; from torch only for MIG slices."""
+    gpu = GpuInfo(0, name, "GPU-dddd4444", (9, 0), memory_gib * 2**30)
+    monkeypatch.setattr(probe, "find_devices", lambda: probe.CudaDevices("13.0", "580", [gpu], [gpu]))
+
+    def no_context(*args, **kwargs):
+        raise AssertionError("a CUDA context opened in the engine's process")
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", no_context)
+    monkeypatch.setattr(torch.cuda, "get_device_name", no_context)
+    platform = CudaPlatform.__new__(CudaPlatform)
+    assert platform.default_batch_limits("llm") == llm and platform.default_batch_limits("server") == server
+    monkeypatch.setattr(probe, "find_devices", lambda: probe.CudaDevices("13.0", "580", [gpu], [], mig=1))
     monkeypatch.setattr(CudaPlatform, "memory_total", lambda self, index=0: memory_gib * 2**30)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=0: name)
-    platform = CudaPlatform.__new__(CudaPlatform)
     assert platform.default_batch_limits("llm") == llm and platform.default_batch_limits("server") == server
 
 

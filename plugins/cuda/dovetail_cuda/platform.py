@@ -110,8 +110,17 @@ class CudaPlatform(TorchDevicePlatform):
 
     def default_batch_limits(self, usage: str) -> tuple[int, int]:
         """vLLM's rule: on devices of 70 GiB or more (not the A100, whose throughput drops with larger
-        budgets) 16384 batched tokens offline and 8192 when serving, with up to 1024 sequences."""
-        if self.memory_total(0) >= 70 * 2**30 and "a100" not in torch.cuda.get_device_name(0).lower():
+        budgets) 16384 batched tokens offline and 8192 when serving, with up to 1024 sequences.
+
+        The first visible GPU is read through NVML: the engine's process, which drives worker processes
+        under tensor parallelism, then opens no CUDA context (it would hold memory on that GPU for nothing).
+        """
+        visible = cuda_probe.find_devices().visible
+        if visible:
+            memory, name = visible[0].memory_total, visible[0].name
+        else:  # a MIG slice, which NVML does not list as a GPU
+            memory, name = self.memory_total(0), torch.cuda.get_device_name(0)
+        if memory >= 70 * 2**30 and "a100" not in name.lower():
             return (16384 if usage == "llm" else 8192), 1024
         return super().default_batch_limits(usage)
 
