@@ -94,9 +94,13 @@ def check_against_hf_and_one_rank(path, world_size: int = 2) -> LLM:
     return llm
 
 
-@pytest.mark.parametrize("case", ["llama-tied-head_dim-bias", "qwen3-qknorm-head_dim", "gemma2-softcap-sliding",
-                                  "mixtral-sliding", "qwen3moe-normtopk-dense-layer"])
+@pytest.mark.parametrize("case", ["llama-tied-head_dim-bias", "mistral-sliding-odd-vocab", "qwen2-bias-sliding-layer",
+                                  "qwen3-qknorm-head_dim", "gemma2-softcap-sliding", "gemma3-local-rope-qknorm",
+                                  "phi3-fused-sliding-partial-rotary", "mixtral-sliding",
+                                  "qwen2moe-shared-expert-dense-layer", "qwen3moe-normtopk-dense-layer"])
 def test_tp2_greedy_matches_hf_and_one_rank(case, tmp_path):
+    """Every architecture of the zoo at TP=2 (Phi-3's fused checkpoint tensors, Qwen2-MoE's shared expert and
+    Gemma's soft-capping and q/k norms included)."""
     llm = check_against_hf_and_one_rank(save_checkpoint(tmp_path, CASES[case]()))
     pids = llm.llm_engine.executor.pids
     llm.llm_engine.shutdown()
