@@ -31,6 +31,7 @@
 #   TIMEOUT    seconds each benchmark command may take                      default: 300
 #   TEST_TIMEOUT  seconds the tests may take                                default: 580
 #   SKIP_INSTALL=1  the machine was set up by an earlier call
+#   COMMIT     the commit recorded with each figure                        default: git's HEAD here
 #   PARTS=DIR  a large wheel's files carried in parts: DIR/*.part.* are the pieces of one tar.zst, unpacked
 #              into /tmp/site after the wheels (checked against DIR/sha256 when present; needs the
 #              zstandard wheel in .whl/)
@@ -95,8 +96,10 @@ else
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
-COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
-[ -n "$(git status --porcelain --untracked-files=no 2>/dev/null)" ] && COMMIT="$COMMIT+changes"
+if [ -z "${COMMIT:-}" ]; then  # a copy of the tree without its history: pass COMMIT=<hash> instead
+  COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+  [ -n "$(git status --porcelain --untracked-files=no 2>/dev/null)" ] && COMMIT="$COMMIT+changes"
+fi
 nvidia-smi --query-gpu=name,driver_version,memory.total,power.limit --format=csv,noheader 2>/dev/null
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,
 'transformers', transformers.__version__)"
