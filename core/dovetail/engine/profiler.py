@@ -10,12 +10,15 @@ viewable at ui.perfetto.dev or in TensorBoard) and a table of the operators that
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
 import torch
 
 from dovetail.errors import ConfigError
+
+logger = logging.getLogger("dovetail")
 
 PROFILER_DIR_ENV = "DOVETAIL_TORCH_PROFILER_DIR"
 #: Rows of the summary table.
@@ -66,7 +69,15 @@ class StepProfiler:
             raise ConfigError("the profiler is not running: start it first")
         profile, self._profile = self._profile, None
         profile.stop()  # (waits for the device, then calls the trace handler)
-        key = "self_cpu_time_total" if self.device_type not in ("cuda", "xpu") else "self_device_time_total"
         summary = Path(self._directory) / f"rank{self.rank}_summary.txt"
-        summary.write_text(profile.key_averages().table(sort_by=key, row_limit=SUMMARY_ROWS))
+        averages = profile.key_averages()
+        keys = ["self_cpu_time_total"]
+        if self.device_type in ("cuda", "xpu"):
+            keys.insert(0, "self_device_time_total")
+        for key in keys:
+            try:
+                summary.write_text(averages.table(sort_by=key, row_limit=SUMMARY_ROWS))
+                break
+            except (KeyError, AttributeError, ValueError) as exc:  # a torch without this column
+                logger.warning("profiler: no summary sorted by %s (%s)", key, exc)
         return str(summary)
