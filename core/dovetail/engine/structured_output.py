@@ -202,9 +202,8 @@ class StructuredOutputManager:
             if state.terminated:
                 ended.append(request)
                 continue
-            matcher = state.matcher or self._matcher(state)
-            newest = len(request.output_token_ids) - 1
-            if state.num_accepted != newest - state.start and not self._sync(request, state, newest):
+            matcher = self._matcher(state)
+            if not self._sync(request, state, len(request.output_token_ids) - 1):
                 self._broken(request, state)
                 ended.append(request)
                 continue
@@ -233,8 +232,8 @@ class StructuredOutputManager:
         state.terminated = True
 
     def _sync(self, request, state: GrammarState, upto: int) -> bool:
-        """Make the matcher stand for the output tokens before index ``upto`` (only needed should the two
-        ever fall out of step); False if those tokens do not follow the grammar."""
+        """Make the matcher stand for the output tokens before index ``upto`` (a no-op while the two are in
+        step); False if those tokens do not follow the grammar."""
         taken = upto - state.start
         if state.num_accepted > taken:
             state.matcher.rollback(state.num_accepted - taken)
@@ -257,9 +256,8 @@ class StructuredOutputManager:
             state = req.grammar
             if state is None or not state.reasoning_ended or state.terminated or req.is_finished:
                 continue
-            matcher = state.matcher or self._matcher(state)
-            taken = len(req.output_token_ids) - state.start
-            if state.num_accepted != taken and not self._sync(req, state, len(req.output_token_ids)):
+            matcher = self._matcher(state)
+            if not self._sync(req, state, len(req.output_token_ids)):
                 self._broken(req, state)
                 continue
             rows.append(row)
