@@ -177,7 +177,6 @@ class MultiprocExecutor(RemoteExecutor):
         init_method = f"tcp://127.0.0.1:{free_port()}"
         self._processes: list = []
         self._conns: list = []
-        self._failure: WorkerError | None = None
         self._calls = 0  # calls sent so far; an answer carries its call's number
         wake_r, wake_w = ctx.Pipe(duplex=False)
         self._finalizer = weakref.finalize(self, _stop, self._processes, self._conns, wake_w)

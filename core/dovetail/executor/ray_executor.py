@@ -74,7 +74,6 @@ class RayExecutor(RemoteExecutor):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self.world_size = world_size
-        self._failure: WorkerError | None = None
         self._actors: list = []
         self._launched: list = []  # the refs of the step queued last, awaited with its output
         self._placement = None
