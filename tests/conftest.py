@@ -73,3 +73,13 @@ def tp_ranks():
     yield get
     for group in groups.values():
         group.close()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    """The official ``openai`` client on the requesting module's ``server`` fixture (a ``ServerProcess``)."""
+    import openai
+    from test_server_cli import API_KEY
+
+    with openai.OpenAI(base_url=server.url("/v1"), api_key=API_KEY, max_retries=0, timeout=120) as c:
+        yield c

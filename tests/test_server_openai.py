@@ -19,12 +19,6 @@ def server(tiny_llama_dir):
 
 
 @pytest.fixture(scope="module")
-def client(server):
-    with openai.OpenAI(base_url=server.url("/v1"), api_key=API_KEY, max_retries=0, timeout=120) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
 def offline(tiny_llama_dir):
     from dovetail import LLM
 

@@ -8,10 +8,9 @@ import re
 
 import httpx
 import jsonschema
-import openai
 import pytest
 
-from test_server_cli import API_KEY, MAIN_FLAGS, auth, shared_server
+from test_server_cli import MAIN_FLAGS, auth, shared_server
 
 SCHEMA = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]},
                                            "count": {"type": "integer", "minimum": 0, "maximum": 9}},
@@ -29,12 +28,6 @@ MESSAGES = [{"role": "user", "content": "hello world"}]
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir):
     return shared_server(tiny_llama_dir, *MAIN_FLAGS)
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with openai.OpenAI(base_url=server.url("/v1"), api_key=API_KEY, max_retries=0, timeout=120) as c:
-        yield c
 
 
 def _streamed_chat(client, **kwargs) -> dict[int, dict]:

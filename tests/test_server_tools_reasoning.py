@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 
 import httpx
-import openai
 import pytest
 
 import tiny_models
@@ -34,12 +33,6 @@ def server(tmp_path_factory):
     model = tiny_models.save_scripted_model(tmp_path_factory.mktemp("scripted"), SCRIPT)
     return shared_server(model, "--api-key", API_KEY, "--served-model-name", "scripted", "--max-model-len", "512",
                          "--reasoning-parser", "qwen3", "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with openai.OpenAI(base_url=server.url("/v1"), api_key=API_KEY, max_retries=0, timeout=120) as c:
-        yield c
 
 
 def _chat(client, **kwargs):
