@@ -2,9 +2,9 @@
 
 ``DOVETAIL_ALL_REDUCE`` chooses the tensor-parallel all-reduce on NVIDIA GPUs: ``nccl`` (the default) or
 ``symm_mem``. With ``symm_mem`` each rank keeps one buffer of :data:`MAX_BYTES` in torch symmetric memory
-(``torch.distributed._symmetric_memory``); a bfloat16 message that fits is copied in and summed by torch's
-one-shot kernel (up to :data:`ONE_SHOT_MAX_BYTES`: each rank reads every peer's buffer) or two-shot kernel
-(reduce-scatter then all-gather through peer memory), both capturable in CUDA graphs; anything else goes to
+(``torch.distributed._symmetric_memory``); a bfloat16 message that fits is summed by torch's one-shot kernel
+(up to :data:`ONE_SHOT_MAX_BYTES`: it copies the message into the buffer, then each rank reads every peer's) or
+copied in and summed by the two-shot kernel (reduce-scatter then all-gather through peer memory), both capturable in CUDA graphs; anything else goes to
 NCCL. The multimem (NVLink SHARP multicast) kernels are never called, and torch's rendezvous honours
 ``TORCH_SYMM_MEM_DISABLE_MULTICAST``.
 """
@@ -52,7 +52,7 @@ class SymmMemAllReduce:
         self.max_bytes, self.one_shot_max_bytes = max_bytes, one_shot_max_bytes
         self.buffer = symm_mem.empty(max_bytes // 2, dtype=torch.bfloat16, device=device)
         symm_mem.rendezvous(self.buffer, self.group_name)
-        self._one_shot = torch.ops.symm_mem.one_shot_all_reduce_out
+        self._one_shot = torch.ops.symm_mem.one_shot_all_reduce_copy_out
         self._two_shot = torch.ops.symm_mem.two_shot_all_reduce_out
 
     def takes(self, tensor: torch.Tensor) -> bool:
@@ -64,11 +64,13 @@ class SymmMemAllReduce:
         if not self.takes(tensor):
             return False
         staged = self.buffer[:tensor.numel()]
-        staged.copy_(tensor.view(-1))
         flat = tensor.view(-1)
         if tensor.numel() * 2 <= self.one_shot_max_bytes:
-            self._one_shot(staged, "sum", self.group_name, flat)
+            # The kernel copies the input into the buffer itself; each thread reads its input elements before
+            # the ranks meet and writes the same elements after, so the output may be the input.
+            self._one_shot(staged, flat, "sum", self.group_name, flat)
         else:
+            staged.copy_(flat)
             self._two_shot(staged, "sum", self.group_name, flat)
         return True
 

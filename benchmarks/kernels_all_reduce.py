@@ -1,0 +1,143 @@
+"""The tensor-parallel all-reduce alone on the GPUs of one host: NCCL against torch symmetric memory, size by size.
+
+    python benchmarks/kernels_all_reduce.py [--world-size 2] [--sizes 8K,64K,...,128M] [--json results.json]
+
+One process per GPU. For each message size (bfloat16 bytes; a decode step of T tokens of hidden H is
+``2 * T * H``) it times, from CUDA graphs (how the engine runs decode), ``CALLS`` in-place sums of one tensor:
+
+- ``nccl``: ``torch.distributed.all_reduce`` (NCCL, multicast off as the environment says);
+- ``one_shot``: torch symmetric memory's one-shot kernel, the input copied into the symmetric buffer by the
+  kernel itself (each rank reads every peer's buffer over NVLink);
+- ``two_shot``: the input copied into the buffer, then the two-shot kernel (reduce-scatter, all-gather);
+- ``engine``: what the engine runs for that size (:class:`dovetail_cuda.symm_mem_all_reduce.SymmMemAllReduce`
+  where it takes the message, NCCL where it does not).
+
+Each result is first checked against NCCL's on random inputs. Prints µs per all-reduce and the algorithm
+bandwidth (message bytes / time) from rank 0; the median of ``REPLAYS`` replays.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+
+import torch
+import torch.multiprocessing as mp
+
+CALLS = 32
+REPLAYS = 10
+DEFAULT_SIZES = "8K,16K,32K,64K,128K,256K,512K,1M,2M,4M,8M,16M,32M,64M,128M"
+
+
+def parse_size(text: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    text = text.strip().upper()
+    return int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
+
+
+def time_graph(fn) -> float:
+    """Median µs per call of ``fn()``, ``CALLS`` calls captured in one CUDA graph and replayed."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(CALLS):
+            fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(REPLAYS):
+        torch.distributed.barrier()
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / CALLS)
+    return statistics.median(times)
+
+
+def _rank(rank: int, world_size: int, port: int, sizes: list[int], results) -> None:
+    import torch.distributed as dist
+
+    from dovetail import distributed
+    from dovetail_cuda.symm_mem_all_reduce import SymmMemAllReduce
+
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    distributed.init_tensor_parallel(world_size, rank, "nccl", f"tcp://127.0.0.1:{port}", device=device)
+    group = distributed.tp_group()
+    engine = SymmMemAllReduce(group, device)
+    buffer = SymmMemAllReduce(group, device, max_bytes=max(sizes)).buffer
+    one_shot = torch.ops.symm_mem.one_shot_all_reduce_copy_out
+    two_shot = torch.ops.symm_mem.two_shot_all_reduce_out
+    name = group.group_name
+
+    def run_one_shot(x):
+        one_shot(buffer[:x.numel()], x, "sum", name, x)
+
+    def run_two_shot(x):
+        staged = buffer[:x.numel()]
+        staged.copy_(x)
+        two_shot(staged, "sum", name, x)
+
+    def run_engine(x):
+        if not engine(x):
+            dist.all_reduce(x)
+
+    methods = {"nccl": dist.all_reduce, "one_shot": run_one_shot, "two_shot": run_two_shot, "engine": run_engine}
+    rows = []
+    gen = torch.Generator(device=device).manual_seed(rank)
+    for size in sizes:
+        x = torch.randn(size // 2, generator=gen, device=device, dtype=torch.bfloat16)
+        expected = x.clone()
+        dist.all_reduce(expected)
+        row = {"bytes": size}
+        for method, fn in methods.items():
+            got = x.clone()
+            fn(got)
+            error = float((got.float() - expected.float()).abs().max())
+            if error > 0.05 * float(expected.float().abs().max()):
+                raise AssertionError(f"{method} at {size} bytes differs from NCCL by {error}")
+            work = x.clone()
+            row[method] = time_graph(lambda: fn(work))
+        rows.append(row)
+    if rank == 0:
+        results["rows"] = rows
+    distributed.destroy_tensor_parallel()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--sizes", default=DEFAULT_SIZES, help="message sizes in bytes (K, M suffixes)")
+    parser.add_argument("--json", help="write the results here too")
+    args = parser.parse_args()
+    if torch.cuda.device_count() < args.world_size:
+        raise SystemExit(f"--world-size {args.world_size} needs as many GPUs; {torch.cuda.device_count()} visible")
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    results = mp.Manager().dict()
+    mp.start_processes(_rank, args=(args.world_size, port, sizes, results), nprocs=args.world_size,
+                       start_method="spawn")
+    rows = results["rows"]
+    methods = [k for k in rows[0] if k != "bytes"]
+    print(f"all-reduce of bfloat16 over {args.world_size} x {torch.cuda.get_device_name(0)}, "
+          f"µs per call (GB/s of message)")
+    print(f"{'bytes':>10} " + " ".join(f"{m:>20}" for m in methods))
+    for row in rows:
+        cells = [f"{row[m]:9.2f} ({row['bytes'] / row[m] / 1e3:7.1f})" for m in methods]
+        print(f"{row['bytes']:>10} " + " ".join(f"{c:>20}" for c in cells))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"world_size": args.world_size, "gpu": torch.cuda.get_device_name(0),
+                       "nccl_env": {k: v for k, v in os.environ.items() if k.startswith("NCCL_")},
+                       "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
