@@ -71,6 +71,20 @@ class FakeNvmlLibrary:
         memory._obj.total = self._gpu(handle).memory_total
         return 0
 
+    def nvmlDeviceGetHandleByUUID(self, uuid, handle):
+        index = [g.uuid.encode() for g in self.gpus].index(uuid)
+        handle._obj.value = index + 1
+        return 0
+
+    #: Pairs of GPU indices joined by NVLink (``nvmlDeviceGetP2PStatus`` with the NVLink index answers OK).
+    nvlinks = {frozenset((0, 1))}
+
+    def nvmlDeviceGetP2PStatus(self, first, second, caps_index, status):
+        assert caps_index.value == 2, "asks about NVLink"
+        pair = frozenset((first.value - 1, second.value - 1))
+        status._obj.value = 0 if pair in self.nvlinks else 4  # NVML_P2P_STATUS_NOT_SUPPORTED
+        return 0
+
 
 def test_nvml_session_reads_every_gpu_through_ctypes():
     lib = FakeNvmlLibrary(H200)
@@ -78,6 +92,15 @@ def test_nvml_session_reads_every_gpu_through_ctypes():
         assert nvml.gpus() == H200
         assert nvml.driver_version() == "580.159.04"
     assert lib.calls == ["init", "shutdown"]
+
+
+def test_nvml_says_which_gpus_are_joined_by_nvlink():
+    uuids = [gpu.uuid for gpu in H200]
+    with Nvml(FakeNvmlLibrary(H200)) as nvml:
+        assert nvml.nvlink_connected(uuids[0], uuids[:2])
+        assert nvml.nvlink_connected(uuids[1], [uuids[1]]), "a GPU needs no link to itself"
+        assert not nvml.nvlink_connected(uuids[0], uuids), "GPU 2 is reached over PCIe only"
+        assert not nvml.nvlink_connected(uuids[2], uuids[:1])
 
 
 def test_nvml_error_names_the_call_and_the_driver_message():

@@ -1,7 +1,10 @@
-"""``DOVETAIL_ALL_REDUCE=symm_mem`` on two NVIDIA GPUs: torch symmetric memory's one- and two-shot all-reduces
-against NCCL's, inside a CUDA graph too, and the engine's greedy tokens with them (GPU)."""
+"""``DOVETAIL_ALL_REDUCE=symm_mem`` (what ``auto`` picks over NVLink) on two NVIDIA GPUs: torch symmetric
+memory's one- and two-shot all-reduces against NCCL's, inside a CUDA graph too, and the engine's greedy tokens
+with them (GPU)."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -13,15 +16,15 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
                                  reason="needs two NVIDIA GPUs")]
 
-#: Elements: one-shot (2 KiB, 128 KiB), two-shot (1 MiB), and beyond the buffer (NCCL's).
-SIZES = (1024, 65536, 524288, 8 << 20)
+#: Elements at two ranks: one-shot (2 KiB, 128 KiB), two-shot (2 MiB), and beyond the buffer (NCCL's).
+SIZES = (1024, 65536, 1 << 20, 32 << 20)
 
 
 def _rank(rank: int, port: int, results) -> None:
     import torch.distributed as dist
 
     from dovetail import distributed
-    from dovetail_cuda.symm_mem_all_reduce import SymmMemAllReduce
+    from dovetail_cuda.symm_mem_all_reduce import SymmMemAllReduce, all_reduce_kernel
 
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
@@ -47,6 +50,8 @@ def _rank(rank: int, port: int, results) -> None:
         graph.replay()
         torch.cuda.synchronize()
         out["graph"] = float(y.float().min()), float(y.float().max())
+        os.environ.pop("DOVETAIL_ALL_REDUCE", None)
+        out["auto"] = type(all_reduce_kernel(distributed.tp_group(), device)).__name__
         results[rank] = out
     finally:
         distributed.destroy_tensor_parallel()
@@ -63,6 +68,7 @@ def test_symmetric_memory_all_reduce_matches_nccl_and_replays_in_a_graph():
             assert diff <= 2 ** -6 * 8, f"{size} elements: differs from NCCL by {diff}"
         assert out[SIZES[-1]][0] is False, "a message beyond the buffer goes to NCCL"
         assert out["graph"] == (3.0, 3.0), "the captured all-reduce summed the replayed values (1 + 2)"
+        assert out["auto"] == "SymmMemAllReduce", "DOVETAIL_ALL_REDUCE=auto takes symmetric memory over NVLink"
 
 
 def test_engine_greedy_with_symmetric_memory_all_reduce(tmp_path, monkeypatch):

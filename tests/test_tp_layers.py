@@ -232,7 +232,41 @@ def test_the_all_reduce_choice_is_validated(monkeypatch):
     from dovetail_cuda.symm_mem_all_reduce import all_reduce_choice, all_reduce_kernel
 
     monkeypatch.delenv("DOVETAIL_ALL_REDUCE", raising=False)
-    assert all_reduce_choice() == "nccl" and all_reduce_kernel(None, torch.device("cpu")) is None
+    assert all_reduce_choice() == "auto"
+    monkeypatch.setenv("DOVETAIL_ALL_REDUCE", "NCCL")
+    assert all_reduce_kernel(None, torch.device("cpu")) is None
     monkeypatch.setenv("DOVETAIL_ALL_REDUCE", "custom")
-    with pytest.raises(ConfigError, match=r"^DOVETAIL_ALL_REDUCE='custom': expected one of nccl, symm_mem$"):
+    with pytest.raises(ConfigError,
+                       match=r"^DOVETAIL_ALL_REDUCE='custom': expected one of auto, nccl, symm_mem$"):
         all_reduce_choice()
+
+
+class FakeNvml:
+    """NVML of a host whose GPUs ``GPU-0``.. are joined by NVLink except the pairs in ``unlinked``."""
+
+    def __init__(self, unlinked):
+        self.unlinked = {frozenset(pair) for pair in unlinked}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+    def nvlink_connected(self, uuid, peers):
+        return all(frozenset((uuid, peer)) not in self.unlinked for peer in peers if peer != uuid)
+
+
+def nvlink_vote_job(unlinked: list[tuple[str, str]]) -> bool:
+    from dovetail import distributed
+    from dovetail_cuda.symm_mem_all_reduce import all_ranks_on_nvlink
+
+    return all_ranks_on_nvlink(distributed.tp_group(), f"GPU-{distributed.tp_rank()}", lambda: FakeNvml(unlinked))
+
+
+def test_auto_all_reduce_needs_nvlink_between_every_pair_of_ranks(tp_ranks):
+    """``DOVETAIL_ALL_REDUCE=auto`` takes symmetric memory only where every pair of the ranks' GPUs is joined by
+    NVLink, and every rank gets the same answer even where only some ranks see a missing link."""
+    ranks = tp_ranks(4)
+    assert ranks.run(nvlink_vote_job, []) == [True] * 4
+    assert ranks.run(nvlink_vote_job, [("GPU-1", "GPU-3")]) == [False] * 4, "ranks 1 and 3 see it; all agree"

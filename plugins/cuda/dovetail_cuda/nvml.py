@@ -11,6 +11,9 @@ import ctypes
 from dataclasses import dataclass
 
 LIBRARY_NAMES = ("libnvidia-ml.so.1", "libnvidia-ml.so")
+#: ``nvmlGpuP2PCapsIndex_t``: whether two GPUs reach each other's memory over NVLink.
+P2P_CAPS_INDEX_NVLINK = 2
+P2P_STATUS_OK = 0
 
 
 class NvmlError(Exception):
@@ -87,3 +90,23 @@ class Nvml:
         memory = _Memory()
         self._check(self.lib.nvmlDeviceGetMemoryInfo(handle, ctypes.byref(memory)), "nvmlDeviceGetMemoryInfo")
         return GpuInfo(index, name.value.decode(), uuid.value.decode(), (major.value, minor.value), memory.total)
+
+    def _handle_by_uuid(self, uuid: str) -> ctypes.c_void_p:
+        handle = ctypes.c_void_p()
+        self._check(self.lib.nvmlDeviceGetHandleByUUID(uuid.encode(), ctypes.byref(handle)),
+                    "nvmlDeviceGetHandleByUUID")
+        return handle
+
+    def nvlink_connected(self, uuid: str, peer_uuids: list[str]) -> bool:
+        """Whether the GPU ``uuid`` reaches every GPU of ``peer_uuids`` directly over NVLink."""
+        handle = self._handle_by_uuid(uuid)
+        for peer in peer_uuids:
+            if peer == uuid:
+                continue
+            status = ctypes.c_int(-1)
+            self._check(self.lib.nvmlDeviceGetP2PStatus(handle, self._handle_by_uuid(peer),
+                                                        ctypes.c_int(P2P_CAPS_INDEX_NVLINK), ctypes.byref(status)),
+                        "nvmlDeviceGetP2PStatus")
+            if status.value != P2P_STATUS_OK:
+                return False
+        return True
