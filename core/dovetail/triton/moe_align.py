@@ -14,12 +14,14 @@ Sizes: at most ``num_pairs + min(experts, num_pairs) * (block_m - 1)`` entries
 (every expert with a pair pads fewer than ``block_m`` of them), rounded up to
 whole blocks. Blocks past ``num_padded`` are not filled and the GEMMs skip them.
 
-Two ways to count, chosen by the pair count (the results are identical):
+Within an expert the pairs come in no set order (each program claims its slots with atomic
+additions); a pair's results do not depend on its place, so the layer's output is the same.
+
+Two ways to count, chosen by the pair count (the results are the same):
 
 - up to :data:`SMALL_PAIRS` pairs (decode steps) one program counts, places and pads;
-- above it one program per chunk of pairs counts its chunk, one program turns the
-  counts into each chunk's first slot per expert, and one program per chunk places
-  its pairs there.
+- above it one program per chunk of pairs adds its pairs to the experts' counts, then
+  one program per chunk lays the blocks out from the counts and places its pairs.
 """
 
 from __future__ import annotations
@@ -79,14 +81,17 @@ def _expert_of(ids_ptr, map_ptr, offs, ok, num_experts, HAS_MAP: tl.constexpr):
 
 
 @triton.jit
-def _finish_layout(counts, sorted_ptr, block_expert_ptr, num_padded_ptr, num_pairs, max_blocks,
-                   E_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCKS_TILE: tl.constexpr):
-    """From per-expert counts: write the padding, each block's expert and the entries in use; return each
-    expert's first slot."""
+def _layout(counts, BLOCK_M: tl.constexpr):
+    """Each expert's first slot and end, and the entries in use, from its pair count."""
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, axis=0)
-    starts = ends - padded
-    total = tl.sum(padded, axis=0)
+    return ends - padded, ends, tl.sum(padded, axis=0)
+
+
+@triton.jit
+def _write_layout(counts, starts, ends, total, sorted_ptr, block_expert_ptr, num_padded_ptr, num_pairs, max_blocks,
+                  BLOCK_M: tl.constexpr, BLOCKS_TILE: tl.constexpr):
+    """The padding entries, each block's expert and the entries in use."""
     tl.store(num_padded_ptr, total)
     for b0 in range(0, max_blocks, BLOCKS_TILE):
         blocks = b0 + tl.arange(0, BLOCKS_TILE)
@@ -95,85 +100,67 @@ def _finish_layout(counts, sorted_ptr, block_expert_ptr, num_padded_ptr, num_pai
         tl.store(block_expert_ptr + blocks, tl.where(first < total, expert, -1), mask=blocks < max_blocks)
     pad = (starts + counts)[:, None] + tl.arange(0, BLOCK_M)[None, :]
     tl.store(sorted_ptr + pad, num_pairs, mask=pad < ends[:, None])
-    return starts
-
-
-@triton.jit
-def _place(e, offs, sorted_ptr, base, experts):
-    """Store each valid pair at ``base[its expert]`` plus its rank among the chunk's pairs of that expert;
-    return the chunk's count per expert."""
-    onehot = (e[:, None] == experts[None, :]).to(tl.int32)
-    rank = tl.sum(tl.cumsum(onehot, axis=0) * onehot, axis=1) - 1
-    slot = tl.sum(onehot * base[None, :], axis=1) + rank
-    tl.store(sorted_ptr + slot, offs, mask=e >= 0)
-    return tl.sum(onehot, axis=0)
 
 
 @triton.jit(do_not_specialize=["num_pairs", "max_blocks"])
-def _align_small_kernel(ids_ptr, map_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr,
+def _align_small_kernel(ids_ptr, map_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, scratch_ptr,
                         num_pairs, num_experts, max_blocks, HAS_MAP: tl.constexpr, E_P2: tl.constexpr,
                         BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, BLOCKS_TILE: tl.constexpr,
                         USE_PDL: tl.constexpr):
+    """One program: count into ``scratch``, lay out, then claim each pair's slot from ``scratch``'s cursors."""
     pdl_prologue(USE_PDL)
     experts = tl.arange(0, E_P2)
-    counts = tl.zeros((E_P2,), dtype=tl.int32)
-    for start in range(0, num_pairs, CHUNK):
-        offs = start + tl.arange(0, CHUNK)
-        ok = offs < num_pairs
-        e = _expert_of(ids_ptr, map_ptr, offs, ok, num_experts, HAS_MAP)
-        counts += tl.sum((e[:, None] == experts[None, :]).to(tl.int32), axis=0)
-    starts = _finish_layout(counts, sorted_ptr, block_expert_ptr, num_padded_ptr, num_pairs, max_blocks,
-                            E_P2, BLOCK_M, BLOCKS_TILE)
+    tl.store(scratch_ptr + experts, tl.zeros((E_P2,), dtype=tl.int32))
+    tl.debug_barrier()
     for start in range(0, num_pairs, CHUNK):
         offs = start + tl.arange(0, CHUNK)
         e = _expert_of(ids_ptr, map_ptr, offs, offs < num_pairs, num_experts, HAS_MAP)
-        starts += _place(e, offs, sorted_ptr, starts, experts)
+        tl.atomic_add(scratch_ptr + e, 1, mask=e >= 0)
+    tl.debug_barrier()
+    counts = tl.load(scratch_ptr + experts)
+    starts, ends, total = _layout(counts, BLOCK_M)
+    _write_layout(counts, starts, ends, total, sorted_ptr, block_expert_ptr, num_padded_ptr, num_pairs, max_blocks,
+                  BLOCK_M, BLOCKS_TILE)
+    tl.debug_barrier()
+    tl.store(scratch_ptr + experts, starts)
+    tl.debug_barrier()
+    for start in range(0, num_pairs, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        e = _expert_of(ids_ptr, map_ptr, offs, offs < num_pairs, num_experts, HAS_MAP)
+        slot = tl.atomic_add(scratch_ptr + e, 1, mask=e >= 0)
+        tl.store(sorted_ptr + slot, offs, mask=e >= 0)
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
 def _count_kernel(ids_ptr, map_ptr, counts_ptr, num_pairs, num_experts, HAS_MAP: tl.constexpr,
-                  E_P2: tl.constexpr, CHUNK: tl.constexpr, USE_PDL: tl.constexpr):
+                  CHUNK: tl.constexpr, USE_PDL: tl.constexpr):
+    """Add this chunk's pairs to the experts' counts (``counts[:E_P2]``, zeroed before)."""
     pdl_prologue(USE_PDL)
-    chunk = tl.program_id(0)
-    offs = chunk * CHUNK + tl.arange(0, CHUNK)
-    ok = offs < num_pairs
-    e = _expert_of(ids_ptr, map_ptr, offs, ok, num_experts, HAS_MAP)
+    offs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+    e = _expert_of(ids_ptr, map_ptr, offs, offs < num_pairs, num_experts, HAS_MAP)
+    tl.atomic_add(counts_ptr + e, 1, mask=e >= 0)
+
+
+@triton.jit(do_not_specialize=["num_pairs", "max_blocks"])
+def _place_kernel(ids_ptr, map_ptr, counts_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, num_pairs,
+                  num_experts, max_blocks, HAS_MAP: tl.constexpr, E_P2: tl.constexpr, BLOCK_M: tl.constexpr,
+                  CHUNK: tl.constexpr, BLOCKS_TILE: tl.constexpr, USE_PDL: tl.constexpr):
+    """Every program lays the blocks out from the counts (the first also writes the layout), then claims a slot
+    for each pair of its chunk from the experts' fill counters (``counts[E_P2:]``, zeroed before)."""
+    pdl_prologue(USE_PDL)
     experts = tl.arange(0, E_P2)
-    tl.store(counts_ptr + chunk * E_P2 + experts, tl.sum((e[:, None] == experts[None, :]).to(tl.int32), axis=0))
-
-
-@triton.jit(do_not_specialize=["num_pairs", "num_chunks", "max_blocks"])
-def _scan_kernel(counts_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, num_pairs, num_chunks, max_blocks,
-                 E_P2: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr, BLOCKS_TILE: tl.constexpr,
-                 USE_PDL: tl.constexpr):
-    """Counts per chunk -> each chunk's first slot per expert (in place), plus the layout of the blocks."""
-    pdl_prologue(USE_PDL)
-    experts = tl.arange(0, E_P2)
-    totals = tl.zeros((E_P2,), dtype=tl.int32)
-    for r0 in range(0, num_chunks, ROWS):
-        rows = r0 + tl.arange(0, ROWS)
-        tile = tl.load(counts_ptr + rows[:, None] * E_P2 + experts[None, :], mask=(rows < num_chunks)[:, None],
-                       other=0)
-        totals += tl.sum(tile, axis=0)
-    running = _finish_layout(totals, sorted_ptr, block_expert_ptr, num_padded_ptr, num_pairs, max_blocks,
-                             E_P2, BLOCK_M, BLOCKS_TILE)
-    for r0 in range(0, num_chunks, ROWS):
-        rows = r0 + tl.arange(0, ROWS)
-        ptrs = counts_ptr + rows[:, None] * E_P2 + experts[None, :]
-        tile = tl.load(ptrs, mask=(rows < num_chunks)[:, None], other=0)
-        tl.store(ptrs, tl.cumsum(tile, axis=0) - tile + running[None, :], mask=(rows < num_chunks)[:, None])
-        running += tl.sum(tile, axis=0)
-
-
-@triton.jit(do_not_specialize=["num_pairs"])
-def _place_kernel(ids_ptr, map_ptr, counts_ptr, sorted_ptr, num_pairs, num_experts, HAS_MAP: tl.constexpr,
-                  E_P2: tl.constexpr, CHUNK: tl.constexpr, USE_PDL: tl.constexpr):
-    pdl_prologue(USE_PDL)
+    counts = tl.load(counts_ptr + experts)
+    starts, ends, total = _layout(counts, BLOCK_M)
     chunk = tl.program_id(0)
+    if chunk == 0:
+        _write_layout(counts, starts, ends, total, sorted_ptr, block_expert_ptr, num_padded_ptr, num_pairs,
+                      max_blocks, BLOCK_M, BLOCKS_TILE)
     offs = chunk * CHUNK + tl.arange(0, CHUNK)
     e = _expert_of(ids_ptr, map_ptr, offs, offs < num_pairs, num_experts, HAS_MAP)
-    experts = tl.arange(0, E_P2)
-    _place(e, offs, sorted_ptr, tl.load(counts_ptr + chunk * E_P2 + experts), experts)
+    valid = e >= 0
+    base = tl.gather(starts, tl.where(valid, e, 0), 0)
+    slot = base + tl.atomic_add(counts_ptr + E_P2 + e, 1, mask=valid)
+    tl.store(sorted_ptr + slot, offs, mask=valid)
 
 
 def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int, expert_map: torch.Tensor | None = None,
@@ -191,21 +178,18 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int, expert_m
     map_arg = expert_map if has_map else ids
     pdl = launch_kwargs(use_pdl(device))
     blocks_tile = max(16, min(128, 4096 // e_p2))
+    counts = torch.zeros(2 * e_p2, dtype=torch.int32, device=device)  # counts, then cursors or fill counters
     if num_pairs <= small_pairs:
-        chunk = max(16, min(256, 16384 // e_p2))
         _align_small_kernel[(1,)](
-            ids, map_arg, sorted_pairs, block_expert, num_padded,
+            ids, map_arg, sorted_pairs, block_expert, num_padded, counts,
             num_pairs, num_experts, block_expert.shape[0], HAS_MAP=has_map, E_P2=e_p2, BLOCK_M=block_m,
-            CHUNK=chunk, BLOCKS_TILE=blocks_tile, num_warps=8, **pdl)
+            CHUNK=256, BLOCKS_TILE=blocks_tile, num_warps=8, **pdl)
     else:
-        chunk = max(32, min(1024, 16384 // e_p2))
+        chunk = 1024
         num_chunks = triton.cdiv(num_pairs, chunk)
-        counts = torch.empty((num_chunks, e_p2), dtype=torch.int32, device=device)
-        _count_kernel[(num_chunks,)](ids, map_arg, counts, num_pairs, num_experts,
-                                     HAS_MAP=has_map, E_P2=e_p2, CHUNK=chunk, num_warps=8, **pdl)
-        _scan_kernel[(1,)](counts, sorted_pairs, block_expert, num_padded, num_pairs, num_chunks,
-                           block_expert.shape[0], E_P2=e_p2, BLOCK_M=block_m, ROWS=max(1, 4096 // e_p2),
-                           BLOCKS_TILE=blocks_tile, num_warps=8, **pdl)
-        _place_kernel[(num_chunks,)](ids, map_arg, counts, sorted_pairs, num_pairs, num_experts, HAS_MAP=has_map,
-                                     E_P2=e_p2, CHUNK=chunk, num_warps=8, **pdl)
+        _count_kernel[(num_chunks,)](ids, map_arg, counts, num_pairs, num_experts, HAS_MAP=has_map, CHUNK=chunk,
+                                     num_warps=8, **pdl)
+        _place_kernel[(num_chunks,)](ids, map_arg, counts, sorted_pairs, block_expert, num_padded, num_pairs,
+                                     num_experts, block_expert.shape[0], HAS_MAP=has_map, E_P2=e_p2,
+                                     BLOCK_M=block_m, CHUNK=chunk, BLOCKS_TILE=blocks_tile, num_warps=8, **pdl)
     return AlignedPairs(sorted_pairs, block_expert, num_padded, num_pairs, block_m)
