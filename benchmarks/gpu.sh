@@ -12,6 +12,8 @@
 #   hf        benchmarks/peer_hf.py (HF transformers, B1 and B2) for each model
 #   vllm      benchmarks/peer_vllm.py (B1 and B2 on the same requests) for each model, when vLLM is installed
 #   kernels   benchmarks/kernels_attention.py and benchmarks/kernels_linear.py (first model)
+#   allreduce benchmarks/kernels_all_reduce.py (NCCL against torch symmetric memory, size by size) over TP
+#             GPUs (2 when TP is 1)
 #   moe       benchmarks/kernels_moe.py (the MoE layer against its bounds, vLLM's beside it when installed) for
 #             each model of MODELS that is a mixture of experts (its first start on a GPU kind tunes the tiles)
 #
@@ -24,7 +26,7 @@
 #              Leading NAME=VALUE words of a set are environment variables for its command:
 #              FLAGS="-tp 2|DOVETAIL_ALL_REDUCE=symm_mem -tp 2"
 #   ROUNDS     rounds of the bench loop                                     default: 1
-#   TP         tensor-parallel size of the startup step                     default: 1
+#   TP         tensor-parallel size of the startup and allreduce steps       default: 1
 #   TESTS      pytest arguments                                             default: "-m gpu -rs tests"
 #   HF_B1_PROMPTS  how many of B1's 256 requests HF runs                    default: 64
 #   VLLM_TP    vLLM's tensor-parallel size                                  default: 1
@@ -237,6 +239,12 @@ for step in ${@:-tests bench}; do
         >"$OUT/kernels_attention.log" 2>&1; tail -15 "$OUT/kernels_attention.log"
       timeout "$TIMEOUT" python3 benchmarks/kernels_linear.py --model "$model" --json "$OUT/raw/kernels_linear.json" \
         >"$OUT/kernels_linear.log" 2>&1; tail -12 "$OUT/kernels_linear.log" ;;
+    allreduce)
+      ranks=$((TP > 1 ? TP : 2))
+      log "all-reduce over $ranks GPUs"
+      timeout "$TIMEOUT" python3 benchmarks/kernels_all_reduce.py --world-size "$ranks" \
+        --json "$OUT/raw/kernels_all_reduce_tp$ranks.json" >"$OUT/kernels_all_reduce_tp$ranks.log" 2>&1
+      tail -18 "$OUT/kernels_all_reduce_tp$ranks.log" ;;
     moe)
       for model in $MODELS; do
         case $model in *moe*|*-a3b) ;; *) continue ;; esac
@@ -245,7 +253,7 @@ for step in ${@:-tests bench}; do
           --json "$OUT/raw/kernels_moe_${model//\//_}.json" >"$OUT/kernels_moe_${model//\//_}.log" 2>&1
         tail -20 "$OUT/kernels_moe_${model//\//_}.log"
       done ;;
-    *) echo "unknown step '$step' (tests bench startup hf vllm kernels moe)"; exit 2 ;;
+    *) echo "unknown step '$step' (tests bench startup hf vllm kernels allreduce moe)"; exit 2 ;;
   esac
 done
 
