@@ -257,16 +257,20 @@ class FakeNvml:
         return all(frozenset((uuid, peer)) not in self.unlinked for peer in peers if peer != uuid)
 
 
-def nvlink_vote_job(unlinked: list[tuple[str, str]]) -> bool:
+def nvlink_vote_job(unlinked: list[tuple[str, str]], sees_all: bool = True) -> bool:
     from dovetail import distributed
     from dovetail_cuda.symm_mem_all_reduce import all_ranks_on_nvlink
 
-    return all_ranks_on_nvlink(distributed.tp_group(), f"GPU-{distributed.tp_rank()}", lambda: FakeNvml(unlinked))
+    mine = f"GPU-{distributed.tp_rank()}"
+    visible = [f"GPU-{r}" for r in range(distributed.tp_size())] if sees_all else [mine]
+    return all_ranks_on_nvlink(distributed.tp_group(), mine, visible, lambda: FakeNvml(unlinked))
 
 
 def test_auto_all_reduce_needs_nvlink_between_every_pair_of_ranks(tp_ranks):
     """``DOVETAIL_ALL_REDUCE=auto`` takes symmetric memory only where every pair of the ranks' GPUs is joined by
-    NVLink, and every rank gets the same answer even where only some ranks see a missing link."""
+    NVLink and every rank sees them all, and every rank gets the same answer even where only some ranks see a
+    missing link."""
     ranks = tp_ranks(4)
     assert ranks.run(nvlink_vote_job, []) == [True] * 4
     assert ranks.run(nvlink_vote_job, [("GPU-1", "GPU-3")]) == [False] * 4, "ranks 1 and 3 see it; all agree"
+    assert ranks.run(nvlink_vote_job, [], False) == [False] * 4, "a rank that sees only its own GPU (Ray)"

@@ -77,10 +77,11 @@ def _nvlink_to_all(uuid: str, peers: list[str], nvml_factory) -> bool:
         return False
 
 
-def all_ranks_on_nvlink(group, uuid: str, nvml_factory=None) -> bool:
-    """Whether every rank of ``group`` runs on this host and every pair of their GPUs is joined by NVLink
-    (this rank's GPU is ``uuid``). A collective: every rank gives its host and GPU, checks its own links, and
-    all take the same answer."""
+def all_ranks_on_nvlink(group, uuid: str, visible_uuids: list[str], nvml_factory=None) -> bool:
+    """Whether every rank of ``group`` runs on this host, sees every rank's GPU (a Ray actor sees only its own,
+    and peer memory needs the peer's device) and every pair of their GPUs is joined by NVLink; this rank's GPU
+    is ``uuid``, its process sees ``visible_uuids``. A collective: every rank gives its host and GPU, checks
+    what it sees and its own links, and all take the same answer."""
     import torch.distributed as dist
 
     from dovetail_cuda.nvml import Nvml
@@ -89,8 +90,9 @@ def all_ranks_on_nvlink(group, uuid: str, nvml_factory=None) -> bool:
     mine = (socket.gethostname(), uuid)
     everyone: list = [None] * world_size
     dist.all_gather_object(everyone, mine, group=group)
-    same_host = all(host == mine[0] for host, _ in everyone)
-    linked = same_host and _nvlink_to_all(mine[1], [uuid for _, uuid in everyone], nvml_factory or Nvml)
+    peers = [peer for _, peer in everyone]
+    linked = (all(host == mine[0] for host, _ in everyone) and set(peers) <= set(visible_uuids)
+              and _nvlink_to_all(uuid, peers, nvml_factory or Nvml))
     votes: list = [None] * world_size
     dist.all_gather_object(votes, linked, group=group)
     return all(votes)
@@ -149,9 +151,10 @@ def all_reduce_kernel(group, device: torch.device, nvml_factory=None) -> SymmMem
             logger.info("cuda: tensor-parallel all-reduce through NCCL (this torch lacks the symmetric-memory "
                         "all-reduce kernels)")
             return None
-        if not all_ranks_on_nvlink(group, device_uuid(device), nvml_factory):
+        visible = [device_uuid(torch.device("cuda", i)) for i in range(torch.cuda.device_count())]
+        if not all_ranks_on_nvlink(group, device_uuid(device), visible, nvml_factory):
             logger.info("cuda: tensor-parallel all-reduce through NCCL (the ranks' GPUs are not all joined by "
-                        "NVLink on one host)")
+                        "NVLink on one host, or a rank does not see the others')")
             return None
     kernel = SymmMemAllReduce(group, device)
     logger.info("cuda: tensor-parallel all-reduce of bfloat16 messages up to %d bytes through torch symmetric "
