@@ -178,13 +178,14 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int, expert_m
     map_arg = expert_map if has_map else ids
     pdl = launch_kwargs(use_pdl(device))
     blocks_tile = max(16, min(128, 4096 // e_p2))
-    counts = torch.zeros(2 * e_p2, dtype=torch.int32, device=device)  # counts, then cursors or fill counters
     if num_pairs <= small_pairs:
+        scratch = torch.empty(e_p2, dtype=torch.int32, device=device)  # zeroed by the kernel: no memset launch
         _align_small_kernel[(1,)](
-            ids, map_arg, sorted_pairs, block_expert, num_padded, counts,
+            ids, map_arg, sorted_pairs, block_expert, num_padded, scratch,
             num_pairs, num_experts, block_expert.shape[0], HAS_MAP=has_map, E_P2=e_p2, BLOCK_M=block_m,
             CHUNK=256, BLOCKS_TILE=blocks_tile, num_warps=8, **pdl)
     else:
+        counts = torch.zeros(2 * e_p2, dtype=torch.int32, device=device)  # the counts, then the fill counters
         chunk = 1024
         num_chunks = triton.cdiv(num_pairs, chunk)
         _count_kernel[(num_chunks,)](ids, map_arg, counts, num_pairs, num_experts, HAS_MAP=has_map, CHUNK=chunk,
