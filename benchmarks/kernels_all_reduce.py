@@ -3,7 +3,8 @@
     python benchmarks/kernels_all_reduce.py [--world-size 2] [--sizes 8K,64K,...,128M] [--json results.json]
 
 One process per GPU. For each message size (bfloat16 bytes; a decode step of T tokens of hidden H is
-``2 * T * H``) it times, from CUDA graphs (how the engine runs decode), ``CALLS`` in-place sums of one tensor:
+``2 * T * H``) it times, from CUDA graphs (how the engine runs decode), in-place sums of one tensor, ``kernels_linear.CALLS``
+to a graph:
 
 - ``nccl``: ``torch.distributed.all_reduce`` (NCCL, multicast off as the environment says);
 - ``one_shot``: torch symmetric memory's one-shot kernel, the input copied into the symmetric buffer by the
@@ -13,7 +14,8 @@ One process per GPU. For each message size (bfloat16 bytes; a decode step of T t
   where it takes the message, NCCL where it does not).
 
 Each result is first checked against NCCL's on random inputs. Prints µs per all-reduce and the algorithm
-bandwidth (message bytes / time) from rank 0; the median of ``REPLAYS`` replays.
+bandwidth (message bytes / time) from rank 0; the median of ``kernels_linear.REPLAYS`` replays, the ranks meeting
+at a barrier before each.
 """
 
 from __future__ import annotations
@@ -22,13 +24,11 @@ import argparse
 import json
 import os
 import socket
-import statistics
 
 import torch
 import torch.multiprocessing as mp
 
-CALLS = 32
-REPLAYS = 10
+from kernels_linear import time_graph
 DEFAULT_SIZES = "8K,16K,32K,64K,128K,256K,512K,1M,2M,4M,8M,16M,32M,64M,128M"
 
 
@@ -36,27 +36,6 @@ def parse_size(text: str) -> int:
     units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
     text = text.strip().upper()
     return int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
-
-
-def time_graph(fn) -> float:
-    """Median µs per call of ``fn()``, ``CALLS`` calls captured in one CUDA graph and replayed."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS):
-            fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(REPLAYS):
-        torch.distributed.barrier()
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / CALLS)
-    return statistics.median(times)
 
 
 def _rank(rank: int, world_size: int, port: int, sizes: list[int], results) -> None:
@@ -102,7 +81,7 @@ def _rank(rank: int, world_size: int, port: int, sizes: list[int], results) -> N
             if error > 0.05 * float(expected.float().abs().max()):
                 raise AssertionError(f"{method} at {size} bytes differs from NCCL by {error}")
             work = x.clone()
-            row[method] = time_graph(lambda: fn(work))
+            row[method] = time_graph(lambda i: fn(work), dist.barrier)
         rows.append(row)
     if rank == 0:
         results["rows"] = rows

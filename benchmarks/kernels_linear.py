@@ -45,8 +45,9 @@ def projections(config) -> dict[str, tuple[int, int]]:
             "down": (config.hidden_size, config.intermediate_size), "lm_head": (config.vocab_size, config.hidden_size)}
 
 
-def time_graph(fn) -> float:
-    """Median µs per call of ``fn(i)`` for i in range(CALLS), captured in one CUDA graph and replayed."""
+def time_graph(fn, before_replay=None) -> float:
+    """Median µs per call of ``fn(i)`` for i in range(CALLS), captured in one CUDA graph and replayed
+    (``before_replay()`` first at each timed replay: a barrier lines several ranks up)."""
     for i in range(CALLS):  # compile and allocate outside the capture
         fn(i)
     torch.cuda.synchronize()
@@ -58,6 +59,8 @@ def time_graph(fn) -> float:
     graph.replay()
     times = []
     for _ in range(REPLAYS):
+        if before_replay is not None:
+            before_replay()
         start.record()
         graph.replay()
         end.record()
