@@ -3,8 +3,8 @@
     python benchmarks/kernels_all_reduce.py [--world-size 2] [--sizes 8K,64K,...,128M] [--json results.json]
 
 One process per GPU. For each message size (bfloat16 bytes; a decode step of T tokens of hidden H is
-``2 * T * H``) it times, from CUDA graphs (how the engine runs decode), in-place sums of one tensor, ``kernels_linear.CALLS``
-to a graph:
+``2 * T * H``) it times, from CUDA graphs (how the engine runs decode), in-place sums of one tensor,
+``kernels_linear.CALLS`` to a graph:
 
 - ``nccl``: ``torch.distributed.all_reduce`` (NCCL, multicast off as the environment says);
 - ``one_shot``: torch symmetric memory's one-shot kernel, the input copied into the symmetric buffer by the
