@@ -2,9 +2,9 @@
 
 Pair ``p = token * top_k + j`` goes to expert ``e = topk_ids[token, j]`` (through
 ``expert_map`` when given; pairs whose expert is held elsewhere go nowhere). The
-result (:class:`AlignedPairs`) lists, expert after expert, each expert's pairs in
-ascending order, then padding up to a multiple of ``block_m`` marked with the
-sentinel ``num_pairs``; block ``b`` of ``block_m`` entries belongs to one expert,
+result (:class:`AlignedPairs`) lists, expert after expert, each expert's pairs,
+then padding up to a multiple of ``block_m`` marked with the sentinel
+``num_pairs``; block ``b`` of ``block_m`` entries belongs to one expert,
 ``block_expert[b]``. The grouped GEMMs of :mod:`dovetail.triton.moe_gemm` run one
 program per block and read these arrays on the device: nothing here is read on
 the host, and every buffer's size follows from the token count alone, so a device
