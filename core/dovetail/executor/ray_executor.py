@@ -165,7 +165,6 @@ class RayExecutor(RemoteExecutor):
 
     # -- failures and shutdown ----------------------------------------------------------------
 
-
     def shutdown(self) -> None:
         ray = self.ray
         if not ray.is_initialized():

@@ -145,8 +145,9 @@ class CudaPlatform(TorchDevicePlatform):
         return ops
 
     def all_reduce_kernel(self, group, device):
-        """``DOVETAIL_ALL_REDUCE=symm_mem``: small bfloat16 all-reduces through torch symmetric memory
-        (:mod:`dovetail_cuda.symm_mem_all_reduce`); NCCL otherwise (the default)."""
+        """Decode-sized bfloat16 all-reduces through torch symmetric memory where ``DOVETAIL_ALL_REDUCE`` (default
+        ``auto``: the ranks' GPUs all joined by NVLink on one host) says so; NCCL otherwise
+        (:mod:`dovetail_cuda.symm_mem_all_reduce`)."""
         from dovetail_cuda.symm_mem_all_reduce import all_reduce_kernel
 
         return all_reduce_kernel(group, device)
