@@ -227,6 +227,59 @@ def test_a_platform_all_reduce_kernel_takes_the_messages_it_accepts(tp_ranks):
         torch.testing.assert_close(got["large"], 2 * torch.arange(6.0) + 10)
 
 
+class FusingKernel:
+    """A platform all-reduce kernel with the fused ``add_rms_norm``: gloo's sum, then the reference add and norm;
+    it counts the calls, and takes plain all-reduces nowhere (the backend's run)."""
+
+    def __init__(self):
+        self.fused = 0
+
+    def __call__(self, tensor) -> bool:
+        return False
+
+    def add_rms_norm(self, x, residual, weight, eps):
+        import torch.distributed as dist
+
+        self.fused += 1
+        dist.all_reduce(x)
+        return FusedOps().add_rms_norm(x, residual, weight, eps)
+
+
+def fused_norm_job(path: str, fuse: bool) -> dict:
+    """On each rank: greedy tokens of an engine whose platform offers :class:`FusingKernel` (or no kernel),
+    and how many norms went through the kernel."""
+    from dovetail import LLM, SamplingParams
+    from dovetail_cpu.platform import CpuPlatform
+
+    kernel = FusingKernel() if fuse else None
+    original = CpuPlatform.all_reduce_kernel
+    CpuPlatform.all_reduce_kernel = lambda self, group, device: kernel
+    try:
+        llm = LLM(path, device="cpu", attention_backend="REFERENCE", max_model_len=128, kv_cache_memory_bytes=2**22,
+                  cpu_threads=1)
+        prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 17)]
+        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                               use_tqdm=False)
+    finally:
+        CpuPlatform.all_reduce_kernel = original
+    return {"tokens": [o.outputs[0].token_ids for o in outputs], "fused": kernel.fused if kernel else 0}
+
+
+def test_row_parallel_sums_reach_the_norms_and_the_platform_fuses_them(tp_ranks, tiny_llama_dir):
+    """Under tensor parallelism the attention's and MLP's partial sums are all-reduced by the norms after them;
+    a platform kernel with ``add_rms_norm`` takes every one of them (a layer's two norms after the first, the
+    final norm) and the tokens are those of the backend's all-reduce."""
+    group = tp_ranks(2)
+    plain = group.run(fused_norm_job, str(tiny_llama_dir), False)
+    fused = group.run(fused_norm_job, str(tiny_llama_dir), True)
+    layers = 2  # tiny_llama_config
+    for rank in range(2):
+        assert fused[rank]["tokens"] == plain[rank]["tokens"]
+        # Every forward fuses 2 * layers norms (the first layer's input norm gets the embedding, already summed).
+        assert fused[rank]["fused"] > 0 and fused[rank]["fused"] % (2 * layers) == 0, fused[rank]["fused"]
+    assert plain[0]["tokens"] == plain[1]["tokens"]
+
+
 def test_the_all_reduce_choice_is_validated(monkeypatch):
     from dovetail.errors import ConfigError
     from dovetail_cuda.symm_mem_all_reduce import all_reduce_choice, all_reduce_kernel
@@ -237,7 +290,7 @@ def test_the_all_reduce_choice_is_validated(monkeypatch):
     assert all_reduce_kernel(None, torch.device("cpu")) is None
     monkeypatch.setenv("DOVETAIL_ALL_REDUCE", "custom")
     with pytest.raises(ConfigError,
-                       match=r"^DOVETAIL_ALL_REDUCE='custom': expected one of auto, nccl, symm_mem$"):
+                       match=r"^DOVETAIL_ALL_REDUCE='custom': expected one of auto, nccl, symm_mem, flashinfer$"):
         all_reduce_choice()
 
 

@@ -21,6 +21,8 @@ _size = 1
 _gathers_into_tensor = True
 #: A platform's faster all-reduce for the messages it takes (see :func:`set_all_reduce_kernel`).
 _all_reduce_kernel: Optional[Callable[[torch.Tensor], bool]] = None
+#: The same kernel's all-reduce fused with the residual add and RMSNorm, where it has one.
+_fused_add_rms_norm: Optional[Callable] = None
 
 
 def init_tensor_parallel(world_size: int, rank: int, backend: str, init_method: str,
@@ -42,10 +44,10 @@ def init_tensor_parallel(world_size: int, rank: int, backend: str, init_method: 
 
 def destroy_tensor_parallel() -> None:
     """Leave the group (a no-op with one rank)."""
-    global _group, _rank, _size, _all_reduce_kernel
+    global _group, _rank, _size, _all_reduce_kernel, _fused_add_rms_norm
     if _group is not None and dist.is_initialized():
         dist.destroy_process_group()
-    _group, _rank, _size, _all_reduce_kernel = None, 0, 1, None
+    _group, _rank, _size, _all_reduce_kernel, _fused_add_rms_norm = None, 0, 1, None, None
 
 
 def set_all_reduce_kernel(kernel: Optional[Callable[[torch.Tensor], bool]]) -> None:
@@ -53,9 +55,12 @@ def set_all_reduce_kernel(kernel: Optional[Callable[[torch.Tensor], bool]]) -> N
     place); the backend's all-reduce runs where it returns False. None: the backend's everywhere.
 
     A platform's :meth:`~dovetail.platform.Platform.all_reduce_kernel` supplies one (small decode messages
-    through torch symmetric memory on NVLink); every rank must install the same."""
-    global _all_reduce_kernel
+    through torch symmetric memory on NVLink); every rank must install the same. A kernel with an
+    ``add_rms_norm(x, residual, weight, eps)`` method also serves :func:`all_reduce_add_rms_norm`: it returns
+    ``(rms_norm(sum(x) + residual) * weight, sum(x) + residual)`` in one pass, or None for what it does not take."""
+    global _all_reduce_kernel, _fused_add_rms_norm
     _all_reduce_kernel = kernel
+    _fused_add_rms_norm = getattr(kernel, "add_rms_norm", None)
 
 
 def is_initialized() -> bool:
@@ -79,6 +84,19 @@ def all_reduce(tensor: torch.Tensor) -> torch.Tensor:
     if _size > 1 and not (_all_reduce_kernel is not None and _all_reduce_kernel(tensor)):
         dist.all_reduce(tensor, group=_group)
     return tensor
+
+
+def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                            add_rms_norm: Callable) -> tuple[torch.Tensor, torch.Tensor]:
+    """``add_rms_norm(all_reduce(x), residual, weight, eps)``: the platform kernel's fused pass where it takes the
+    message (one kernel instead of two, and the sum never round-trips through memory), else the two steps."""
+    if _size > 1:
+        if _fused_add_rms_norm is not None:
+            fused = _fused_add_rms_norm(x, residual, weight, eps)
+            if fused is not None:
+                return fused
+        all_reduce(x)
+    return add_rms_norm(x, residual, weight, eps)
 
 
 def all_gather(tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:

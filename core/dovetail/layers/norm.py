@@ -1,10 +1,12 @@
-"""RMSNorm, fused with the residual add through the platform's ops."""
+"""RMSNorm, fused with the residual add through the platform's ops (and with the all-reduce before it under
+tensor parallelism, where the platform's all-reduce kernel can)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from dovetail.distributed import all_reduce, all_reduce_add_rms_norm
 from dovetail.model_interface import ModelContext
 
 
@@ -13,6 +15,9 @@ class RMSNorm(nn.Module):
 
     ``weight_offset=1.0`` gives Gemma's ``(1 + weight)`` form: the offset is folded
     into a float32 weight after loading, so the multiply happens in float32 as HF does.
+
+    ``all_reduce_input``: ``x`` is a rank's partial sum (a row-parallel layer left it unreduced) and the norm
+    sums it over the ranks first, in one kernel with the residual add and the norm where the platform has one.
     """
 
     def __init__(self, hidden_size: int, eps: float, ctx: ModelContext, weight_offset: float = 0.0):
@@ -23,12 +28,17 @@ class RMSNorm(nn.Module):
         dtype = torch.float32 if weight_offset else ctx.dtype
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
         self.weight.weight_offset = weight_offset
+        self.all_reduce_input = False
 
     def process_weights_after_loading(self) -> None:
         if self.weight_offset:
             self.weight.data.add_(self.weight_offset)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if self.all_reduce_input:
+            if residual is not None:
+                return all_reduce_add_rms_norm(x, residual, self.weight, self.eps, self.ops.add_rms_norm)
+            x = all_reduce(x)
         if residual is None:
             return self.ops.rms_norm(x, self.weight, self.eps)
         return self.ops.add_rms_norm(x, residual, self.weight, self.eps)

@@ -29,7 +29,7 @@ from dovetail.errors import ConfigError
 logger = logging.getLogger("dovetail")
 
 ENV = "DOVETAIL_ALL_REDUCE"
-CHOICES = ("auto", "nccl", "symm_mem")
+CHOICES = ("auto", "nccl", "symm_mem", "flashinfer")
 
 
 class Limits(NamedTuple):
@@ -50,7 +50,7 @@ def limits_for(world_size: int) -> Limits:
 
 
 def all_reduce_choice() -> str:
-    """``DOVETAIL_ALL_REDUCE``: ``auto`` (default), ``nccl`` or ``symm_mem``."""
+    """``DOVETAIL_ALL_REDUCE``: ``auto`` (default), ``nccl``, ``symm_mem`` or ``flashinfer``."""
     choice = os.environ.get(ENV, "auto").strip().lower() or "auto"
     if choice not in CHOICES:
         raise ConfigError(f"{ENV}={choice!r}: expected one of {', '.join(CHOICES)}")
@@ -141,11 +141,19 @@ class SymmMemAllReduce:
         return True
 
 
-def all_reduce_kernel(group, device: torch.device, nvml_factory=None) -> SymmMemAllReduce | None:
-    """The kernel ``DOVETAIL_ALL_REDUCE`` asks for (None: NCCL's all-reduce everywhere)."""
+def all_reduce_kernel(group, device: torch.device, nvml_factory=None):
+    """The kernel ``DOVETAIL_ALL_REDUCE`` asks for (None: NCCL's all-reduce everywhere): a
+    :class:`SymmMemAllReduce`, or with ``flashinfer`` a
+    :class:`~dovetail_cuda.flashinfer_all_reduce.FlashInferFusedAllReduce` around one."""
     choice = all_reduce_choice()
     if choice == "nccl":
         return None
+    if choice == "flashinfer":
+        from dovetail_cuda.flashinfer_all_reduce import flashinfer_comm_available
+
+        if not flashinfer_comm_available():
+            raise ConfigError(f"{ENV}=flashinfer: FlashInfer's communication kernels cannot be imported "
+                              "(pip install flashinfer-python cuda-python nvidia-ml-py)")
     if choice == "auto":
         if not torch_has_kernels():
             logger.info("cuda: tensor-parallel all-reduce through NCCL (this torch lacks the symmetric-memory "
@@ -159,4 +167,10 @@ def all_reduce_kernel(group, device: torch.device, nvml_factory=None) -> SymmMem
     kernel = SymmMemAllReduce(group, device)
     logger.info("cuda: tensor-parallel all-reduce of bfloat16 messages up to %d bytes through torch symmetric "
                 "memory (one-shot up to %d bytes), NCCL above", kernel.max_bytes, kernel.one_shot_max_bytes)
+    if choice == "flashinfer":
+        from dovetail_cuda.flashinfer_all_reduce import FlashInferFusedAllReduce
+
+        kernel = FlashInferFusedAllReduce(group, device, kernel)
+        logger.info("cuda: all-reduce, residual add and RMSNorm fused through FlashInfer for bfloat16 messages "
+                    "up to %d bytes", kernel.max_bytes)
     return kernel

@@ -13,6 +13,7 @@ from typing import ClassVar, Iterable
 import torch
 from torch import nn
 
+from dovetail.distributed import tp_size
 from dovetail.layers.activation import gated_activation
 from dovetail.layers.attention import Attention
 from dovetail.layers.embedding import LMHead, VocabEmbedding
@@ -88,6 +89,10 @@ class LlamaAttention(nn.Module):
         # The per-head norms (when present) and the rotary are the backend's to apply, in its kernels if it can.
         return self.o_proj(self.attn.forward_rotary(positions, q, k, v, self.rotary_emb, self.q_norm, self.k_norm))
 
+    def leave_output_unreduced(self) -> None:
+        """Return this rank's partial sum; the norm after it all-reduces it (see :class:`LlamaModel`)."""
+        self.o_proj.reduce_results = False
+
 
 class LlamaMLP(nn.Module):
     """Merged gate/up projection, gated activation, down projection (column- then row-parallel).
@@ -110,6 +115,10 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.gate_up_proj.forward_gated(x, self.act_fn))
+
+    def leave_output_unreduced(self) -> None:
+        """Return this rank's partial sum; the norm after it all-reduces it (see :class:`LlamaModel`)."""
+        self.down_proj.reduce_results = False
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -139,6 +148,17 @@ class LlamaDecoderLayer(nn.Module):
     def make_mlp(self, config, layer_index, ctx, prefix):
         return LlamaMLP(config, ctx, prefix)
 
+    def can_leave_outputs_unreduced(self) -> bool:
+        return all(hasattr(block, "leave_output_unreduced") for block in (self.self_attn, self.mlp))
+
+    def leave_outputs_unreduced(self, input_is_unreduced: bool) -> None:
+        """Attention and MLP return partial sums, which the norms after them all-reduce; this layer's input is
+        the previous layer's MLP output, unreduced too unless the layer is the first."""
+        self.self_attn.leave_output_unreduced()
+        self.mlp.leave_output_unreduced()
+        self.post_attention_layernorm.all_reduce_input = True
+        self.input_layernorm.all_reduce_input = input_is_unreduced
+
     def forward(self, positions, hidden_states, residual):
         if residual is None:
             residual = hidden_states
@@ -151,7 +171,12 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """Embedding, decoder layers, final norm."""
+    """Embedding, decoder layers, final norm.
+
+    Under tensor parallelism the sums of the attention's and the MLP's row-parallel outputs move into the norms
+    that follow them (each layer's two and the final one), where the platform can fuse the all-reduce with the
+    residual add and the norm; a layer whose blocks cannot leave their outputs unreduced keeps them reduced.
+    """
 
     layer_cls: ClassVar[type[nn.Module]] = LlamaDecoderLayer
     #: Added to every norm weight: 1.0 for Gemma's ``(1 + weight)`` norms.
@@ -164,6 +189,11 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(self.layer_cls(config, i, ctx, f"{prefix}.layers.{i}")
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ctx, weight_offset=self.norm_offset)
+        if tp_size() > 1 and all(hasattr(layer, "leave_outputs_unreduced") and layer.can_leave_outputs_unreduced()
+                                 for layer in self.layers):
+            for index, layer in enumerate(self.layers):
+                layer.leave_outputs_unreduced(input_is_unreduced=index > 0)
+            self.norm.all_reduce_input = True
 
     @classmethod
     def embedding_scale(cls, config) -> float | None:

@@ -58,3 +58,7 @@ class SparseMoeBlock(nn.Module):
                 shared = torch.sigmoid(self.shared_expert_gate(hidden_states)) * shared
             out = out + shared
         return all_reduce(out) if self.reduce_results else out
+
+    def leave_output_unreduced(self) -> None:
+        """Return this rank's partial sum; the norm after it all-reduces it."""
+        self.reduce_results = False
