@@ -52,6 +52,9 @@ def _rank(rank: int, port: int, results) -> None:
         out["graph"] = float(y.float().min()), float(y.float().max())
         os.environ.pop("DOVETAIL_ALL_REDUCE", None)
         out["auto"] = type(all_reduce_kernel(distributed.tp_group(), device)).__name__
+        from dovetail_cuda.flashinfer_all_reduce import load_fused_kernels
+
+        out["fused_kernels"] = load_fused_kernels() is None
         results[rank] = out
     finally:
         distributed.destroy_tensor_parallel()
@@ -68,7 +71,9 @@ def test_symmetric_memory_all_reduce_matches_nccl_and_replays_in_a_graph():
             assert diff <= 2 ** -6 * 8, f"{size} elements: differs from NCCL by {diff}"
         assert out[SIZES[-1]][0] is False, "a message beyond the buffer goes to NCCL"
         assert out["graph"] == (3.0, 3.0), "the captured all-reduce summed the replayed values (1 + 2)"
-        assert out["auto"] == "SymmMemAllReduce", "DOVETAIL_ALL_REDUCE=auto takes symmetric memory over NVLink"
+        expected = "FlashInferFusedAllReduce" if out["fused_kernels"] else "SymmMemAllReduce"
+        assert out["auto"] == expected, "DOVETAIL_ALL_REDUCE=auto takes symmetric memory over NVLink (fused with the "
+                                        "norms where FlashInfer's kernels load)"
 
 
 def test_engine_greedy_with_symmetric_memory_all_reduce(tmp_path, monkeypatch):

@@ -327,3 +327,42 @@ def test_auto_all_reduce_needs_nvlink_between_every_pair_of_ranks(tp_ranks):
     assert ranks.run(nvlink_vote_job, []) == [True] * 4
     assert ranks.run(nvlink_vote_job, [("GPU-1", "GPU-3")]) == [False] * 4, "ranks 1 and 3 see it; all agree"
     assert ranks.run(nvlink_vote_job, [], False) == [False] * 4, "a rank that sees only its own GPU (Ray)"
+
+
+def fused_kernels_vote_job(failing_rank: int, choice: str | None = None):
+    """On each rank: whether every rank has FlashInfer's fused kernels when ``failing_rank`` cannot load them
+    (with ``choice``: what ``all_reduce_kernel`` makes of that instead, or the error it raises)."""
+    import os
+
+    from dovetail import distributed
+    from dovetail_cuda import flashinfer_all_reduce
+    from dovetail_cuda.symm_mem_all_reduce import all_reduce_kernel
+
+    original = flashinfer_all_reduce.load_fused_kernels
+    flashinfer_all_reduce.load_fused_kernels = lambda: "no CUDA compiler" if distributed.tp_rank() == failing_rank \
+        else None
+    try:
+        if choice is None:
+            return flashinfer_all_reduce.fused_kernels_on_every_rank(distributed.tp_group())
+        os.environ["DOVETAIL_ALL_REDUCE"] = choice
+        try:
+            return all_reduce_kernel(distributed.tp_group(), torch.device("cpu"))
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
+    finally:
+        flashinfer_all_reduce.load_fused_kernels = original
+        os.environ.pop("DOVETAIL_ALL_REDUCE", None)
+
+
+def test_the_fused_all_reduce_is_taken_only_where_every_rank_has_it(tp_ranks):
+    """``auto`` fuses the all-reduce with the norms only where FlashInfer's kernels load on every rank; every rank
+    gets the same answer, and ``flashinfer`` asked for where a rank lacks them is a one-line error."""
+    from dovetail_cuda.flashinfer_all_reduce import load_fused_kernels
+
+    ranks = tp_ranks(2)
+    assert ranks.run(fused_kernels_vote_job, -1) == [None, None]
+    assert ranks.run(fused_kernels_vote_job, 1) == ["no CUDA compiler"] * 2, "rank 1 lacks them; both agree"
+    assert ranks.run(fused_kernels_vote_job, 0, "flashinfer") == [
+        "ConfigError: DOVETAIL_ALL_REDUCE=flashinfer: no CUDA compiler"] * 2
+    reason = load_fused_kernels()  # here: no GPU, and FlashInfer may be absent
+    assert reason is None or reason.startswith("FlashInfer's communication kernels")

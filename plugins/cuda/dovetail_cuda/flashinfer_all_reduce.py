@@ -25,14 +25,29 @@ FUSED_MAX_BYTES = 8 << 20
 _WORKSPACE_HIDDEN = 1024
 
 
-def flashinfer_comm_available() -> bool:
-    """Whether FlashInfer's communication kernels can be imported (FlashInfer with cuda-python and NVML)."""
+def load_fused_kernels() -> str | None:
+    """Import FlashInfer's communication kernels, compiling them on first use (minutes, once: FlashInfer caches
+    them on disk); None when they load, else why not."""
     try:
-        import flashinfer.comm  # noqa: F401
-    except Exception as exc:  # absent, or a dependency missing
-        logger.debug("cuda: FlashInfer's communication kernels are not available (%s)", exc)
-        return False
-    return True
+        from flashinfer.comm.trtllm_ar import get_trtllm_comm_module
+    except Exception as exc:  # FlashInfer absent, or cuda-python or NVML missing
+        return f"FlashInfer's communication kernels cannot be imported ({exc})"
+    try:
+        get_trtllm_comm_module()
+    except Exception as exc:  # no CUDA compiler, or a GPU it does not build for
+        return f"FlashInfer's communication kernels do not build here ({exc})"
+    return None
+
+
+def fused_kernels_on_every_rank(group) -> str | None:
+    """:func:`load_fused_kernels` on every rank of ``group``, which all take the same answer (a collective):
+    None when every rank has them, else the first reason a rank gave."""
+    import torch.distributed as dist
+
+    logger.info("cuda: loading FlashInfer's fused all-reduce kernels (the first start compiles them)")
+    reasons: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(reasons, load_fused_kernels(), group=group)
+    return next((reason for reason in reasons if reason is not None), None)
 
 
 class FlashInferFusedAllReduce:

@@ -1,9 +1,11 @@
 """All-reduce of decode-sized messages through torch symmetric memory (peer memory over NVLink), without multicast.
 
 ``DOVETAIL_ALL_REDUCE`` chooses the tensor-parallel all-reduce on NVIDIA GPUs: ``auto`` (the default),
-``nccl`` or ``symm_mem``. ``auto`` is ``symm_mem`` where every rank's GPU reaches every other's directly over
-NVLink on one host (NVML says so, and the ranks agree before building anything), ``nccl`` elsewhere (PCIe,
-several hosts, a torch without the kernels).
+``nccl``, ``symm_mem`` or ``flashinfer``. ``auto`` is ``flashinfer`` where every rank's GPU reaches every
+other's directly over NVLink on one host (NVML says so, and the ranks agree before building anything) and
+FlashInfer's communication kernels load on every rank, ``symm_mem`` where they do not, ``nccl`` elsewhere
+(PCIe, several hosts, a torch without the kernels). ``flashinfer`` is ``symm_mem`` plus the all-reduce fused
+with the residual add and RMSNorm after it (:mod:`dovetail_cuda.flashinfer_all_reduce`).
 
 With ``symm_mem`` each rank keeps one buffer in torch symmetric memory
 (``torch.distributed._symmetric_memory``); a bfloat16 message that fits is summed by torch's one-shot kernel
@@ -148,12 +150,6 @@ def all_reduce_kernel(group, device: torch.device, nvml_factory=None):
     choice = all_reduce_choice()
     if choice == "nccl":
         return None
-    if choice == "flashinfer":
-        from dovetail_cuda.flashinfer_all_reduce import flashinfer_comm_available
-
-        if not flashinfer_comm_available():
-            raise ConfigError(f"{ENV}=flashinfer: FlashInfer's communication kernels cannot be imported "
-                              "(pip install flashinfer-python cuda-python nvidia-ml-py)")
     if choice == "auto":
         if not torch_has_kernels():
             logger.info("cuda: tensor-parallel all-reduce through NCCL (this torch lacks the symmetric-memory "
@@ -164,10 +160,20 @@ def all_reduce_kernel(group, device: torch.device, nvml_factory=None):
             logger.info("cuda: tensor-parallel all-reduce through NCCL (the ranks' GPUs are not all joined by "
                         "NVLink on one host, or a rank does not see the others')")
             return None
+    fuse = choice in ("auto", "flashinfer")
+    if fuse:
+        from dovetail_cuda.flashinfer_all_reduce import fused_kernels_on_every_rank
+
+        reason = fused_kernels_on_every_rank(group)
+        if reason is not None and choice == "flashinfer":
+            raise ConfigError(f"{ENV}=flashinfer: {reason}")
+        if reason is not None:
+            logger.info("cuda: the all-reduce is not fused with the norms after it: %s", reason)
+        fuse = reason is None
     kernel = SymmMemAllReduce(group, device)
     logger.info("cuda: tensor-parallel all-reduce of bfloat16 messages up to %d bytes through torch symmetric "
                 "memory (one-shot up to %d bytes), NCCL above", kernel.max_bytes, kernel.one_shot_max_bytes)
-    if choice == "flashinfer":
+    if fuse:
         from dovetail_cuda.flashinfer_all_reduce import FlashInferFusedAllReduce
 
         kernel = FlashInferFusedAllReduce(group, device, kernel)
