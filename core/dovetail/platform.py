@@ -241,6 +241,12 @@ class Platform(ABC):
         take. It must come from a maintained library, be capturable in device graphs, never read device
         values on the host, and never use NVLink multicast (``NCCL_NVLS_ENABLE=0``,
         ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` must hold).
+
+        A kernel may also offer ``add_rms_norm(x, residual, weight, eps)``: the sum of ``x`` over the group,
+        plus ``residual``, then RMSNorm with ``weight``, returned as ``(normed, summed)`` in one pass (None for
+        what it does not take). Models built on the Llama decoder layer leave their row-parallel outputs
+        unreduced and sum them in the norm that follows, through it
+        (:func:`dovetail.distributed.all_reduce_add_rms_norm`).
         """
         return None
 
