@@ -72,8 +72,8 @@ def test_symmetric_memory_all_reduce_matches_nccl_and_replays_in_a_graph():
         assert out[SIZES[-1]][0] is False, "a message beyond the buffer goes to NCCL"
         assert out["graph"] == (3.0, 3.0), "the captured all-reduce summed the replayed values (1 + 2)"
         expected = "FlashInferFusedAllReduce" if out["fused_kernels"] else "SymmMemAllReduce"
-        assert out["auto"] == expected, "DOVETAIL_ALL_REDUCE=auto takes symmetric memory over NVLink (fused with the "
-                                        "norms where FlashInfer's kernels load)"
+        assert out["auto"] == expected, ("DOVETAIL_ALL_REDUCE=auto takes symmetric memory over NVLink (fused with "
+                                         "the norms where FlashInfer's kernels load)")
 
 
 def test_engine_greedy_with_symmetric_memory_all_reduce(tmp_path, monkeypatch):
