@@ -145,8 +145,8 @@ class SymmMemAllReduce:
 
 def all_reduce_kernel(group, device: torch.device, nvml_factory=None):
     """The kernel ``DOVETAIL_ALL_REDUCE`` asks for (None: NCCL's all-reduce everywhere): a
-    :class:`SymmMemAllReduce`, or with ``flashinfer`` a
-    :class:`~dovetail_cuda.flashinfer_all_reduce.FlashInferFusedAllReduce` around one."""
+    :class:`SymmMemAllReduce`, or a :class:`~dovetail_cuda.flashinfer_all_reduce.FlashInferFusedAllReduce`
+    around one (``flashinfer``, and ``auto`` where FlashInfer's kernels load on every rank)."""
     choice = all_reduce_choice()
     if choice == "nccl":
         return None

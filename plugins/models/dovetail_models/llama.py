@@ -175,7 +175,8 @@ class LlamaModel(nn.Module):
 
     Under tensor parallelism the sums of the attention's and the MLP's row-parallel outputs move into the norms
     that follow them (each layer's two and the final one), where the platform can fuse the all-reduce with the
-    residual add and the norm; a layer whose blocks cannot leave their outputs unreduced keeps them reduced.
+    residual add and the norm. Where any layer's blocks cannot leave their outputs unreduced (another layer
+    class), every layer keeps reducing its own.
     """
 
     layer_cls: ClassVar[type[nn.Module]] = LlamaDecoderLayer
