@@ -12,8 +12,8 @@
 #   hf        benchmarks/peer_hf.py (HF transformers, B1 and B2) for each model
 #   vllm      benchmarks/peer_vllm.py (B1 and B2 on the same requests) for each model, when vLLM is installed
 #   kernels   benchmarks/kernels_attention.py and benchmarks/kernels_linear.py (first model)
-#   allreduce benchmarks/kernels_all_reduce.py (NCCL against torch symmetric memory, size by size) over TP
-#             GPUs (2 when TP is 1)
+#   allreduce benchmarks/kernels_all_reduce.py (NCCL against torch symmetric memory, and the all-reduce fused
+#             with the residual add and RMSNorm, size by size) over TP GPUs (2 when TP is 1)
 #   moe       benchmarks/kernels_moe.py (the MoE layer against its bounds, vLLM's beside it when installed) for
 #             each model of MODELS that is a mixture of experts (its first start on a GPU kind tunes the tiles)
 #
