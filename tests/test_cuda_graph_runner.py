@@ -132,3 +132,48 @@ def test_steps_above_the_largest_captured_size_run_eagerly(tiny_llama_dir, hf_re
     replays = {size: graph.replays for size, graph in runner.graphs.graphs.items()}
     # Steps of 5 and 4 sequences decode eagerly; 3 sequences replay size 3; 2 and 1 (padded up) size 2.
     assert replays[3] == MAX_TOKENS[2] - MAX_TOKENS[3] and replays[2] == MAX_TOKENS[0] - MAX_TOKENS[2], replays
+
+
+def replayed_tp_job(path: str, graphs: bool) -> dict:
+    """On each rank of two: greedy and seeded sampled tokens (with logprobs) of an engine whose decode steps
+    replay graphs (or run eagerly), the decode attention reading only device tensors in both."""
+    llm = LLM(path, device="cpu", attention_backend="REFERENCE", max_num_seqs=6)
+    runner = llm.llm_engine.runner
+    for layer in runner.attention_layers:
+        layer.impl = DeviceOnlyDecodeImpl(layer.spec)
+    if graphs:
+        runner.platform, runner.use_graphs = ReplayPlatform(), True
+        runner.capture_graphs()
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    greedy = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
+    sampled = [SamplingParams(temperature=0.9, seed=i, max_tokens=n, logprobs=2, ignore_eos=True)
+               for i, n in enumerate(MAX_TOKENS)]
+    out_greedy = llm.generate(prompts, greedy, use_tqdm=False)
+    out_sampled = llm.generate(prompts, sampled, use_tqdm=False)
+    return {"greedy": [o.outputs[0].token_ids for o in out_greedy],
+            "sampled": [o.outputs[0].token_ids for o in out_sampled],
+            "logprobs": [[sorted((token, lp.logprob) for token, lp in step.items()) for step in o.outputs[0].logprobs]
+                         for o in out_sampled],
+            "sharded": runner.sharded_head is not None,
+            "replays": sum(g.replays for g in runner.graphs.graphs.values()) if graphs else 0}
+
+
+def test_replayed_decode_steps_at_two_ranks_sample_from_vocabulary_shards(tp_ranks, tiny_llama_dir, hf_reference):
+    """At TP=2 the graphs keep each rank's vocabulary columns and compute the greedy tokens from them (no
+    gather of the logits); sampled rows gather the columns after the replay. Both give the eager steps'
+    tokens and logprobs, and the greedy ones HF's."""
+    group = tp_ranks(2)
+    replayed = group.run(replayed_tp_job, str(tiny_llama_dir), True)
+    eager = group.run(replayed_tp_job, str(tiny_llama_dir), False)
+    for rank in range(2):
+        assert replayed[rank]["sharded"] and replayed[rank]["replays"] > 0
+        assert replayed[rank]["greedy"] == eager[rank]["greedy"]
+        assert replayed[rank]["sampled"] == eager[rank]["sampled"]
+        for ours, theirs in zip(replayed[rank]["logprobs"], eager[rank]["logprobs"]):
+            # The same tokens; values within float32 rounding (a padded batch's GEMM sums in another order).
+            assert [[t for t, _ in step] for step in ours] == [[t for t, _ in step] for step in theirs]
+            assert [v for step in ours for _, v in step] == pytest.approx([v for step in theirs for _, v in step],
+                                                                           abs=1e-4)
+        for tokens, (hf_tokens, hf_logprobs) in zip(replayed[rank]["greedy"], hf_reference):
+            assert_greedy_matches(tokens, hf_tokens, hf_logprobs)
+    assert replayed[0] == replayed[1], "every rank samples the same tokens"

@@ -366,3 +366,36 @@ def test_the_fused_all_reduce_is_taken_only_where_every_rank_has_it(tp_ranks):
         "ConfigError: DOVETAIL_ALL_REDUCE=flashinfer: no CUDA compiler"] * 2
     reason = load_fused_kernels()  # here: no GPU, and FlashInfer may be absent
     assert reason is None or reason.startswith("FlashInfer's communication kernels")
+
+
+def greedy_from_shards_job(vocab: int, ties: bool) -> dict:
+    """On each rank: the LM head's greedy tokens from its vocabulary columns, and the argmax of the gathered
+    logits. Every logit is negative, so the last rank's padding columns (zero) would win if they counted; with
+    ``ties`` two columns held by different ranks share each row's maximum."""
+    from dovetail.layers.embedding import LMHead
+
+    gen = torch.Generator().manual_seed(1)
+    hidden = torch.rand(6, HIDDEN, generator=gen) + 0.1
+    weight = -torch.rand(vocab, HIDDEN, generator=gen)
+    if ties:
+        weight[2] = weight[vocab - 1] = 0.0  # logit 0 beats every other; first one wins
+        weight[:, 0] -= 1.0
+    head = LMHead(vocab, HIDDEN, _ctx())
+    head.shard.load(head.weight, weight, "lm_head")
+    local = head(hidden, gather=False)
+    return {"sharded": head.greedy_tokens(local), "gathered": head(hidden).argmax(dim=-1),
+            "padding_cols": local.shape[1] - (head.shard.end - head.shard.start),
+            "dense": (hidden @ weight.T).argmax(dim=-1)}
+
+
+@pytest.mark.parametrize("ties", [False, True])
+def test_greedy_tokens_from_vocabulary_shards_match_the_gathered_argmax(tp_ranks, ties):
+    """13 tokens over two ranks: rank 1 holds six and a padding column; the tokens picked from the shards are the
+    argmax of the whole row (and its first maximum where two ranks tie)."""
+    results = tp_ranks(2).run(greedy_from_shards_job, VOCAB, ties)
+    assert [r["padding_cols"] for r in results] == [0, 1]
+    for got in results:
+        torch.testing.assert_close(got["sharded"], got["gathered"])
+        torch.testing.assert_close(got["sharded"], got["dense"])
+    if ties:
+        assert results[0]["sharded"].tolist() == [2] * 6

@@ -76,6 +76,12 @@ class DovetailModel(nn.Module):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Logits ``[rows, vocab]`` for the selected rows of hidden states."""
 
+    def sharded_lm_head(self):
+        """Under tensor parallelism, the vocabulary-parallel :class:`~dovetail.layers.embedding.LMHead` that
+        :meth:`compute_logits` applies and nothing else, so that greedy steps sample from each rank's columns
+        without gathering the logits; None (the default): the runner calls :meth:`compute_logits`."""
+        return None
+
     @abstractmethod
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load checkpoint tensors by HF name; return the names of the parameters filled.

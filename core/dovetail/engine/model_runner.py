@@ -4,7 +4,9 @@ It owns the KV caches (one tensor per attention layer, shaped by the backend,
 plus one spare block that padding rows write to), builds the step's
 :class:`AttentionBatch` and the backend's metadata, runs the forward, and
 computes logits only for the rows where a token is sampled (plus the prompt rows
-of requests that asked for prompt logprobs).
+of requests that asked for prompt logprobs). Under tensor parallelism the sampled
+rows' logits stay split by vocabulary (:class:`ShardedLogits`) where the model
+allows: greedy steps never gather them.
 
 Decode-only steps replay a device graph when the platform and the backend can
 capture one (:class:`DecodeGraphs`); ``enforce_eager`` turns that off. Nothing
@@ -25,6 +27,7 @@ import torch
 from dovetail.attention.backend import AttentionBackend
 from dovetail.attention.batch import AttentionBatch
 from dovetail.engine.scheduler import ScheduledBatch
+from dovetail.engine.sharded_logits import ShardedLogits
 from dovetail.forward_context import set_forward_context
 from dovetail.layers.attention import Attention
 from dovetail.platform import DeviceGraph, Platform
@@ -65,7 +68,7 @@ def graph_batch_sizes(max_num_seqs: int, capture_sizes: list[int] | None = None,
 class StepLogits:
     """Logits of one step: the sampling rows, and per request its prompt-logprob rows."""
 
-    sample_logits: torch.Tensor | None
+    sample_logits: torch.Tensor | ShardedLogits | None
     sample_requests: list[RequestState]
     # request -> (logits for prompt positions, the prompt positions they predict)
     prompt_logits: dict[str, tuple[torch.Tensor, list[int]]]
@@ -125,6 +128,8 @@ class ModelRunner:
                  max_model_len: int | None = None, enforce_eager: bool = False,
                  cudagraph_capture_sizes: list[int] | None = None, max_cudagraph_capture_size: int | None = None):
         self.model = model
+        #: The LM head whose vocabulary shards greedy steps sample from (None: whole logits).
+        self.sharded_head = model.sharded_lm_head()
         self.platform = platform
         self.backend = backend
         self.block_size = block_size
@@ -246,11 +251,17 @@ class ModelRunner:
             offset += n
         sample_logits = None
         if sample_rows:
-            sample_logits = self.model.compute_logits(self._rows(hidden, sample_rows))
+            sample_logits = self.sample_logits(self._rows(hidden, sample_rows))
         prompt_logits = {}
         for request_id, (rows, predicted) in prompt_rows.items():
             prompt_logits[request_id] = (self.model.compute_logits(self._rows(hidden, rows)), predicted)
         return StepLogits(sample_logits, sample_requests, prompt_logits)
+
+    def sample_logits(self, hidden: torch.Tensor) -> torch.Tensor | ShardedLogits:
+        """The logits of the rows a token is sampled from: whole, or this rank's vocabulary shard of them."""
+        if self.sharded_head is None:
+            return self.model.compute_logits(hidden)
+        return ShardedLogits(self.sharded_head, self.sharded_head(hidden, gather=False))
 
     def _rows(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
         if rows == list(range(rows[0], rows[0] + len(rows))):
@@ -298,7 +309,9 @@ class DecodeGraphs:
     lengths, block table) and write the logits into one static buffer; a step
     writes its values into the inputs, pads the batch up to the nearest
     captured size with length-1 sequences that write to the spare block, lets
-    the backend re-plan (``build_for_graph``) and replays.
+    the backend re-plan (``build_for_graph``) and replays. With a sharded LM
+    head the buffer holds this rank's vocabulary columns, and the graph also
+    writes the greedy tokens (a small gather in place of the logits').
     """
 
     def __init__(self, runner: ModelRunner, sizes: list[int]):
@@ -315,6 +328,8 @@ class DecodeGraphs:
         self.views: dict[int, dict] = {}  # per size: the static buffers' slices an AttentionBatch holds
         self.graphs: dict[int, DeviceGraph] = {}
         self.logits: torch.Tensor | None = None  # every graph's output: the logits of its rows
+        self.head = runner.sharded_head
+        self.greedy = torch.zeros(n_max, dtype=torch.long, device=dev) if self.head is not None else None
         pool = runner.platform.graph_pool()
         for size in reversed(sizes):  # largest first: the smaller graphs reuse its memory
             metadata = runner.metadata_builder.build_for_graph(self._load([], [], size), size)
@@ -322,15 +337,22 @@ class DecodeGraphs:
             def logits_of(size=size, metadata=metadata):
                 torch.add(self.positions[:size], 1, out=self.seq_lens[:size])
                 with set_forward_context(metadata):
-                    return runner.model.compute_logits(runner.model(self.input_ids[:size], self.positions[:size]))
+                    return runner.sample_logits(runner.model(self.input_ids[:size], self.positions[:size]))
 
             warm = logits_of()  # warm-up: lazy initialisation and autotuning happen outside the capture
+            if self.head is not None:
+                warm.greedy_tokens()
+                warm = warm.local
             if self.logits is None:
                 self.logits = torch.empty((n_max, warm.shape[1]), dtype=warm.dtype, device=dev)
             del warm
 
             def forward(size=size, logits_of=logits_of):
-                self.logits[:size].copy_(logits_of())
+                logits = logits_of()
+                if self.head is not None:
+                    self.greedy[:size].copy_(logits.greedy_tokens())
+                    logits = logits.local
+                self.logits[:size].copy_(logits)
 
             self.graphs[size], _ = runner.platform.capture_graph(forward, pool)
         runner.platform.synchronize()
@@ -343,14 +365,17 @@ class DecodeGraphs:
             for req, n in zip(batch.requests, batch.num_new_tokens))
 
     def run(self, batch: ScheduledBatch, block_tables: list[list[int]],
-            prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
-        """The logits ``[len(batch.requests), vocab]`` of a decode-only step."""
+            prev_tokens: torch.Tensor | None = None) -> torch.Tensor | ShardedLogits:
+        """The logits ``[len(batch.requests), vocab]`` of a decode-only step (with a sharded LM head, this rank's
+        columns of them and the greedy tokens)."""
         n = len(batch.requests)
         size = next(s for s in self.sizes if s >= n)
         attn = self._load(batch.requests, block_tables, size)
         fill_pending(self.input_ids, pending_inputs(batch), prev_tokens)
         self.runner.metadata_builder.build_for_graph(attn, size)
         self.graphs[size].replay()
+        if self.head is not None:
+            return ShardedLogits(self.head, self.logits[:n], self.greedy[:n])
         return self.logits[:n]
 
     def _load(self, requests: list[RequestState], block_tables: list[list[int]], size: int) -> AttentionBatch:

@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from dovetail.engine.sharded_logits import ShardedLogits
+
 if TYPE_CHECKING:
     from dovetail.engine.request_state import RequestState
 
@@ -221,13 +223,19 @@ class PendingSample:
         return self.decode(host.tolist())
 
 
-def launch_sample(logits: torch.Tensor, requests: list[RequestState], vocab_size: int | None = None,
+def launch_sample(logits: torch.Tensor | ShardedLogits, requests: list[RequestState], vocab_size: int | None = None,
                   argmax=None) -> PendingSample:
-    """Queue the sampling of one token per row of ``logits`` (``[rows, vocab]``); nothing waits for the device.
+    """Queue the sampling of one token per row of ``logits`` (``[rows, vocab]``, or a rank's vocabulary shard
+    of them); nothing waits for the device.
 
     ``argmax`` (the platform's ``FusedOps.argmax``; None: torch's) picks the tokens of a step whose rows are
     all plain greedy."""
     n = len(requests)
+    if isinstance(logits, ShardedLogits):
+        if all(_plain_greedy(r.params, r) for r in requests):
+            sampled = logits.greedy_tokens()
+            return PendingSample(sampled, sampled, lambda host: SampleResult(host, [None] * n))
+        logits = logits.gather()
     if all(_plain_greedy(r.params, r) for r in requests):
         top = logits[:, :vocab_size] if vocab_size is not None else logits
         sampled = argmax(top) if argmax is not None else top.argmax(dim=-1)

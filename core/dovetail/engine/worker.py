@@ -26,6 +26,7 @@ from dovetail.engine.model_runner import ModelRunner
 from dovetail.engine.profiler import StepProfiler
 from dovetail.engine.request_state import RequestState
 from dovetail.engine.sampler import PendingSample, launch_sample, prompt_logprobs
+from dovetail.engine.sharded_logits import ShardedLogits
 from dovetail.engine.scheduler import ScheduledBatch
 from dovetail.engine.step import EMPTY_OUTPUT, StepDescription, StepOutput, apply_token_bitmask
 from dovetail.errors import ConfigError
@@ -220,7 +221,7 @@ class Worker:
             raise RuntimeError("sample_with_bitmask: the last step was not launched with sample_later")
         self._sample(logits, token_bitmask, bitmask_rows)
 
-    def _sample(self, sample_logits: Optional[torch.Tensor], token_bitmask: Optional[torch.Tensor],
+    def _sample(self, sample_logits: Optional[torch.Tensor | ShardedLogits], token_bitmask: Optional[torch.Tensor],
                 bitmask_rows: Optional[list[int]]) -> None:
         """Queue the sampling of the step launched last; its tokens feed the next step on the device."""
         launched = self._launched[-1]
@@ -228,6 +229,8 @@ class Worker:
         if rows:
             if token_bitmask is not None:
                 with torch.inference_mode():  # the logits are the model's inference tensors
+                    if isinstance(sample_logits, ShardedLogits):
+                        sample_logits = sample_logits.gather()
                     apply_token_bitmask(sample_logits, token_bitmask, bitmask_rows, self.vocab_size)
             launched.sample = launch_sample(sample_logits, rows, self.vocab_size, self.ops.argmax)
             launched.sample.start_transfer(self.platform)

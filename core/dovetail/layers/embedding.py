@@ -5,8 +5,9 @@ rows of the table (the last rank's tail is padding), as vLLM's
 ``VocabParallelEmbedding`` does. The embedding looks up the tokens in its range,
 zeroes the rest and sums over the ranks with an all-reduce; the LM head computes
 the logits of its rows and all-gathers them, for the rows the runner samples
-only (it calls :meth:`LMHead.forward` on those). With one rank neither
-communicates and the table is the checkpoint's.
+only (it calls :meth:`LMHead.forward` on those); a greedy step needs only each
+rank's best logit and its index (:meth:`LMHead.greedy_tokens`). With one rank
+neither communicates and the table is the checkpoint's.
 """
 
 from __future__ import annotations
@@ -77,7 +78,8 @@ class LMHead(nn.Module):
 
     ``final_logit_softcap`` applies ``c * tanh(logits / c)`` (Gemma 2). Under
     tensor parallelism each rank computes its rows' logits and they are gathered,
-    so every rank returns the whole ``[rows, vocab]``.
+    so every rank returns the whole ``[rows, vocab]``; ``forward(h, gather=False)``
+    keeps this rank's columns, for :meth:`greedy_tokens` or a later :meth:`gather`.
     """
 
     def __init__(self, vocab_size: int, hidden_size: int, ctx: ModelContext,
@@ -100,12 +102,34 @@ class LMHead(nn.Module):
     def _load(self, param: nn.Parameter, tensor, shard: int | None) -> None:
         self.shard.load(param, tensor, "lm_head")
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, gather: bool = True) -> torch.Tensor:
         logits = self.ops.linear(hidden_states, self.weight)
         if self.final_logit_softcap:
             logits = torch.tanh(logits / self.final_logit_softcap) * self.final_logit_softcap
-        if self.shard.split:
-            logits = all_gather(logits, dim=-1)
-            if self.padded:
-                logits = logits[..., :self.shard.vocab_size]
-        return logits
+        return self.gather(logits) if gather else logits
+
+    def gather(self, local_logits: torch.Tensor) -> torch.Tensor:
+        """The whole ``[rows, vocab]`` from every rank's ``forward(h, gather=False)`` columns."""
+        if not self.shard.split:
+            return local_logits
+        logits = all_gather(local_logits, dim=-1)
+        return logits[..., :self.shard.vocab_size] if self.padded else logits
+
+    def greedy_tokens(self, local_logits: torch.Tensor) -> torch.Tensor:
+        """The argmax over the whole vocabulary of each row (int64 ``[rows]``), from this rank's columns: each
+        rank's largest logit and its index are gathered (two numbers a row, not ``vocab``) and the first rank
+        with the largest wins, which is the first maximum of the gathered row, as ``argmax`` would take it."""
+        if not self.shard.split:
+            return local_logits.argmax(dim=-1)
+        count = self.shard.end - self.shard.start  # the padding columns past the vocabulary never win
+        rows = local_logits.shape[0]
+        if count > 0:
+            values, index = local_logits[:, :count].max(dim=-1)
+        else:
+            values = torch.full((rows,), float("-inf"), device=local_logits.device)
+            index = torch.zeros(rows, dtype=torch.long, device=local_logits.device)
+        # Token ids below 2**24 are exact in float32, so one tensor carries both.
+        best = torch.stack([values.float(), (index + self.shard.start).float()], dim=-1)
+        everyone = all_gather(best.unsqueeze(0), dim=0)  # [ranks, rows, 2]
+        winner = everyone[..., 0].argmax(dim=0, keepdim=True)
+        return everyone[..., 1].gather(0, winner).squeeze(0).long()

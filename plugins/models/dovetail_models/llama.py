@@ -255,6 +255,9 @@ class LlamaForCausalLM(DovetailModel):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden_states)
 
+    def sharded_lm_head(self) -> LMHead | None:
+        return self.lm_head if self.lm_head.shard.split else None
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         ignore = list(self.ignore_weights)
         if self.lm_head.tied:
