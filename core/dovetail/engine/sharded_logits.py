@@ -22,9 +22,6 @@ class ShardedLogits:
     def __init__(self, head, local: torch.Tensor, greedy: Optional[torch.Tensor] = None):
         self.head, self.local, self._greedy = head, local, greedy
 
-    def __len__(self) -> int:
-        return self.local.shape[0]
-
     def greedy_tokens(self) -> torch.Tensor:
         """The argmax of each whole row (int64 ``[rows]``)."""
         if self._greedy is None:

@@ -26,8 +26,8 @@ from dovetail.engine.model_runner import ModelRunner
 from dovetail.engine.profiler import StepProfiler
 from dovetail.engine.request_state import RequestState
 from dovetail.engine.sampler import PendingSample, launch_sample, prompt_logprobs
-from dovetail.engine.sharded_logits import ShardedLogits
 from dovetail.engine.scheduler import ScheduledBatch
+from dovetail.engine.sharded_logits import ShardedLogits
 from dovetail.engine.step import EMPTY_OUTPUT, StepDescription, StepOutput, apply_token_bitmask
 from dovetail.errors import ConfigError
 from dovetail.model_interface import ModelContext
