@@ -265,14 +265,18 @@ def fused_norm_job(path: str, fuse: bool) -> dict:
     return {"tokens": [o.outputs[0].token_ids for o in outputs], "fused": kernel.fused if kernel else 0}
 
 
-def test_row_parallel_sums_reach_the_norms_and_the_platform_fuses_them(tp_ranks, tiny_llama_dir):
-    """Under tensor parallelism the attention's and MLP's partial sums are all-reduced by the norms after them;
-    a platform kernel with ``add_rms_norm`` takes every one of them (a layer's two norms after the first, the
-    final norm) and the tokens are those of the backend's all-reduce."""
+@pytest.mark.parametrize("model", ["llama", "qwen3-moe"])
+def test_row_parallel_sums_reach_the_norms_and_the_platform_fuses_them(tp_ranks, tiny_llama_dir, tiny_moe_dir, model):
+    """Under tensor parallelism the attention's, MLP's and MoE block's partial sums are all-reduced by the norms
+    after them; a platform kernel with ``add_rms_norm`` takes every one of them (a layer's two norms after the
+    first, the final norm) and the tokens are those of the backend's all-reduce."""
+    import json
+
+    path = tiny_llama_dir if model == "llama" else tiny_moe_dir
     group = tp_ranks(2)
-    plain = group.run(fused_norm_job, str(tiny_llama_dir), False)
-    fused = group.run(fused_norm_job, str(tiny_llama_dir), True)
-    layers = 2  # tiny_llama_config
+    plain = group.run(fused_norm_job, str(path), False)
+    fused = group.run(fused_norm_job, str(path), True)
+    layers = json.loads((path / "config.json").read_text())["num_hidden_layers"]
     for rank in range(2):
         assert fused[rank]["tokens"] == plain[rank]["tokens"]
         # Every forward fuses 2 * layers norms (the first layer's input norm gets the embedding, already summed).
