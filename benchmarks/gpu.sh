@@ -41,7 +41,8 @@
 #
 # Install: every wheel in .whl/ (built for the machine's Python, 3.12) goes to /tmp/site, put first on
 # PYTHONPATH, with --no-deps; then this repository's distributions, editable (their entry points need
-# installed metadata). A FlashInfer JIT cache carried as .fi_cache/flashinfer.tgz is unpacked into ~/.cache.
+# installed metadata). A FlashInfer JIT cache carried as .fi_cache/flashinfer.tgz (a tar of ~/.cache/flashinfer
+# from an earlier machine) is unpacked into ~/.cache.
 #
 # Results: $OUT/results.jsonl, one line per figure ("step", "model", "backend", "flags", "round", "value",
 # "unit", plus the machine and commit); the raw JSON of each command under $OUT/raw/; logs in $OUT/*.log;
@@ -88,7 +89,11 @@ install() {
   fi
   python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . -e plugins/cpu -e plugins/cuda -e plugins/models \
     >"$OUT/install.log" 2>&1 || { tail -20 "$OUT/install.log"; return 1; }
-  if [ -f .fi_cache/flashinfer.tgz ]; then mkdir -p ~/.cache && tar xzf .fi_cache/flashinfer.tgz -C ~/.cache; fi
+  if [ -f .fi_cache/flashinfer.tgz ]; then
+    mkdir -p ~/.cache && tar xzf .fi_cache/flashinfer.tgz -C ~/.cache
+    # pip dates the installed sources now, after the carried builds: dated back, ninja takes the builds as current.
+    find /tmp/site/flashinfer -type f -exec touch -d 2000-01-01 {} +
+  fi
 }
 
 if [ "${SKIP_INSTALL:-0}" != 1 ]; then
