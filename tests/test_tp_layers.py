@@ -382,8 +382,8 @@ def greedy_from_shards_job(vocab: int, ties: bool) -> dict:
     hidden = torch.rand(6, HIDDEN, generator=gen) + 0.1
     weight = -torch.rand(vocab, HIDDEN, generator=gen)
     if ties:
-        weight[2] = weight[vocab - 1] = 0.0  # logit 0 beats every other; first one wins
-        weight[:, 0] -= 1.0
+        weight[2] = weight[vocab - 1] = 0.0
+        weight[:, 0] -= 1.0  # tokens 2 and 12 share the largest logit, -hidden[0]; the first one wins
     head = LMHead(vocab, HIDDEN, _ctx())
     head.shard.load(head.weight, weight, "lm_head")
     local = head(hidden, gather=False)
