@@ -1,6 +1,7 @@
 """The tensor-parallel all-reduce alone on the GPUs of one host: NCCL against torch symmetric memory, size by size.
 
-    python benchmarks/kernels_all_reduce.py [--world-size 2] [--sizes 8K,64K,...,128M] [--hidden 4096] [--json results.json]
+    python benchmarks/kernels_all_reduce.py [--world-size 2] [--sizes 8K,64K,...,128M] [--hidden 4096] \
+        [--json results.json]
 
 One process per GPU. For each message size (bfloat16 bytes; a decode step of T tokens of hidden H is
 ``2 * T * H``) it times, from CUDA graphs (how the engine runs decode), in-place sums of one tensor,
