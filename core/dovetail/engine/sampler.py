@@ -231,15 +231,15 @@ def launch_sample(logits: torch.Tensor | ShardedLogits, requests: list[RequestSt
     ``argmax`` (the platform's ``FusedOps.argmax``; None: torch's) picks the tokens of a step whose rows are
     all plain greedy."""
     n = len(requests)
-    if isinstance(logits, ShardedLogits):
-        if all(_plain_greedy(r.params, r) for r in requests):
-            sampled = logits.greedy_tokens()
-            return PendingSample(sampled, sampled, lambda host: SampleResult(host, [None] * n))
-        logits = logits.gather()
     if all(_plain_greedy(r.params, r) for r in requests):
-        top = logits[:, :vocab_size] if vocab_size is not None else logits
-        sampled = argmax(top) if argmax is not None else top.argmax(dim=-1)
+        if isinstance(logits, ShardedLogits):
+            sampled = logits.greedy_tokens()
+        else:
+            top = logits[:, :vocab_size] if vocab_size is not None else logits
+            sampled = argmax(top) if argmax is not None else top.argmax(dim=-1)
         return PendingSample(sampled, sampled, lambda host: SampleResult(host, [None] * n))
+    if isinstance(logits, ShardedLogits):
+        logits = logits.gather()
     logits = logits.float()
     if vocab_size is not None and logits.shape[1] > vocab_size:
         logits = logits[:, :vocab_size]
