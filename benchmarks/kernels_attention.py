@@ -1,7 +1,8 @@
 """TRITON attention and fused ops on a GPU, against REFERENCE and torch's SDPA, in one run.
 
-For the attention shapes of qwen3-0.6b (16 heads, 8 KV heads, head 128) and
-llama-3.1-8b (32 heads, 8 KV heads, head 128), bf16, block size 16, it times one
+For the attention shapes of ``--models`` (default qwen3-0.6b: 16 heads, 8 KV heads, head 128, and
+llama-3.1-8b: 32 heads, 8 KV heads; also one rank's shape at TP=2 and qwen3-moe's 4 KV heads: ``MODELS``),
+bf16, block size 16, it times one
 layer's attention call (KV write included) for:
 
 - decode at batch 1 (context 128, 1024, 8192) and at batch 64 and 256 (context 1024);
@@ -19,15 +20,16 @@ rows report TFLOP/s. Each row also prints TRITON's largest difference from REFER
 ``--sweep`` times tile configurations (``LaunchConfig``) and KV splits of the
 kernel alone for a few scenarios and prints the fastest, to tune
 ``default_config`` / ``default_num_splits``. ``--sweep-decode`` does the same for decode-only
-launches shaped like B1's (192 sequences, contexts 100-2048) for both models, with the bandwidth
+launches shaped like B1's (192 sequences, contexts 100-2048) for each model, with the bandwidth
 each configuration reaches, and only that; ``--sweep-prefill`` for prefill-only launches like B1's
 first steps (28 prompts of 100-1024 tokens), with TFLOP/s; ``--sweep-splits`` KV splits of decode batches of
 8-192 long sequences (B1's last steps); ``--sweep-order`` 256 B1-like decodes by the order of their programs.
 
 Usage::
 
-    python benchmarks/kernels_attention.py [--models qwen3-0.6b,llama-3.1-8b] [--dtype bfloat16]
-        [--iters 50] [--sweep] [--sweep-decode] [--sweep-prefill] [--skip-fused] [--json results.json]
+    python benchmarks/kernels_attention.py [--models qwen3-0.6b,llama-3.1-8b,qwen3-moe-15b-a3b] [--dtype bfloat16]
+        [--iters 50] [--sweep] [--sweep-decode] [--sweep-prefill] [--sweep-splits] [--sweep-order] [--skip-fused]
+        [--json results.json]
 """
 
 from __future__ import annotations
@@ -42,7 +44,11 @@ from datetime import date, datetime, timezone
 
 import torch
 
-MODELS = {"qwen3-0.6b": (16, 8, 128), "llama-3.1-8b": (32, 8, 128)}
+#: (query heads, KV heads, head size) of one rank's attention. Four KV heads a rank is what qwen3-moe-15b-a3b has,
+#: and what llama-3.1-8b and qwen3-32b leave each of two tensor-parallel ranks.
+MODELS = {"qwen3-0.6b": (16, 8, 128), "llama-3.1-8b": (32, 8, 128), "qwen3-moe-15b-a3b": (32, 4, 128),
+          "llama-3.1-8b-tp2": (16, 4, 128), "qwen3-32b-tp2": (32, 4, 128)}
+DEFAULT_MODELS = "qwen3-0.6b,llama-3.1-8b"
 BLOCK_SIZE = 16
 DEVICE = "cuda"
 
@@ -132,6 +138,10 @@ def sdpa_peer(seqs, num_heads, num_kv_heads, head_size, dtype):
     causal = new > 1
     fn = torch.nn.functional.scaled_dot_product_attention
     return lambda: fn(qs, ks, vs, is_causal=causal, enable_gqa=num_heads != num_kv_heads)
+
+
+def shapes(models: list[str]):
+    return [(model, MODELS[model]) for model in models]
 
 
 def kv_bytes(seqs, num_kv_heads, head_size, dtype) -> int:
@@ -260,14 +270,14 @@ def sweep(dtype, iters):
     return results
 
 
-def sweep_decode(dtype, iters):
-    """Decode-only launches like B1's, both models: every tile configuration and 1 or 2 KV splits."""
+def sweep_decode(dtype, iters, models):
+    """Decode-only launches like B1's, each of the models: every tile configuration and 1 or 2 KV splits."""
     from dovetail.triton.paged_attention import LaunchConfig, default_config, paged_attention
 
     rng = random.Random(1)
     seqs = [(rng.randint(100, 2048), 1) for _ in range(192)]
     results = []
-    for model, (num_heads, num_kv_heads, head_size) in MODELS.items():
+    for model, (num_heads, num_kv_heads, head_size) in shapes(models):
         q, k, v, cache, batch = make_inputs(seqs, num_heads, num_kv_heads, head_size, dtype)
         out = torch.empty_like(q)
         nbytes = kv_bytes(seqs, num_kv_heads, head_size, dtype)
@@ -295,7 +305,7 @@ def sweep_decode(dtype, iters):
     return results
 
 
-def sweep_order(dtype, iters, batch_size=256):
+def sweep_order(dtype, iters, models, batch_size=256):
     """B1-like decode launches (contexts 100-2048) in the order drawn or longest first, the programs numbered
     KV head by KV head or sequence by sequence, with 64 or 128 keys a step: KV bytes/s from CUDA-graph replays."""
     from dovetail.triton.paged_attention import LaunchConfig, default_config, paged_attention
@@ -303,7 +313,7 @@ def sweep_order(dtype, iters, batch_size=256):
     rng = random.Random(2)
     drawn = [(rng.randint(100, 2048), 1) for _ in range(batch_size)]
     results = []
-    for model, (num_heads, num_kv_heads, head_size) in MODELS.items():
+    for model, (num_heads, num_kv_heads, head_size) in shapes(models):
         default = default_config(head_size, num_heads // num_kv_heads, True, dtype)
         for order, seqs in (("drawn", drawn), ("longest first", sorted(drawn, reverse=True))):
             q, k, v, cache, batch = make_inputs(seqs, num_heads, num_kv_heads, head_size, dtype)
@@ -328,13 +338,13 @@ def sweep_order(dtype, iters, batch_size=256):
     return results
 
 
-def sweep_splits(dtype, iters):
-    """Decode-only launches of 8-192 sequences with long contexts (500-2048, as B1's last steps), both models:
+def sweep_splits(dtype, iters, models):
+    """Decode-only launches of 8-192 sequences with long contexts (500-2048, as B1's last steps), each model:
     KV splits 1-16 with the default tiles, the bandwidth each reaches, against ``default_num_splits``."""
     from dovetail.triton.paged_attention import default_num_splits, paged_attention
 
     results = []
-    for model, (num_heads, num_kv_heads, head_size) in MODELS.items():
+    for model, (num_heads, num_kv_heads, head_size) in shapes(models):
         for batch_size in (8, 16, 32, 64, 128, 192):
             rng = random.Random(batch_size)
             seqs = [(rng.randint(500, 2048), 1) for _ in range(batch_size)]
@@ -359,15 +369,15 @@ def sweep_splits(dtype, iters):
     return results
 
 
-def sweep_prefill(dtype, iters):
-    """Prefill-only launches like B1's first steps (prompts of 100-1024 tokens, ~16k tokens), both models:
+def sweep_prefill(dtype, iters, models):
+    """Prefill-only launches like B1's first steps (prompts of 100-1024 tokens, ~16k tokens), each model:
     every tile configuration, with the TFLOP/s each reaches."""
     from dovetail.triton.paged_attention import LaunchConfig, default_config, paged_attention
 
     rng = random.Random(2)
     seqs = [(0, rng.randint(100, 1024)) for _ in range(28)]
     results = []
-    for model, (num_heads, num_kv_heads, head_size) in MODELS.items():
+    for model, (num_heads, num_kv_heads, head_size) in shapes(models):
         q, k, v, cache, batch = make_inputs(seqs, num_heads, num_kv_heads, head_size, dtype)
         out = torch.empty_like(q)
         flops = attention_flops(seqs, num_heads, head_size)
@@ -397,7 +407,7 @@ def sweep_prefill(dtype, iters):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--models", default=DEFAULT_MODELS, help=f"attention shapes among {', '.join(MODELS)}")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--sweep", action="store_true")
@@ -413,6 +423,10 @@ def main():
     import triton
 
     dtype = getattr(torch, args.dtype)
+    models = args.models.split(",")
+    unknown = [m for m in models if m not in MODELS]
+    if unknown:
+        raise SystemExit(f"--models: unknown {', '.join(unknown)}; choose among {', '.join(MODELS)}")
     torch.manual_seed(0)
     bandwidth = copy_bandwidth()
     try:
@@ -426,13 +440,13 @@ def main():
     if args.sweep_decode or args.sweep_prefill or args.sweep_splits or args.sweep_order:
         results = {"meta": meta}
         if args.sweep_order:
-            results["sweep_order"] = sweep_order(dtype, max(10, args.iters // 5))
+            results["sweep_order"] = sweep_order(dtype, max(10, args.iters // 5), models)
         if args.sweep_splits:
-            results["sweep_splits"] = sweep_splits(dtype, max(10, args.iters // 5))
+            results["sweep_splits"] = sweep_splits(dtype, max(10, args.iters // 5), models)
         if args.sweep_decode:
-            results["sweep_decode"] = sweep_decode(dtype, max(10, args.iters // 5))
+            results["sweep_decode"] = sweep_decode(dtype, max(10, args.iters // 5), models)
         if args.sweep_prefill:
-            results["sweep_prefill"] = sweep_prefill(dtype, max(10, args.iters // 5))
+            results["sweep_prefill"] = sweep_prefill(dtype, max(10, args.iters // 5), models)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(results, f, indent=1)
