@@ -91,8 +91,9 @@ install() {
     >"$OUT/install.log" 2>&1 || { tail -20 "$OUT/install.log"; return 1; }
   if [ -f .fi_cache/flashinfer.tgz ]; then
     mkdir -p ~/.cache && tar xzf .fi_cache/flashinfer.tgz -C ~/.cache
-    # pip dates the installed sources now, after the carried builds: dated back, ninja takes the builds as current.
-    find /tmp/site/flashinfer -type f -exec touch -d 2000-01-01 {} +
+    # pip dates what it installs now, after the carried builds (FlashInfer's sources and the headers of the
+    # wheels they include, tvm-ffi's among them): dated back, ninja takes the builds as current.
+    find /tmp/site -type f -exec touch -d 2000-01-01 {} +
   fi
 }
 

@@ -343,8 +343,8 @@ def fused_kernels_vote_job(failing_rank: int, choice: str | None = None):
     from dovetail_cuda.symm_mem_all_reduce import all_reduce_kernel
 
     original = flashinfer_all_reduce.load_fused_kernels
-    flashinfer_all_reduce.load_fused_kernels = lambda: "no CUDA compiler" if distributed.tp_rank() == failing_rank \
-        else None
+    flashinfer_all_reduce.load_fused_kernels = lambda compile=True: (
+        "no CUDA compiler" if distributed.tp_rank() == failing_rank else None)
     try:
         if choice is None:
             return flashinfer_all_reduce.fused_kernels_on_every_rank(distributed.tp_group())
@@ -370,6 +370,63 @@ def test_the_fused_all_reduce_is_taken_only_where_every_rank_has_it(tp_ranks):
         "ConfigError: DOVETAIL_ALL_REDUCE=flashinfer: no CUDA compiler"] * 2
     reason = load_fused_kernels()  # here: no GPU, and FlashInfer may be absent
     assert reason is None or reason.startswith("FlashInfer's communication kernels")
+
+
+class FakeCommModule:
+    """Stands for FlashInfer's modules: whether the kernels are built, and each time they are loaded."""
+
+    def __init__(self, built: bool):
+        self.built, self.loads = built, 0
+
+    def install(self, monkeypatch):
+        import sys
+        import types
+
+        spec = types.SimpleNamespace(is_compiled=self.built)
+        jit_comm = types.ModuleType("flashinfer.jit.comm")
+        jit_comm.gen_trtllm_comm_module = lambda: spec
+        trtllm_ar = types.ModuleType("flashinfer.comm.trtllm_ar")
+        trtllm_ar.get_trtllm_comm_module = self.load
+        for name, module in (("flashinfer", types.ModuleType("flashinfer")),
+                             ("flashinfer.jit", types.ModuleType("flashinfer.jit")), ("flashinfer.jit.comm", jit_comm),
+                             ("flashinfer.comm", types.ModuleType("flashinfer.comm")),
+                             ("flashinfer.comm.trtllm_ar", trtllm_ar)):
+            monkeypatch.setitem(sys.modules, name, module)
+
+    def load(self):
+        self.loads += 1
+        self.built = True
+
+
+@pytest.mark.parametrize("built", [False, True], ids=["not built", "built"])
+def test_auto_never_waits_for_flashinfer_to_compile(monkeypatch, built):
+    """``auto`` takes FlashInfer's fused kernels only where they are built already (compiling them takes minutes,
+    which no start should wait for unasked); ``flashinfer`` compiles them. The NVLink checks pass here."""
+    import types
+
+    from dovetail_cuda import flashinfer_all_reduce, symm_mem_all_reduce
+
+    fake = FakeCommModule(built)
+    fake.install(monkeypatch)
+    assert flashinfer_all_reduce.load_fused_kernels(compile=False) == (None if built else
+                                                                       flashinfer_all_reduce.NOT_COMPILED)
+    assert fake.loads == (1 if built else 0), "auto loads built kernels and compiles none"
+    assert flashinfer_all_reduce.load_fused_kernels() is None and fake.loads == (2 if built else 1)
+
+    asked = []
+    monkeypatch.setattr(flashinfer_all_reduce, "fused_kernels_on_every_rank",
+                        lambda group, compile=True: asked.append(compile) or flashinfer_all_reduce.NOT_COMPILED)
+    monkeypatch.setattr(symm_mem_all_reduce, "torch_has_kernels", lambda: True)
+    monkeypatch.setattr(symm_mem_all_reduce, "all_ranks_on_nvlink", lambda *args: True)
+    monkeypatch.setattr(symm_mem_all_reduce, "device_uuid", lambda device: "GPU-0")
+    plain = types.SimpleNamespace(max_bytes=1 << 20, one_shot_max_bytes=1 << 18)
+    monkeypatch.setattr(symm_mem_all_reduce, "SymmMemAllReduce", lambda group, device: plain)
+    monkeypatch.setenv("DOVETAIL_ALL_REDUCE", "auto")
+    assert symm_mem_all_reduce.all_reduce_kernel(None, torch.device("cpu")) is plain, "unfused"
+    monkeypatch.setenv("DOVETAIL_ALL_REDUCE", "flashinfer")
+    with pytest.raises(Exception, match="DOVETAIL_ALL_REDUCE=flashinfer: FlashInfer's communication kernels are not"):
+        symm_mem_all_reduce.all_reduce_kernel(None, torch.device("cpu"))
+    assert asked == [False, True], "auto asks for built kernels only; flashinfer compiles"
 
 
 def greedy_from_shards_job(vocab: int, ties: bool) -> dict:

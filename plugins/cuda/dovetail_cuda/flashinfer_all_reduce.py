@@ -25,28 +25,38 @@ FUSED_MAX_BYTES = 8 << 20
 _WORKSPACE_HIDDEN = 1024
 
 
-def load_fused_kernels() -> str | None:
-    """Import FlashInfer's communication kernels, compiling them on first use (minutes, once: FlashInfer caches
-    them on disk); None when they load, else why not."""
+#: Why ``auto`` passes over kernels that would have to be compiled first.
+NOT_COMPILED = ("FlashInfer's communication kernels are not compiled on this machine yet, and compiling them takes "
+                "minutes; start once with DOVETAIL_ALL_REDUCE=flashinfer to compile them (FlashInfer keeps them in "
+                "~/.cache/flashinfer), and later starts fuse")
+
+
+def load_fused_kernels(compile: bool = True) -> str | None:
+    """Import FlashInfer's communication kernels, compiling them first where they are not built yet (minutes, once:
+    FlashInfer caches them on disk) unless ``compile`` is False; None when they load, else why not."""
     try:
         from flashinfer.comm.trtllm_ar import get_trtllm_comm_module
+        from flashinfer.jit.comm import gen_trtllm_comm_module
     except Exception as exc:  # FlashInfer absent, or cuda-python or NVML missing
         return f"FlashInfer's communication kernels cannot be imported ({exc})"
     try:
+        if not compile and not gen_trtllm_comm_module().is_compiled:
+            return NOT_COMPILED
         get_trtllm_comm_module()
     except Exception as exc:  # no CUDA compiler, or a GPU it does not build for
         return f"FlashInfer's communication kernels do not build here ({exc})"
     return None
 
 
-def fused_kernels_on_every_rank(group) -> str | None:
+def fused_kernels_on_every_rank(group, compile: bool = True) -> str | None:
     """:func:`load_fused_kernels` on every rank of ``group``, which all take the same answer (a collective):
     None when every rank has them, else the first reason a rank gave."""
     import torch.distributed as dist
 
-    logger.info("cuda: loading FlashInfer's fused all-reduce kernels (the first start compiles them)")
+    logger.info("cuda: loading FlashInfer's fused all-reduce kernels%s",
+                " (compiling them where they are not built yet: minutes, once)" if compile else "")
     reasons: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(reasons, load_fused_kernels(), group=group)
+    dist.all_gather_object(reasons, load_fused_kernels(compile), group=group)
     return next((reason for reason in reasons if reason is not None), None)
 
 

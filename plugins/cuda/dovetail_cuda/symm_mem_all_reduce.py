@@ -146,7 +146,8 @@ class SymmMemAllReduce:
 def all_reduce_kernel(group, device: torch.device, nvml_factory=None):
     """The kernel ``DOVETAIL_ALL_REDUCE`` asks for (None: NCCL's all-reduce everywhere): a
     :class:`SymmMemAllReduce`, or a :class:`~dovetail_cuda.flashinfer_all_reduce.FlashInferFusedAllReduce`
-    around one (``flashinfer``, and ``auto`` where FlashInfer's kernels load on every rank)."""
+    around one (``flashinfer``, compiling FlashInfer's kernels where they are not built yet; ``auto`` where
+    they are built and load on every rank, so that no start waits minutes for a compiler)."""
     choice = all_reduce_choice()
     if choice == "nccl":
         return None
@@ -164,7 +165,7 @@ def all_reduce_kernel(group, device: torch.device, nvml_factory=None):
     if fuse:
         from dovetail_cuda.flashinfer_all_reduce import fused_kernels_on_every_rank
 
-        reason = fused_kernels_on_every_rank(group)
+        reason = fused_kernels_on_every_rank(group, compile=choice == "flashinfer")
         if reason is not None and choice == "flashinfer":
             raise ConfigError(f"{ENV}=flashinfer: {reason}")
         if reason is not None:
