@@ -3,6 +3,7 @@
     python benchmarks/profile_step.py --model llama-3.1-8b [--quantization fp8] [--attention-backend TRITON]
     python benchmarks/profile_step.py --model qwen3-0.6b --b1 64
     python benchmarks/profile_step.py --model c1 --device cpu --stages [--b1 32]
+    python benchmarks/profile_step.py --trace DIR/rank0.*.pt.trace.json.gz
 
 Kernels (the default): the engine runs eagerly (graphs change the gaps between launches, not the kernels'
 durations) under ``torch.profiler``, on the device's activity (CUDA on GPUs, the CPU's operators otherwise).
@@ -11,6 +12,12 @@ kernel's total time, divided by 64, is its cost per decode step (prefill and sta
 ``--b1 N`` instead profiles the first N of B1's requests (docs/benchmarks.md) in one ``generate`` and sums
 the kernels by group (attention, matrix products, norms/rotary/activation/KV write, other) against the wall
 time.
+
+``--trace FILE`` reads a trace that ``dovetail bench ... --profile`` wrote (one per rank, under
+``DOVETAIL_TORCH_PROFILER_DIR``; a whole B1 as the engine runs it, graphs included) instead of running a model:
+the device's busy share of the span, each kernel's summed time and the groups', and the idle time by the
+length of the gap it fell in. With programmatic dependent launch a kernel starts before its predecessor
+ends and waits, so a short kernel's time there includes some of the one before it.
 
 ``--stages`` times the host instead: each engine stage (schedule, prepare, forward, logits, output
 processing) and, inside the forward, the linear layers, the attention backend and the embedding, by wrapping
@@ -176,11 +183,59 @@ def host_stages(llm, num: int) -> dict:
                        for k, v in sorted(timers.seconds.items(), key=lambda kv: -kv[1])]}
 
 
-def main() -> int:
-    from dovetail.bench import shapes
-    from dovetail.llm import LLM
+#: Upper ends of the idle-gap classes of ``--trace`` (µs).
+GAP_CLASSES = (5, 20, 100, 1000, float("inf"))
 
+
+def trace_summary(path: str) -> dict:
+    """Device time in a Chrome trace: span, busy time, kernels by name and group, idle time by gap length."""
+    import gzip
+
+    with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
+        events = [e for e in json.load(f)["traceEvents"]
+                  if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    if not events:
+        raise SystemExit(f"{path}: no device events (was the trace recorded with the device's activity?)")
+    events.sort(key=lambda e: e["ts"])
+    start = events[0]["ts"]
+    end = max(e["ts"] + e["dur"] for e in events)
+    busy, covered, idle = 0.0, None, collections.Counter()
+    for e in events:
+        if covered is not None and e["ts"] > covered:
+            gap = e["ts"] - covered
+            idle[next(limit for limit in GAP_CLASSES if gap < limit)] += gap
+        if covered is None or e["ts"] > covered:
+            busy += e["dur"]
+        else:
+            busy += max(0.0, e["ts"] + e["dur"] - covered)
+        covered = e["ts"] + e["dur"] if covered is None else max(covered, e["ts"] + e["dur"])
+    by_name, calls = collections.Counter(), collections.Counter()
+    for e in events:
+        by_name[e["name"]] += e["dur"]
+        calls[e["name"]] += 1
+    total = sum(by_name.values())
+    groups = {group: sum(t for name, t in by_name.items() if any(k in name for k in keys)) / 1e6
+              for group, keys in KERNEL_GROUPS.items()}
+    return {"trace": path, "span_s": (end - start) / 1e6, "busy_s": busy / 1e6, "kernel_s": total / 1e6,
+            "groups_s": groups, "idle_s_by_gap_us": {f"<{limit:g}": idle[limit] / 1e6 for limit in GAP_CLASSES},
+            "kernels": [{"name": name, "s": t / 1e6, "calls": calls[name]} for name, t in by_name.most_common()]}
+
+
+def print_trace_summary(summary: dict) -> None:
+    span = summary["span_s"]
+    print(f"{summary['trace']}: span {span:.3f} s, busy {summary['busy_s']:.3f} s "
+          f"({summary['busy_s'] / span:.1%}), kernels summed {summary['kernel_s']:.3f} s")
+    print("  " + ", ".join(f"{group} {seconds:.3f} s" for group, seconds in summary["groups_s"].items()))
+    print("  idle by gap (µs): " + ", ".join(f"{gap} {seconds * 1e3:.1f} ms"
+                                            for gap, seconds in summary["idle_s_by_gap_us"].items()))
+    for kernel in summary["kernels"][:25]:
+        print(f"{kernel['s']:8.3f} s {100 * kernel['s'] / summary['kernel_s']:5.1f}% {kernel['calls']:7d} calls  "
+              f"{kernel['name'][:100]}")
+
+
+def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--trace", nargs="+", default=None, help="summarize these traces of `dovetail bench --profile`")
     p.add_argument("--model", default="llama-3.1-8b", help="a named shape or a model directory")
     p.add_argument("--device", default=None)
     p.add_argument("--quantization", default=None)
@@ -190,6 +245,17 @@ def main() -> int:
     p.add_argument("--enforce-eager", action="store_true", help="with --stages: no graphs")
     p.add_argument("--json", default=None)
     args = p.parse_args()
+    if args.trace:
+        summaries = [trace_summary(path) for path in args.trace]
+        for summary in summaries:
+            print_trace_summary(summary)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(summaries, f, indent=1)
+        return 0
+
+    from dovetail.bench import shapes
+    from dovetail.llm import LLM
 
     model_dir, defaults = shapes.materialize(args.model)
     llm = LLM(model_dir, device=args.device, attention_backend=args.attention_backend, quantization=args.quantization,

@@ -95,3 +95,35 @@ def test_bench_profiles_its_timed_run(tiny_llama_dir, tmp_path, monkeypatch):
     assert main(args) == 0
     (summary,) = json.loads(out.read_text())["dovetail"]["profile_summaries"]
     assert "aten::" in _profiled_ops(summary)
+
+
+def test_the_trace_summary_adds_busy_time_once_and_classes_the_idle_gaps(tmp_path):
+    """``benchmarks/profile_step.py --trace``: overlapping kernels (programmatic dependent launch) count once
+    towards the busy time, each gap counts in its length class, and host events are left out."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "profile_step", Path(__file__).resolve().parents[1] / "benchmarks" / "profile_step.py")
+    profile_step = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(profile_step)
+
+    def kernel(name, ts, dur):
+        return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur}
+
+    events = [kernel("_paged_attention_kernel", 0, 100), kernel("_rms_norm_kernel", 90, 20),  # overlap of 10
+              kernel("nvjet_gemm", 113, 50),  # a 3 µs gap
+              kernel("_paged_attention_kernel", 1663, 40),  # a 1,500 µs gap
+              {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5000}]
+    path = tmp_path / "rank0.1.pt.trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    summary = profile_step.trace_summary(str(path))
+    assert summary["span_s"] == pytest.approx(1703e-6)
+    assert summary["busy_s"] == pytest.approx(200e-6), "100 + 10 past the overlap + 50 + 40"
+    assert summary["kernel_s"] == pytest.approx(210e-6)
+    assert summary["idle_s_by_gap_us"]["<5"] == pytest.approx(3e-6)
+    assert summary["idle_s_by_gap_us"]["<inf"] == pytest.approx(1500e-6)
+    assert summary["kernels"][0] == {"name": "_paged_attention_kernel", "s": pytest.approx(140e-6), "calls": 2}
+    assert summary["groups_s"]["attention"] == pytest.approx(140e-6)
+    assert summary["groups_s"]["matmul"] == pytest.approx(50e-6)
