@@ -1,7 +1,7 @@
 """The mixture-of-experts layer on a GPU, alone, against its bandwidth and compute bounds, batch size by batch size.
 
     python benchmarks/kernels_moe.py [--model qwen3-moe-15b-a3b] [--ms 1,2,4,...,512,2048,8192] [--fp8 block|channel]
-        [--vllm] [--json results.json]
+        [--vllm] [--sweep-tiles] [--json results.json]
 
 For the MoE layer of a named shape (experts, top-k, hidden and expert width from its config) and M tokens it
 times, from CUDA graphs (how the engine runs decode), the platform's routing and fused experts
@@ -21,6 +21,10 @@ Bounds, per layer call:
 Prints µs per layer, achieved GB/s and TFLOP/s, and each as a fraction of its bound (``of bound`` is the larger
 bound over the time: 1.0 is the roofline), with the tile configuration used; then one decode step's MoE
 layers summed over the model's layers.
+
+``--sweep-tiles`` times instead each grouped GEMM (gate/up, down) alone over a grid of tiles wider than the
+tuner's candidates (``dovetail.triton.moe_configs``), for each ``block_m`` the tuner would try at each M:
+the five fastest, the fastest of the tuner's candidates, and the expert weights read per second (bf16).
 """
 
 from __future__ import annotations
@@ -125,6 +129,63 @@ def bench(config, ms: list[int], ops, fp8_mode: str | None, with_vllm: bool, ban
     return rows
 
 
+#: The tiles ``--sweep-tiles`` times (BLOCK_N x BLOCK_K x stages, 4 warps; 8 warps too at BLOCK_N 128).
+SWEEP_BLOCK_N, SWEEP_BLOCK_K, SWEEP_STAGES = (32, 64, 128), (64, 128, 256), (3, 4, 5)
+SHARED_MEMORY = 220 << 10
+
+
+def sweep_tiles(config, ms: list[int]) -> list[dict]:
+    from dovetail.triton.moe_align import align_pairs
+    from dovetail.triton.moe_configs import LayerShape, block_m_candidates, gemm_candidates
+    from dovetail.triton.moe_gemm import GemmConfig, grouped_gemm
+
+    experts, top_k = config.num_experts, config.num_experts_per_tok
+    hidden, inter = config.hidden_size, config.moe_intermediate_size
+    shape = LayerShape(experts, inter, hidden, top_k, "bfloat16", "none")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w13 = (torch.randn(experts, 2 * inter, hidden, device="cuda", generator=gen) * hidden**-0.5).bfloat16()
+    w2 = (torch.randn(experts, hidden, inter, device="cuda", generator=gen) * inter**-0.5).bfloat16()
+    results = []
+    for m in ms:
+        x = torch.randn(m, hidden, device="cuda", generator=gen).bfloat16()
+        h = torch.randn(m * top_k, inter, device="cuda", generator=gen).bfloat16()
+        ids = [torch.rand(m, experts, device="cuda", generator=gen).topk(top_k, dim=-1).indices.int()
+               for _ in range(CALLS)]
+        distinct = statistics.mean(len(torch.unique(i)) for i in ids)
+        up_out = torch.empty(m * top_k, inter, device="cuda", dtype=torch.bfloat16)
+        down_out = torch.empty(m * top_k, hidden, device="cuda", dtype=torch.bfloat16)
+        for block_m in block_m_candidates(m, shape):
+            aligned = [align_pairs(i, experts, block_m) for i in ids]
+            for gated in (True, False):
+                candidates = gemm_candidates(block_m, gated)
+                grid = [GemmConfig(n, k, 1, warps, stages) for n in SWEEP_BLOCK_N for k in SWEEP_BLOCK_K
+                        for stages in SWEEP_STAGES for warps in ((4, 8) if n == 128 else (4,))
+                        if stages * (block_m + (2 if gated else 1) * n) * k * 2 <= SHARED_MEMORY]
+                timed = []
+                for c in grid + [c for c in candidates if c not in grid]:
+                    if gated:
+                        fn = lambda i, c=c: grouped_gemm(x, w13, up_out, aligned[i], c, top_k, gated=True)
+                    else:
+                        fn = lambda i, c=c: grouped_gemm(h, w2, down_out, aligned[i], c, 1)
+                    try:
+                        timed.append((time_graph(fn), c))
+                    except Exception:  # a tile this GPU cannot run
+                        torch.cuda.synchronize()
+                timed.sort(key=lambda t: t[0])
+                weights = distinct * (2 if gated else 1) * inter * hidden * 2
+                best_candidate = next(((us, c) for us, c in timed if c in candidates), None)
+                row = {"m": m, "block_m": block_m, "gemm": "gate/up" if gated else "down",
+                       "fastest": [{"us": us, "config": c.as_dict(), "TB/s": weights / us / 1e6} for us, c in timed[:5]],
+                       "fastest_candidate": best_candidate and {"us": best_candidate[0],
+                                                                "config": best_candidate[1].as_dict()}}
+                results.append(row)
+                print(f"M={m:<4} block_m {block_m:3} {row['gemm']:7}: "
+                      + ", ".join(f"{us:.1f}us {weights / us / 1e6:.2f}TB/s {tuple(c)}" for us, c in timed[:5])
+                      + (f" | tuner's best {best_candidate[0]:.1f}us {tuple(best_candidate[1])}" if best_candidate else ""),
+                      flush=True)
+    return results
+
+
 def _config_used(m: int, x, w13, top_k: int, fp8) -> str:
     from dovetail.triton import fused_moe
 
@@ -144,6 +205,7 @@ def main() -> None:
                                                                               "per-channel scales)")
     p.add_argument("--vllm", action="store_true", help="also vLLM's fused_experts, when vLLM is installed")
     p.add_argument("--peak-tflops", type=float, default=None, help="the bf16 peak (default: measured)")
+    p.add_argument("--sweep-tiles", action="store_true", help="time each grouped GEMM over a grid of tiles instead")
     p.add_argument("--json", default=None)
     args = p.parse_args()
 
@@ -154,6 +216,12 @@ def main() -> None:
     platform.device(0)
     ops = platform.fused_ops()
     config = shapes.SHAPES[args.model].config()
+    if args.sweep_tiles:
+        rows = sweep_tiles(config, [int(v) for v in args.ms.split(",")])
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"model": args.model, "gpu": torch.cuda.get_device_name(), "sweep_tiles": rows}, f, indent=1)
+        return
     bandwidth = copy_bandwidth()
     peak = args.peak_tflops * 1e12 if args.peak_tflops else bf16_peak()
     results = {"model": args.model, "gpu": torch.cuda.get_device_name(), "fused_ops": type(ops).__name__,
