@@ -382,9 +382,8 @@ class FakeCommModule:
         import sys
         import types
 
-        spec = types.SimpleNamespace(is_compiled=self.built)
         jit_comm = types.ModuleType("flashinfer.jit.comm")
-        jit_comm.gen_trtllm_comm_module = lambda: spec
+        jit_comm.gen_trtllm_comm_module = lambda: types.SimpleNamespace(is_compiled=self.built)
         trtllm_ar = types.ModuleType("flashinfer.comm.trtllm_ar")
         trtllm_ar.get_trtllm_comm_module = self.load
         for name, module in (("flashinfer", types.ModuleType("flashinfer")),
@@ -404,6 +403,7 @@ def test_auto_never_waits_for_flashinfer_to_compile(monkeypatch, built):
     which no start should wait for unasked); ``flashinfer`` compiles them. The NVLink checks pass here."""
     import types
 
+    from dovetail.errors import ConfigError
     from dovetail_cuda import flashinfer_all_reduce, symm_mem_all_reduce
 
     fake = FakeCommModule(built)
@@ -412,6 +412,7 @@ def test_auto_never_waits_for_flashinfer_to_compile(monkeypatch, built):
                                                                        flashinfer_all_reduce.NOT_COMPILED)
     assert fake.loads == (1 if built else 0), "auto loads built kernels and compiles none"
     assert flashinfer_all_reduce.load_fused_kernels() is None and fake.loads == (2 if built else 1)
+    assert flashinfer_all_reduce.load_fused_kernels(compile=False) is None, "compiled once, auto takes them"
 
     asked = []
     monkeypatch.setattr(flashinfer_all_reduce, "fused_kernels_on_every_rank",
@@ -424,7 +425,7 @@ def test_auto_never_waits_for_flashinfer_to_compile(monkeypatch, built):
     monkeypatch.setenv("DOVETAIL_ALL_REDUCE", "auto")
     assert symm_mem_all_reduce.all_reduce_kernel(None, torch.device("cpu")) is plain, "unfused"
     monkeypatch.setenv("DOVETAIL_ALL_REDUCE", "flashinfer")
-    with pytest.raises(Exception, match="DOVETAIL_ALL_REDUCE=flashinfer: FlashInfer's communication kernels are not"):
+    with pytest.raises(ConfigError, match="DOVETAIL_ALL_REDUCE=flashinfer: FlashInfer's communication kernels are not"):
         symm_mem_all_reduce.all_reduce_kernel(None, torch.device("cpu"))
     assert asked == [False, True], "auto asks for built kernels only; flashinfer compiles"
 
