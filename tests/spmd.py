@@ -12,6 +12,7 @@ These ranks are cheap to reuse (started once per session); the engine's own
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import socket
@@ -27,6 +28,23 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def cuda_tensor_parallel_rank(rank: int, world: int, port: int):
+    """In a spawned process: GPU ``rank`` made current and joined to a ``world``-rank NCCL group for the block,
+    which gets the device; the group is torn down after it."""
+    import torch
+
+    from dovetail import distributed
+
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    distributed.init_tensor_parallel(world, rank, "nccl", f"tcp://127.0.0.1:{port}", device=device)
+    try:
+        yield device
+    finally:
+        distributed.destroy_tensor_parallel()
 
 
 def _rank_loop(rank: int, world: int, port: int, jobs, results) -> None:

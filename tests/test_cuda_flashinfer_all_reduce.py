@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from spmd import free_port
+from spmd import cuda_tensor_parallel_rank, free_port
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
@@ -30,10 +30,7 @@ def _rank(rank: int, port: int, results) -> None:
     from dovetail import distributed
     from dovetail_cuda.flashinfer_all_reduce import FlashInferFusedAllReduce
 
-    device = torch.device("cuda", rank)
-    torch.cuda.set_device(device)
-    distributed.init_tensor_parallel(2, rank, "nccl", f"tcp://127.0.0.1:{port}", device=device)
-    try:
+    with cuda_tensor_parallel_rank(rank, 2, port) as device:
         kernel = FlashInferFusedAllReduce(distributed.tp_group(), device)
         out = {}
         for tokens, hidden in SHAPES:
@@ -65,8 +62,6 @@ def _rank(rank: int, port: int, results) -> None:
         out["graph"] = (float(summed.float().min()), float(summed.float().max()),
                         float(normed.float().min()), float(normed.float().max()))
         results[rank] = out
-    finally:
-        distributed.destroy_tensor_parallel()
 
 
 def test_fused_all_reduce_add_rms_norm_matches_the_steps_and_replays_in_a_graph():

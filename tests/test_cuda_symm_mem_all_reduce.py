@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from spmd import free_port
+from spmd import cuda_tensor_parallel_rank, free_port
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
@@ -26,10 +26,7 @@ def _rank(rank: int, port: int, results) -> None:
     from dovetail import distributed
     from dovetail_cuda.symm_mem_all_reduce import SymmMemAllReduce, all_reduce_kernel
 
-    device = torch.device("cuda", rank)
-    torch.cuda.set_device(device)
-    distributed.init_tensor_parallel(2, rank, "nccl", f"tcp://127.0.0.1:{port}", device=device)
-    try:
+    with cuda_tensor_parallel_rank(rank, 2, port) as device:
         kernel = SymmMemAllReduce(distributed.tp_group(), device)
         out = {}
         for size in SIZES:
@@ -56,8 +53,6 @@ def _rank(rank: int, port: int, results) -> None:
         out["fused_kernels"] = load_fused_kernels(compile=False) is None  # built already: auto takes them
         out["auto"] = type(all_reduce_kernel(distributed.tp_group(), device)).__name__
         results[rank] = out
-    finally:
-        distributed.destroy_tensor_parallel()
 
 
 def test_symmetric_memory_all_reduce_matches_nccl_and_replays_in_a_graph():
