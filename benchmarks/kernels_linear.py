@@ -1,9 +1,10 @@
 """The linear layers' kernels on a GPU: cuBLAS against the engine's GEMVs, 16-bit and FP8, shape by shape.
 
     python benchmarks/kernels_linear.py [--model llama-3.1-8b] [--ms 1,2,4,8,16,64,256] [--shapes qkv,o]
-        [--configs] [--json results.json]
+        [--configs] [--best N] [--json results.json]
 
-For the projections of a named shape (qkv, o, gate_up, down of one layer, and the LM head) and M tokens it
+For the projections of a named shape (qkv, o, gate_up, down of one layer, the LM head, a mixture of experts'
+router) and M tokens it
 times, from CUDA graphs (how the engine runs decode):
 
 - ``F.linear`` on 16-bit weights (cuBLAS or cuBLASLt, as the platform set torch up);
@@ -11,7 +12,8 @@ times, from CUDA graphs (how the engine runs decode):
   chose one, else ``F.linear``) and :func:`dovetail.triton.gemv.gemv` with its default configuration;
 - FP8 weights (e4m3, per-channel scales): the platform's ``QuantKernels.fp8_linear`` (what the engine's fp8
   layers call), the Triton :func:`~dovetail.triton.gemv.fp8_gemv` and ``torch._scaled_mm`` with per-token
-  activation scales; ``--configs`` adds a grid of ``GemvConfig`` for the Triton FP8 GEMV.
+  activation scales; ``--configs`` adds grids of ``GemvConfig`` for the Triton FP8 and 16-bit GEMVs, and
+  ``--best N`` prints only the N fastest paths of each product.
 
 Each graph runs ``CALLS`` products cycling over enough weight copies (at least 256 MB) that none is read from
 L2; a time is the median of ``REPLAYS`` replays. Every kernel is first checked against the float reference
@@ -36,13 +38,24 @@ FP8_GRID = [(64, 256, 4, 3, True), (64, 128, 4, 5, True), (32, 256, 4, 3, True),
             (16, 512, 4, 3, True), (8, 1024, 4, 3, False), (16, 1024, 8, 3, False), (16, 512, 4, 3, False)]
 
 
+#: Extra 16-bit Triton GEMV tiles for ``--configs``: (block_m, block_n, block_k, num_stages), 4 warps, tensor-core
+#: dot, those of at most 16 rows more than the product has and that fit a Hopper multiprocessor's shared memory.
+BF16_GRID = [(bm, bn, bk, stages) for bm in (16, 32, 64, 128) for bn in (32, 64, 128) for bk in (128, 256)
+             for stages in (3, 4) if stages * (bm + bn) * bk * 2 <= 220 << 10]
+
+
 def projections(config) -> dict[str, tuple[int, int]]:
-    """(N, K) of one layer's merged projections and of the LM head."""
+    """(N, K) of one layer's merged projections, of the LM head and, for mixtures of experts, of the router."""
     head = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     q, kv = config.num_attention_heads * head, config.num_key_value_heads * head
-    return {"qkv": (q + 2 * kv, config.hidden_size), "o": (config.hidden_size, q),
-            "gate_up": (2 * config.intermediate_size, config.hidden_size),
-            "down": (config.hidden_size, config.intermediate_size), "lm_head": (config.vocab_size, config.hidden_size)}
+    shapes = {"qkv": (q + 2 * kv, config.hidden_size), "o": (config.hidden_size, q),
+              "gate_up": (2 * config.intermediate_size, config.hidden_size),
+              "down": (config.hidden_size, config.intermediate_size),
+              "lm_head": (config.vocab_size, config.hidden_size)}
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    if experts:
+        shapes["router"] = (experts, config.hidden_size)
+    return shapes
 
 
 def time_graph(fn, before_replay=None) -> float:
@@ -104,6 +117,12 @@ def bench_shape(n: int, k: int, ms: list[int], ops, quant_kernels, configs: bool
                 cfg = GemvConfig(bn, bk, warps, stages, split_k_for(n, k, bn, bk), dot)
                 paths[f"fp8 triton {tuple(cfg)[:6]}"] = (
                     lambda i, cfg=cfg: fp8_gemv(x, qs[i % len(qs)], scale, config=cfg), ref8)
+            for bm, bn, bk, stages in BF16_GRID:
+                if bm > max(16, m):
+                    continue
+                cfg = GemvConfig(bn, bk, 4, stages, split_k_for(n, k, bn, bk, m, bm), True, block_m=bm)
+                paths[f"triton gemv m{bm} n{bn} k{bk} s{stages} split{cfg.split_k}"] = (
+                    lambda i, cfg=cfg: gemv(x, ws[i % len(ws)], config=cfg), ref16)
         row = {}
         for name, (fn, ref) in paths.items():
             try:
@@ -122,7 +141,8 @@ def main() -> None:
     p.add_argument("--device", default=None, help="the platform (default: auto-selected)")
     p.add_argument("--shapes", default="qkv,o,gate_up,down,lm_head")
     p.add_argument("--ms", default="1,2,4,8,16,64,256")
-    p.add_argument("--configs", action="store_true", help="also a grid of Triton FP8 GEMV configurations")
+    p.add_argument("--configs", action="store_true", help="also grids of Triton GEMV configurations (FP8, 16-bit)")
+    p.add_argument("--best", type=int, default=0, help="print only the N fastest paths of each product")
     p.add_argument("--json", default=None)
     args = p.parse_args()
 
@@ -142,7 +162,11 @@ def main() -> None:
         results["shapes"][name] = rows = bench_shape(n, k, ms, ops, quant_kernels, args.configs)
         for m, row in rows.items():
             cells = []
-            for path, r in row.items():
+            shown = row.items()
+            if args.best:
+                shown = sorted(((p, r) for p, r in row.items() if "us" in r), key=lambda pr: pr[1]["us"])[:args.best]
+                shown += [(p, row[p]) for p in ("F.linear", "FusedOps.linear") if p in row and (p, row[p]) not in shown]
+            for path, r in shown:
                 if "us" in r:
                     weight_bytes = n * k * (1 if path.startswith("fp8") else 2)
                     cells.append(f"{path} {r['us']:.1f}us {weight_bytes / r['us'] / 1e3:.0f}GB/s err {r['rel_err']:.0e}")

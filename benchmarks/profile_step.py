@@ -15,8 +15,8 @@ time.
 
 ``--trace FILE`` reads a trace that ``dovetail bench ... --profile`` wrote (one per rank, under
 ``DOVETAIL_TORCH_PROFILER_DIR``; a whole B1 as the engine runs it, graphs included) instead of running a model:
-the device's busy share of the span, each kernel's summed time and the groups', and the idle time by the
-length of the gap it fell in. With programmatic dependent launch a kernel starts before its predecessor
+the device's busy share of the span, each kernel's summed time and the groups', the idle time by the
+length of the gap it fell in, and the short gaps' idle time by the kernels on either side. With programmatic dependent launch a kernel starts before its predecessor
 ends and waits, so a short kernel's time there includes some of the one before it.
 
 ``--stages`` times the host instead: each engine stage (schedule, prepare, forward, logits, output
@@ -199,16 +199,20 @@ def trace_summary(path: str) -> dict:
     events.sort(key=lambda e: e["ts"])
     start = events[0]["ts"]
     end = max(e["ts"] + e["dur"] for e in events)
-    busy, covered, idle = 0.0, None, collections.Counter()
+    busy, covered, last, idle = 0.0, None, None, collections.Counter()
+    idle_between = collections.Counter()  # (kernel that ended, kernel that started) -> idle µs of gaps under 20 µs
     for e in events:
         if covered is not None and e["ts"] > covered:
             gap = e["ts"] - covered
             idle[next(limit for limit in GAP_CLASSES if gap < limit)] += gap
+            if gap < 20:
+                idle_between[(last, e["name"])] += gap
         if covered is None or e["ts"] > covered:
             busy += e["dur"]
         else:
             busy += max(0.0, e["ts"] + e["dur"] - covered)
-        covered = e["ts"] + e["dur"] if covered is None else max(covered, e["ts"] + e["dur"])
+        if covered is None or e["ts"] + e["dur"] >= covered:
+            covered, last = e["ts"] + e["dur"], e["name"]
     by_name, calls = collections.Counter(), collections.Counter()
     for e in events:
         by_name[e["name"]] += e["dur"]
@@ -218,7 +222,9 @@ def trace_summary(path: str) -> dict:
               for group, keys in KERNEL_GROUPS.items()}
     return {"trace": path, "span_s": (end - start) / 1e6, "busy_s": busy / 1e6, "kernel_s": total / 1e6,
             "groups_s": groups, "idle_s_by_gap_us": {f"<{limit:g}": idle[limit] / 1e6 for limit in GAP_CLASSES},
-            "kernels": [{"name": name, "s": t / 1e6, "calls": calls[name]} for name, t in by_name.most_common()]}
+            "kernels": [{"name": name, "s": t / 1e6, "calls": calls[name]} for name, t in by_name.most_common()],
+            "short_idle_between": [{"after": a, "before": b, "s": t / 1e6}
+                                   for (a, b), t in idle_between.most_common(15)]}
 
 
 def print_trace_summary(summary: dict) -> None:
@@ -231,6 +237,9 @@ def print_trace_summary(summary: dict) -> None:
     for kernel in summary["kernels"][:25]:
         print(f"{kernel['s']:8.3f} s {100 * kernel['s'] / summary['kernel_s']:5.1f}% {kernel['calls']:7d} calls  "
               f"{kernel['name'][:100]}")
+    print("  idle in gaps under 20 µs, by the kernels on either side:")
+    for pair in summary["short_idle_between"]:
+        print(f"{pair['s'] * 1e3:8.1f} ms  {pair['after'][:60]}  ->  {pair['before'][:60]}")
 
 
 def main() -> int:

@@ -105,6 +105,16 @@ def test_dot_blocks_of_more_than_16_rows(m, block_m):
         assert_close(out, x.float() @ w.float().t(), torch.bfloat16)
 
 
+def test_the_default_tiles_of_many_rows_take_blocks_of_rows():
+    """Past 16 rows the default reads the weight once per block of up to 64 rows, not once per 16."""
+    assert default_config(48, 5120, 2048, 2).block_m == 64
+    assert default_config(256, 5120, 2048, 2).block_m == 64
+    assert default_config(20, 5120, 2048, 2).block_m == 32
+    gen = torch.Generator().manual_seed(7)
+    x, w = torch.randn(70, 256, generator=gen).bfloat16(), torch.randn(48, 256, generator=gen).bfloat16()
+    assert_close(gemv(*on(x, w)), x.float() @ w.float().t(), torch.bfloat16)
+
+
 def test_every_finite_e4m3_value_converts_exactly():
     """All 254 finite bytes as weights (subnormals too), K = 1 and unit scales: each output is one product."""
     codes = torch.arange(256, dtype=torch.uint8).view(FP8)
@@ -150,12 +160,14 @@ def test_shapes_strides_and_scale_layouts():
 def test_default_configs_are_valid_launches():
     """Powers of two, tensor-core tiles of at least 16, and split-K only while slices keep several K blocks."""
     shapes = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096), (40, 72))
-    for m, (n, k), weight_bytes in itertools.product((1, 2, 3, 4, 8, 16), shapes, (1, 2)):
+    for m, (n, k), weight_bytes in itertools.product((1, 2, 3, 4, 8, 16, 48, 256), shapes, (1, 2)):
         cfg = default_config(m, n, k, weight_bytes)
-        for v in (cfg.block_n, cfg.block_k, cfg.num_warps, cfg.split_k):
+        for v in (cfg.block_n, cfg.block_k, cfg.num_warps, cfg.split_k, cfg.block_m):
             assert v & (v - 1) == 0, cfg
-        assert not cfg.dot or min(cfg.block_n, cfg.block_k) >= 16, cfg
+        assert not cfg.dot or min(cfg.block_n, cfg.block_k, cfg.block_m) >= 16, cfg
         assert cfg.split_k == 1 or k >= 2 * cfg.block_k * cfg.split_k, cfg
+        assert cfg.split_k == 1 or m <= 16 or cfg.split_k * m * n * 4 <= n * k * 2, \
+            f"{cfg}: the partial sums of {m} rows outweigh the weight"
         assert cfg.dot or next_power_of_2(m) * cfg.block_n * cfg.block_k <= 8192, cfg  # register-sum accumulator
 
 

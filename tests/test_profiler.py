@@ -99,7 +99,8 @@ def test_bench_profiles_its_timed_run(tiny_llama_dir, tmp_path, monkeypatch):
 
 def test_the_trace_summary_adds_busy_time_once_and_classes_the_idle_gaps(tmp_path):
     """``benchmarks/profile_step.py --trace``: overlapping kernels (programmatic dependent launch) count once
-    towards the busy time, each gap counts in its length class, and host events are left out."""
+    towards the busy time, each gap counts in its length class and a short one towards the kernels on either
+    side of it, and host events are left out."""
     import importlib.util
     from pathlib import Path
 
@@ -127,3 +128,6 @@ def test_the_trace_summary_adds_busy_time_once_and_classes_the_idle_gaps(tmp_pat
     assert summary["kernels"][0] == {"name": "_paged_attention_kernel", "s": pytest.approx(140e-6), "calls": 2}
     assert summary["groups_s"]["attention"] == pytest.approx(140e-6)
     assert summary["groups_s"]["matmul"] == pytest.approx(50e-6)
+    assert summary["short_idle_between"] == [
+        {"after": "_rms_norm_kernel", "before": "nvjet_gemm", "s": pytest.approx(3e-6)}], \
+        "the short gap is the norm's (which ended last), before the GEMM; the long one is not counted"

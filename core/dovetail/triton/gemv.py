@@ -150,11 +150,14 @@ class GemvConfig(NamedTuple):
 MIN_PROGRAMS = 384
 
 
-def split_k_for(n: int, k: int, block_n: int, block_k: int) -> int:
-    """Slices of K for tiles of ``block_n`` x ``block_k``: doubled until there are ``MIN_PROGRAMS`` programs,
-    while each slice keeps at least two steps of K."""
+def split_k_for(n: int, k: int, block_n: int, block_k: int, m: int = 1, block_m: int = 16) -> int:
+    """Slices of K for tiles of ``block_n`` x ``block_k`` (``m`` rows in blocks of ``block_m``): doubled until
+    there are ``MIN_PROGRAMS`` programs, while each slice keeps at least two steps of K and the float32 partial
+    sums (``split * m * n``) weigh no more than a 16-bit weight (``n * k``)."""
     split_k = 1
-    while triton.cdiv(n, block_n) * split_k < MIN_PROGRAMS and k >= 4 * block_k * split_k:
+    programs = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    while (programs * split_k < MIN_PROGRAMS and k >= 4 * block_k * split_k
+           and 4 * m * 2 * split_k <= 2 * k):
         split_k *= 2
     return split_k
 
@@ -167,7 +170,8 @@ def default_config(m: int, n: int, k: int, weight_bytes: int = 1) -> GemvConfig:
     of K per step, unsplit (of a dozen configurations at one token, the fastest or near it on the layer
     linears of llama-3.1-8b and qwen3-0.6b).
 
-    Otherwise the tensor-core dot over 64 weight rows, K split until there are ``MIN_PROGRAMS`` programs.
+    Otherwise the tensor-core dot over 64 weight rows and up to 64 rows of x (more rows read the weight once per
+    block of rows, from L2 after the first), K split until there are ``MIN_PROGRAMS`` programs.
     For K of 4,096 or more, 256 of K per step and 3 pipeline stages (faster than 128 of K on every
     llama-3.1-8b linear; a fourth stage leaves shared memory for two programs per multiprocessor instead
     of three). Shorter K, 128 per step, 5 stages unsplit and 3 split (256 of K was slower on qwen3-0.6b's
@@ -175,10 +179,13 @@ def default_config(m: int, n: int, k: int, weight_bytes: int = 1) -> GemvConfig:
     """
     if weight_bytes == 2 and m <= 4:
         return GemvConfig(8, 1024 // next_power_of_2(m), num_warps=4, num_stages=3)
+    block_m = min(64, max(16, next_power_of_2(m)))
     if k >= 4096:
-        return GemvConfig(64, 256, num_warps=4, num_stages=3, split_k=split_k_for(n, k, 64, 256), dot=True)
-    split_k = split_k_for(n, k, 64, 128)
-    return GemvConfig(64, 128, num_warps=4, num_stages=5 if split_k == 1 else 3, split_k=split_k, dot=True)
+        return GemvConfig(64, 256, num_warps=4, num_stages=3, split_k=split_k_for(n, k, 64, 256, m, block_m),
+                          dot=True, block_m=block_m)
+    split_k = split_k_for(n, k, 64, 128, m, block_m)
+    return GemvConfig(64, 128, num_warps=4, num_stages=5 if split_k == 1 else 3, split_k=split_k, dot=True,
+                      block_m=block_m)
 
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None,

@@ -62,6 +62,19 @@ def blas_library() -> str:
     return choice
 
 
+
+def gemv_max_rows() -> int:
+    """``DOVETAIL_GEMV_MAX_ROWS``: the most tokens whose 16-bit linears run the core's Triton GEMV on Hopper
+    instead of cuBLAS (default :data:`dovetail.triton.fused_ops.GEMV_MAX_ROWS`; 0 keeps every linear on cuBLAS)."""
+    from dovetail.triton.fused_ops import GEMV_MAX_ROWS
+
+    text = os.environ.get("DOVETAIL_GEMV_MAX_ROWS", "").strip()
+    if not text:
+        return GEMV_MAX_ROWS
+    if not text.isdigit():
+        raise ConfigError(f"DOVETAIL_GEMV_MAX_ROWS={text!r}: expected a whole number of tokens (0 turns the GEMV off)")
+    return int(text)
+
 class _CudaHostCopy(HostCopy):
     """A copy into pinned host memory, ordered on the current stream, with an event to wait on."""
 
@@ -135,13 +148,11 @@ class CudaPlatform(TorchDevicePlatform):
         return [torch.float16, torch.float32]
 
     def fused_ops(self):
-        """The core's Triton fused ops; on Hopper, 16-bit linears of one token on the Triton GEMV, which beat
-        cuBLAS there (benchmarks/RESULTS.md, Kernels)."""
+        """The core's Triton fused ops; on Hopper, 16-bit linears of up to :func:`gemv_max_rows` tokens on the
+        Triton GEMV, which beat cuBLAS there at one token (benchmarks/RESULTS.md, Kernels)."""
         ops = super().fused_ops()
         if self.capability(None)[0] == 9 and hasattr(ops, "gemv_max_rows"):
-            from dovetail.triton.fused_ops import GEMV_MAX_ROWS
-
-            ops.gemv_max_rows = GEMV_MAX_ROWS
+            ops.gemv_max_rows = gemv_max_rows()
         return ops
 
     def all_reduce_kernel(self, group, device):
