@@ -340,3 +340,22 @@ def test_flash_attn_4_on_hopper_keeps_the_block_size(monkeypatch):
     assert FlashAttnBackend.validate(_requirements()) == []
     monkeypatch.setattr(flash_attn_backend, "variant", lambda capability_major=None: None)
     assert "does not run on this GPU" in FlashAttnBackend.validate(_requirements())[0]
+
+
+def test_hopper_runs_linears_of_up_to_dovetail_gemv_max_rows_tokens_on_the_triton_gemv(monkeypatch):
+    from dovetail.errors import ConfigError
+    from dovetail.triton.fused_ops import GEMV_MAX_ROWS
+
+    monkeypatch.setattr(CudaPlatform, "capability", lambda self, index=0: (9, 0))
+    monkeypatch.delenv("DOVETAIL_GEMV_MAX_ROWS", raising=False)
+    assert CudaPlatform().fused_ops().gemv_max_rows == GEMV_MAX_ROWS
+    monkeypatch.setenv("DOVETAIL_GEMV_MAX_ROWS", "256")
+    assert CudaPlatform().fused_ops().gemv_max_rows == 256
+    monkeypatch.setenv("DOVETAIL_GEMV_MAX_ROWS", "0")
+    assert CudaPlatform().fused_ops().gemv_max_rows == 0
+    monkeypatch.setenv("DOVETAIL_GEMV_MAX_ROWS", "-3")
+    with pytest.raises(ConfigError, match="DOVETAIL_GEMV_MAX_ROWS='-3': expected a whole number"):
+        CudaPlatform().fused_ops()
+    monkeypatch.setattr(CudaPlatform, "capability", lambda self, index=0: (8, 0))
+    monkeypatch.setenv("DOVETAIL_GEMV_MAX_ROWS", "256")
+    assert CudaPlatform().fused_ops().gemv_max_rows == 0, "cuBLAS before Hopper"
