@@ -25,9 +25,9 @@ from dovetail.moe_ops import Fp8ExpertScales, fused_experts, moe_reference, sele
 from dovetail.ops import FusedOps  # noqa: E402
 from dovetail.quantization import quant_ops  # noqa: E402
 from dovetail.triton import fused_moe as fused_moe_module  # noqa: E402
-from dovetail.triton.fused_moe import fused_moe  # noqa: E402
+from dovetail.triton.fused_moe import fused_moe, routed_moe  # noqa: E402
 from dovetail.triton.fused_ops import TritonFusedOps  # noqa: E402
-from dovetail.triton.moe_align import align_pairs, max_padded  # noqa: E402
+from dovetail.triton.moe_align import align_pairs, max_padded, route_and_align  # noqa: E402
 from dovetail.triton.moe_configs import MoeConfig  # noqa: E402
 from dovetail.triton.moe_gemm import GemmConfig  # noqa: E402
 from dovetail.triton.moe_routing import topk_softmax  # noqa: E402
@@ -144,6 +144,37 @@ def test_alignment_through_an_expert_map_leaves_out_experts_held_elsewhere(path)
     assert aligned.block_expert.tolist()[:len(blocks)] == blocks
 
 
+@pytest.mark.parametrize("tokens,experts,top_k,renormalize", [(9, 4, 4, True), (70, 128, 8, True), (600, 8, 2, False),
+                                                              (130, 60, 3, True)])
+@pytest.mark.parametrize("path", ["one program", "counted by chunk"])
+def test_routing_in_the_alignment_equals_routing_then_aligning(tokens, experts, top_k, renormalize, path):
+    """The routed alignment stores the router's weights and ids exactly and lays their pairs out as
+    :func:`align_pairs` does (16-bit logits, which tie often, break ties alike)."""
+    gen = torch.Generator().manual_seed(tokens + experts)
+    logits = (torch.randn(tokens, experts, generator=gen) * 2).to(DEVICE, torch.bfloat16)
+    small = 10**9 if path == "one program" else 0
+    weights, ids, aligned = route_and_align(logits, top_k, renormalize, experts, 16, small_pairs=small)
+    want_weights, want_ids = topk_softmax(logits, top_k, renormalize)
+    assert torch.equal(ids, want_ids) and torch.equal(weights, want_weights)
+    want_aligned = align_pairs(want_ids, experts, 16, small_pairs=small)
+    assert in_pair_order(aligned) == in_pair_order(want_aligned) == expected_layout(ids, experts, 16)[0]
+    assert aligned.block_expert.tolist() == want_aligned.block_expert.tolist()
+
+
+@pytest.mark.parametrize("path", ["one program", "counted by chunk"])
+def test_routing_in_the_alignment_through_an_expert_map(path):
+    logits = torch.randn(40, 8, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    expert_map = torch.tensor([-1, 0, -1, 1, 2, -1, 3, -1], dtype=torch.int32, device=DEVICE)
+    weights, ids, aligned = route_and_align(logits, 3, True, 4, 16, expert_map,
+                                            small_pairs=10**9 if path == "one program" else 0)
+    want_weights, want_ids = select_experts(logits, 3, True)
+    assert torch.equal(ids.long(), want_ids.long())
+    torch.testing.assert_close(weights, want_weights)
+    pairs, blocks = expected_layout(ids, 4, 16, expert_map)
+    assert in_pair_order(aligned) == pairs
+    assert aligned.block_expert.tolist()[:len(blocks)] == blocks
+
+
 # -- the fused experts ---------------------------------------------------------------------------------------
 
 
@@ -181,6 +212,18 @@ def test_long_batches_run_in_passes(monkeypatch):
     monkeypatch.setattr(fused_moe_module, "MAX_CHUNK_TOKENS", 16)
     x, w13, w2, weights, ids = moe_inputs(40, 4, 2, seed=13)
     assert_moe_close(fused_moe(x, w13, w2, weights, ids), moe_reference(x, w13, w2, weights, ids))
+
+
+@pytest.mark.parametrize("tokens,experts,top_k,chunk", [(1, 8, 2, 8192), (17, 16, 4, 8192), (300, 8, 2, 8192),
+                                                        (41, 4, 2, 16)])
+def test_routed_moe_routes_from_the_logits(tokens, experts, top_k, chunk, monkeypatch):
+    """From the router's logits (one token, one program, counted by chunk, several passes): the reference of the
+    softmax top-k's experts."""
+    monkeypatch.setattr(fused_moe_module, "MAX_CHUNK_TOKENS", chunk)
+    x, w13, w2, _, _ = moe_inputs(tokens, experts, top_k, seed=tokens + 1)
+    logits = torch.randn(tokens, experts, generator=torch.Generator().manual_seed(tokens)).to(DEVICE)
+    weights, ids = select_experts(logits, top_k, renormalize=False)
+    assert_moe_close(routed_moe(x, logits, w13, w2, top_k, False), moe_reference(x, w13, w2, weights, ids))
 
 
 @pytest.mark.parametrize("tokens", [1, 21])
@@ -262,8 +305,10 @@ def test_triton_fused_ops_route_and_run_the_experts():
     assert ids.dtype == torch.int32  # the Triton router, not torch's top-k
     expected = FusedOps().fused_moe(x, w13, w2, *FusedOps().select_experts(logits, 2, True))
     assert_moe_close(ops.fused_moe(x, w13, w2, weights, ids), expected)
+    assert_moe_close(ops.routed_moe(x, logits, w13, w2, 2, True), expected)
     # operands the kernel does not take (no tokens) go to the torch definition
     assert ops.fused_moe(x[:0], w13, w2, weights[:0], ids[:0]).shape == (0, 32)
+    assert ops.routed_moe(x[:0], logits[:0], w13, w2, 2, True).shape == (0, 32)
 
 
 def test_the_gpu_path_reads_no_device_value_on_the_host():

@@ -94,6 +94,15 @@ class FusedOps:
         """
         return moe_ops.fused_experts(x, w13, w2, topk_weights, topk_ids, activation, expert_map, fp8)
 
+    def routed_moe(self, x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                   top_k: int, renormalize: bool, activation: str = "silu", expert_map: torch.Tensor | None = None,
+                   fp8: moe_ops.Fp8ExpertScales | None = None) -> torch.Tensor:
+        """:meth:`select_experts` of ``router_logits`` ``[tokens, experts]``, then :meth:`fused_moe`: what a
+        mixture-of-experts layer calls. A platform may override it to route inside the experts' own kernels;
+        the default composes the two, so overriding either of them is enough."""
+        weights, ids = self.select_experts(router_logits, top_k, renormalize)
+        return self.fused_moe(x, w13, w2, weights, ids, activation, expert_map, fp8)
+
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_size: int, rotary_dim: int):
     shape = x.shape

@@ -3,10 +3,10 @@
 :class:`FusedMoE` stacks the experts' weights into two tensors, ``w13_weight``
 ``[experts, 2 * intermediate, hidden]`` (each expert's gate rows, then its up
 rows) and ``w2_weight`` ``[experts, hidden, intermediate]``, loaded from the
-checkpoint's per-expert tensors. It routes with the platform's
-:meth:`dovetail.ops.FusedOps.select_experts` and computes all experts in one call
-to :meth:`dovetail.ops.FusedOps.fused_moe`; the math and its definition are in
-:mod:`dovetail.moe_ops`.
+checkpoint's per-expert tensors. It routes and computes all experts in one call to the
+platform's :meth:`dovetail.ops.FusedOps.routed_moe` (:meth:`~dovetail.ops.FusedOps.select_experts`
+then :meth:`~dovetail.ops.FusedOps.fused_moe`, unless the platform fuses them); the math and its
+definition are in :mod:`dovetail.moe_ops`.
 
 FP8 experts come from an FP8 checkpoint (``quant_method: fp8``: per-tensor
 ``weight_scale`` or 128 x 128 block ``weight_scale_inv``, dynamic activations) or
@@ -126,10 +126,9 @@ class FusedMoE(nn.Module):
             self._loaded[name] = set()
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.ops.select_experts(router_logits, self.top_k, self.renormalize)
         expert_map = self.expert_map_device if self.expert_map is not None else None
-        out = self.ops.fused_moe(x, self.w13_weight, self.w2_weight, weights, ids, self.activation,
-                                 expert_map=expert_map, fp8=self.fp8_scales())
+        out = self.ops.routed_moe(x, router_logits, self.w13_weight, self.w2_weight, self.top_k, self.renormalize,
+                                  self.activation, expert_map=expert_map, fp8=self.fp8_scales())
         return all_reduce(out) if self.reduce_results else out
 
     def fp8_scales(self) -> Fp8ExpertScales | None:

@@ -102,3 +102,5 @@ def check_fused_ops(ops: FusedOps, device: torch.device | str = "cpu", dtype: to
         close(weights, want_weights, "select_experts (weights)")
         close(ops.fused_moe(x, w13, w2, weights, ids), ref.fused_moe(x, w13, w2, want_weights, want_ids),
               "fused_moe")
+        close(ops.routed_moe(x, logits, w13, w2, top_k, True), ref.fused_moe(x, w13, w2, want_weights, want_ids),
+              "routed_moe")

@@ -5,8 +5,9 @@ rounding) and runs as four kernels per pass of up to
 :data:`~dovetail.triton.moe_configs.MAX_CHUNK_TOKENS` tokens (:mod:`~dovetail.triton.moe_align`,
 then :mod:`~dovetail.triton.moe_gemm`'s gate/up, down and sum; FP8 experts add
 the quantization of each GEMM's input); a single token (batch-1 decode) needs no
-alignment, its ``top_k`` experts being distinct. No value computed on the device is read on
-the host and every buffer's size follows from the token count, so a decode step
+alignment, its ``top_k`` experts being distinct. :func:`routed_moe` takes the router's logits
+instead of the chosen experts and routes in the alignment's kernels, so routing costs no launch of its
+own (but for one token, which needs no alignment). No value computed on the device is read on the host and every buffer's size follows from the token count, so a decode step
 is captured by device graphs as it is. Tiles come from :mod:`~dovetail.triton.moe_configs`.
 """
 
@@ -20,10 +21,11 @@ import torch
 
 from dovetail.moe_ops import Fp8ExpertScales, check_activation, quantize_activations
 from dovetail.triton import interpreter_active
-from dovetail.triton.moe_align import align_pairs, one_pair_per_block
+from dovetail.triton.moe_align import align_pairs, one_pair_per_block, route_and_align
 from dovetail.triton.moe_configs import (MAX_CHUNK_TOKENS, ConfigTable, LayerShape, MoeConfig, bucket, buckets_up_to,
                                          default_config)
 from dovetail.triton.moe_gemm import GemmConfig, grouped_gemm, moe_sum
+from dovetail.triton.moe_routing import topk_softmax
 
 logger = logging.getLogger("dovetail")
 
@@ -104,27 +106,51 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
               fp8: Fp8ExpertScales | None = None, config: MoeConfig | None = None) -> torch.Tensor:
     """The mixture-of-experts MLPs of ``x`` (see :meth:`dovetail.ops.FusedOps.fused_moe`); ``config`` overrides
     the tile selection (tests, benchmarks)."""
+    def route(start: int, end: int, block_m: int):
+        ids = topk_ids[start:end]
+        if end - start == 1:
+            return topk_weights[start:end], ids, one_pair_per_block(ids, block_m, expert_map)
+        return topk_weights[start:end], ids, align_pairs(ids, w13.shape[0], block_m, expert_map)
+
+    return _run(x, w13, w2, topk_ids.shape[1], route, activation, fp8, config, expert_map)
+
+
+def routed_moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
+               renormalize: bool, activation: str = "silu", expert_map: torch.Tensor | None = None,
+               fp8: Fp8ExpertScales | None = None, config: MoeConfig | None = None) -> torch.Tensor:
+    """:func:`~dovetail.triton.moe_routing.topk_softmax` of ``router_logits``, then :func:`fused_moe`, with the
+    routing computed by the alignment's kernels (:func:`~dovetail.triton.moe_align.route_and_align`): one launch
+    fewer per layer (see :meth:`dovetail.ops.FusedOps.routed_moe`)."""
+    def route(start: int, end: int, block_m: int):
+        logits = router_logits[start:end]
+        if end - start == 1:
+            weights, ids = topk_softmax(logits, top_k, renormalize)
+            return weights, ids, one_pair_per_block(ids, block_m, expert_map)
+        return route_and_align(logits, top_k, renormalize, w13.shape[0], block_m, expert_map)
+
+    return _run(x, w13, w2, top_k, route, activation, fp8, config, expert_map)
+
+
+def _run(x, w13, w2, top_k: int, route, activation: str, fp8, config: MoeConfig | None, expert_map) -> torch.Tensor:
+    """The layer in passes of up to ``MAX_CHUNK_TOKENS`` tokens; ``route(start, end, block_m)`` gives each pass's
+    weights, expert ids and aligned pairs."""
     check_activation(activation)
-    tokens, top_k = topk_ids.shape
+    tokens = x.shape[0]
     shape = layer_shape(x, w13, top_k, fp8)
     out = torch.empty_like(x)
     for start in range(0, tokens, MAX_CHUNK_TOKENS):
         end = min(tokens, start + MAX_CHUNK_TOKENS)
         chosen = config or select_config(end - start, shape, w13, w2, fp8)
-        _fused_pass(x[start:end], w13, w2, topk_weights[start:end], topk_ids[start:end], activation, expert_map,
-                    fp8, chosen, out[start:end])
+        weights, ids, aligned = route(start, end, chosen.block_m)
+        _fused_pass(x[start:end], w13, w2, weights, ids, aligned, activation, expert_map, fp8, chosen, out[start:end])
     return out
 
 
-def _fused_pass(x, w13, w2, topk_weights, topk_ids, activation, expert_map, fp8, config: MoeConfig,
+def _fused_pass(x, w13, w2, topk_weights, topk_ids, aligned, activation, expert_map, fp8, config: MoeConfig,
                 out: torch.Tensor) -> None:
     tokens, top_k = topk_ids.shape
     pairs = tokens * top_k
     inter, hidden = w2.shape[2], w2.shape[1]
-    if tokens == 1:
-        aligned = one_pair_per_block(topk_ids, config.block_m, expert_map)
-    else:
-        aligned = align_pairs(topk_ids, w13.shape[0], config.block_m, expert_map)
     block = fp8.block_size if fp8 is not None else None
     a, a_scale = (x, None) if fp8 is None else quantize_activations(x, block)
     hidden_states = torch.empty((pairs, inter), dtype=x.dtype, device=x.device)

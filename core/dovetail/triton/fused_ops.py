@@ -105,3 +105,9 @@ class TritonFusedOps(FusedOps):
         if not fused_moe.supports(x, w13, w2, topk_ids, fp8):
             return super().fused_moe(x, w13, w2, topk_weights, topk_ids, activation, expert_map, fp8)
         return fused_moe.fused_moe(x, w13, w2, topk_weights, topk_ids, activation, expert_map, fp8)
+
+    def routed_moe(self, x, router_logits, w13, w2, top_k, renormalize, activation="silu", expert_map=None, fp8=None):
+        if not (moe_routing.supports(router_logits, top_k) and fused_moe.supports(x, w13, w2, router_logits, fp8)
+                and router_logits.shape[0] == x.shape[0]):
+            return super().routed_moe(x, router_logits, w13, w2, top_k, renormalize, activation, expert_map, fp8)
+        return fused_moe.routed_moe(x, router_logits, w13, w2, top_k, renormalize, activation, expert_map, fp8)

@@ -22,6 +22,11 @@ Two ways to count, chosen by the pair count (the results are the same):
 - up to :data:`SMALL_PAIRS` pairs (decode steps) one program counts, places and pads;
 - above it one program per chunk of pairs adds its pairs to the experts' counts, then
   one program per chunk lays the blocks out from the counts and places its pairs.
+
+:func:`route_and_align` starts from the router's logits instead of ``topk_ids``: the programs
+that count route their tokens first (:func:`dovetail.triton.moe_routing.route_tile`, the softmax
+top-k), store the weights and ids and count the pairs from registers, so routing needs no launch
+of its own.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import triton
 import triton.language as tl
 
 from dovetail.triton import next_power_of_2
+from dovetail.triton.moe_routing import route_tile
 from dovetail.triton.pdl import launch_kwargs, pdl_prologue, use_pdl
 
 #: Most pairs aligned by the single-program kernel.
@@ -102,20 +108,42 @@ def _write_layout(counts, starts, ends, total, sorted_ptr, block_expert_ptr, num
     tl.store(sorted_ptr + pad, num_pairs, mask=pad < ends[:, None])
 
 
-@triton.jit(do_not_specialize=["num_pairs", "max_blocks"])
+@triton.jit
+def _route_and_count(logits_ptr, weights_ptr, ids_ptr, map_ptr, counts_ptr, rows, num_tokens, num_routed, num_experts,
+                     stride_lt, HAS_MAP: tl.constexpr, TOP_K: tl.constexpr, K_P2: tl.constexpr,
+                     RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, LOGITS_P2: tl.constexpr):
+    """Route the tokens ``rows`` (their weights and expert ids stored) and add their pairs to the experts' counts."""
+    e, keep = route_tile(logits_ptr, weights_ptr, ids_ptr, rows, num_tokens, num_routed, stride_lt, TOP_K, K_P2,
+                         RENORMALIZE, BLOCK_T, LOGITS_P2)
+    if HAS_MAP:
+        e = tl.load(map_ptr + e, mask=keep, other=-1).to(tl.int32)
+    e = tl.where(keep & (e >= 0) & (e < num_experts), e, -1)
+    tl.atomic_add(counts_ptr + e, 1, mask=e >= 0)
+
+
+@triton.jit(do_not_specialize=["num_pairs", "max_blocks", "num_tokens"])
 def _align_small_kernel(ids_ptr, map_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, scratch_ptr,
-                        num_pairs, num_experts, max_blocks, HAS_MAP: tl.constexpr, E_P2: tl.constexpr,
-                        BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, BLOCKS_TILE: tl.constexpr,
-                        USE_PDL: tl.constexpr):
-    """One program: count into ``scratch``, lay out, then claim each pair's slot from ``scratch``'s cursors."""
+                        num_pairs, num_experts, max_blocks, logits_ptr, weights_ptr, num_tokens, num_routed,
+                        stride_lt, HAS_MAP: tl.constexpr, E_P2: tl.constexpr, BLOCK_M: tl.constexpr,
+                        CHUNK: tl.constexpr, BLOCKS_TILE: tl.constexpr, ROUTE: tl.constexpr, TOP_K: tl.constexpr,
+                        K_P2: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr,
+                        LOGITS_P2: tl.constexpr, USE_PDL: tl.constexpr):
+    """One program: count into ``scratch`` (routing the tokens first with ``ROUTE``), lay out, then claim each
+    pair's slot from ``scratch``'s cursors."""
     pdl_prologue(USE_PDL)
     experts = tl.arange(0, E_P2)
     tl.store(scratch_ptr + experts, tl.zeros((E_P2,), dtype=tl.int32))
     tl.debug_barrier()
-    for start in range(0, num_pairs, CHUNK):
-        offs = start + tl.arange(0, CHUNK)
-        e = _expert_of(ids_ptr, map_ptr, offs, offs < num_pairs, num_experts, HAS_MAP)
-        tl.atomic_add(scratch_ptr + e, 1, mask=e >= 0)
+    if ROUTE:
+        for t0 in range(0, num_tokens, BLOCK_T):
+            _route_and_count(logits_ptr, weights_ptr, ids_ptr, map_ptr, scratch_ptr, t0 + tl.arange(0, BLOCK_T),
+                             num_tokens, num_routed, num_experts, stride_lt, HAS_MAP, TOP_K, K_P2, RENORMALIZE,
+                             BLOCK_T, LOGITS_P2)
+    else:
+        for start in range(0, num_pairs, CHUNK):
+            offs = start + tl.arange(0, CHUNK)
+            e = _expert_of(ids_ptr, map_ptr, offs, offs < num_pairs, num_experts, HAS_MAP)
+            tl.atomic_add(scratch_ptr + e, 1, mask=e >= 0)
     tl.debug_barrier()
     counts = tl.load(scratch_ptr + experts)
     starts, ends, total = _layout(counts, BLOCK_M)
@@ -141,6 +169,18 @@ def _count_kernel(ids_ptr, map_ptr, counts_ptr, num_pairs, num_experts, HAS_MAP:
     tl.atomic_add(counts_ptr + e, 1, mask=e >= 0)
 
 
+@triton.jit(do_not_specialize=["num_tokens"])
+def _route_count_kernel(logits_ptr, weights_ptr, ids_ptr, map_ptr, counts_ptr, num_tokens, num_routed, num_experts,
+                        stride_lt, HAS_MAP: tl.constexpr, TOP_K: tl.constexpr, K_P2: tl.constexpr,
+                        RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, LOGITS_P2: tl.constexpr,
+                        USE_PDL: tl.constexpr):
+    """Route this tile of tokens and add their pairs to the experts' counts (``counts[:E_P2]``, zeroed before)."""
+    pdl_prologue(USE_PDL)
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    _route_and_count(logits_ptr, weights_ptr, ids_ptr, map_ptr, counts_ptr, rows, num_tokens, num_routed, num_experts,
+                     stride_lt, HAS_MAP, TOP_K, K_P2, RENORMALIZE, BLOCK_T, LOGITS_P2)
+
+
 @triton.jit(do_not_specialize=["num_pairs", "max_blocks"])
 def _place_kernel(ids_ptr, map_ptr, counts_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, num_pairs,
                   num_experts, max_blocks, HAS_MAP: tl.constexpr, E_P2: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -163,10 +203,37 @@ def _place_kernel(ids_ptr, map_ptr, counts_ptr, sorted_ptr, block_expert_ptr, nu
     tl.store(sorted_ptr + slot, offs, mask=valid)
 
 
+class Routing(NamedTuple):
+    """Router logits ``[tokens, experts]`` for :func:`route_and_align`, with the buffers the routing fills."""
+
+    logits: torch.Tensor
+    top_k: int
+    renormalize: bool
+    weights: torch.Tensor  # float32 [tokens, top_k]
+    ids: torch.Tensor  # int32 [tokens, top_k]
+
+
 def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int, expert_map: torch.Tensor | None = None,
                 small_pairs: int = SMALL_PAIRS) -> AlignedPairs:
     """Sort and pad the pairs of ``topk_ids`` ``[tokens, top_k]`` by expert (``num_experts`` rows of weights)."""
-    ids = topk_ids.contiguous()
+    return _align(topk_ids.contiguous(), num_experts, block_m, expert_map, small_pairs, None)
+
+
+def route_and_align(router_logits: torch.Tensor, top_k: int, renormalize: bool, num_experts: int, block_m: int,
+                    expert_map: torch.Tensor | None = None, small_pairs: int = SMALL_PAIRS):
+    """:func:`~dovetail.triton.moe_routing.topk_softmax` and :func:`align_pairs` in the alignment's kernels (one
+    launch fewer): ``(weights, ids, aligned)``. The routing is the same, computed by the programs that count."""
+    tokens = router_logits.shape[0]
+    device = router_logits.device
+    routing = Routing(router_logits, top_k, renormalize,
+                      torch.empty((tokens, top_k), dtype=torch.float32, device=device),
+                      torch.empty((tokens, top_k), dtype=torch.int32, device=device))
+    aligned = _align(routing.ids, num_experts, block_m, expert_map, small_pairs, routing)
+    return routing.weights, routing.ids, aligned
+
+
+def _align(ids: torch.Tensor, num_experts: int, block_m: int, expert_map: torch.Tensor | None, small_pairs: int,
+           routing: Routing | None) -> AlignedPairs:
     device = ids.device
     num_pairs = ids.numel()
     e_p2 = next_power_of_2(num_experts)
@@ -178,18 +245,37 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int, expert_m
     map_arg = expert_map if has_map else ids
     pdl = launch_kwargs(use_pdl(device))
     blocks_tile = max(16, min(128, 4096 // e_p2))
+    if routing is not None:
+        tokens, routed = routing.logits.shape
+        logits_p2 = next_power_of_2(routed)
+        route_args = (routing.logits, routing.weights, tokens, routed, routing.logits.stride(0))
+        route_flags = dict(TOP_K=routing.top_k, K_P2=next_power_of_2(routing.top_k),
+                           RENORMALIZE=routing.renormalize, LOGITS_P2=logits_p2)
+    else:
+        tokens, logits_p2 = 0, 1
+        route_args = (ids, ids, 0, 0, 0)
+        route_flags = dict(TOP_K=1, K_P2=1, RENORMALIZE=False, LOGITS_P2=1)
     if num_pairs <= small_pairs:
         scratch = torch.empty(e_p2, dtype=torch.int32, device=device)  # zeroed by the kernel: no memset launch
         _align_small_kernel[(1,)](
             ids, map_arg, sorted_pairs, block_expert, num_padded, scratch,
-            num_pairs, num_experts, block_expert.shape[0], HAS_MAP=has_map, E_P2=e_p2, BLOCK_M=block_m,
-            CHUNK=256, BLOCKS_TILE=blocks_tile, num_warps=8, **pdl)
+            num_pairs, num_experts, block_expert.shape[0], *route_args, HAS_MAP=has_map, E_P2=e_p2, BLOCK_M=block_m,
+            CHUNK=256, BLOCKS_TILE=blocks_tile, ROUTE=routing is not None,
+            BLOCK_T=max(1, min(next_power_of_2(max(tokens, 1)), 4096 // logits_p2)), **route_flags,
+            num_warps=8, **pdl)
     else:
         counts = torch.zeros(2 * e_p2, dtype=torch.int32, device=device)  # the counts, then the fill counters
         chunk = 1024
         num_chunks = triton.cdiv(num_pairs, chunk)
-        _count_kernel[(num_chunks,)](ids, map_arg, counts, num_pairs, num_experts, HAS_MAP=has_map, CHUNK=chunk,
-                                     num_warps=8, **pdl)
+        if routing is None:
+            _count_kernel[(num_chunks,)](ids, map_arg, counts, num_pairs, num_experts, HAS_MAP=has_map, CHUNK=chunk,
+                                         num_warps=8, **pdl)
+        else:
+            block_t = max(1, min(next_power_of_2(tokens), 2048 // logits_p2))
+            _route_count_kernel[(triton.cdiv(tokens, block_t),)](
+                routing.logits, routing.weights, ids, map_arg, counts, tokens, routed, num_experts,
+                routing.logits.stride(0), HAS_MAP=has_map, BLOCK_T=block_t, **route_flags,
+                num_warps=4 if block_t * logits_p2 >= 2048 else 1, **pdl)
         _place_kernel[(num_chunks,)](ids, map_arg, counts, sorted_pairs, block_expert, num_padded, num_pairs,
                                      num_experts, block_expert.shape[0], HAS_MAP=has_map, E_P2=e_p2,
                                      BLOCK_M=block_m, CHUNK=chunk, BLOCKS_TILE=blocks_tile, num_warps=8, **pdl)

@@ -20,12 +20,11 @@ from dovetail.triton.pdl import launch_kwargs, pdl_prologue, use_pdl
 MAX_EXPERTS = 1024
 
 
-@triton.jit(do_not_specialize=["num_tokens"])
-def _topk_softmax_kernel(logits_ptr, weights_ptr, ids_ptr, num_tokens, num_experts, stride_lt,
-                         TOP_K: tl.constexpr, K_P2: tl.constexpr, RENORMALIZE: tl.constexpr,
-                         BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, USE_PDL: tl.constexpr):
-    pdl_prologue(USE_PDL)
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+@triton.jit
+def route_tile(logits_ptr, weights_ptr, ids_ptr, rows, num_tokens, num_experts, stride_lt, TOP_K: tl.constexpr,
+               K_P2: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Route the ``BLOCK_T`` tokens ``rows``: store their weights and expert ids (``[tokens, TOP_K]``) and return the ids
+    (``[rows, K_P2]``) with the mask of those that are real (rows past the end and slots past ``TOP_K`` are not)."""
     experts = tl.arange(0, BLOCK_E)
     row_ok = rows < num_tokens
     col_ok = experts < num_experts
@@ -53,6 +52,17 @@ def _topk_softmax_kernel(logits_ptr, weights_ptr, ids_ptr, num_tokens, num_exper
     keep = row_ok[:, None] & (slots[None, :] < TOP_K)
     tl.store(weights_ptr + out, chosen_w, mask=keep)
     tl.store(ids_ptr + out, chosen_id, mask=keep)
+    return chosen_id, keep
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def _topk_softmax_kernel(logits_ptr, weights_ptr, ids_ptr, num_tokens, num_experts, stride_lt,
+                         TOP_K: tl.constexpr, K_P2: tl.constexpr, RENORMALIZE: tl.constexpr,
+                         BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_prologue(USE_PDL)
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    route_tile(logits_ptr, weights_ptr, ids_ptr, rows, num_tokens, num_experts, stride_lt, TOP_K, K_P2, RENORMALIZE,
+               BLOCK_T, BLOCK_E)
 
 
 def supports(router_logits: torch.Tensor, top_k: int) -> bool:
