@@ -43,6 +43,8 @@ from dovetail.triton.pdl import launch_kwargs, pdl_prologue, use_pdl
 
 #: Most pairs aligned by the single-program kernel.
 SMALL_PAIRS = 1024
+#: Logits the single-program kernel routes at once (a tile of tokens by every expert, in registers).
+ROUTE_TILE_LOGITS = 4096
 
 
 class AlignedPairs(NamedTuple):
@@ -220,10 +222,17 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int, expert_m
 
 
 def route_and_align(router_logits: torch.Tensor, top_k: int, renormalize: bool, num_experts: int, block_m: int,
-                    expert_map: torch.Tensor | None = None, small_pairs: int = SMALL_PAIRS):
+                    expert_map: torch.Tensor | None = None, small_pairs: int | None = None):
     """:func:`~dovetail.triton.moe_routing.topk_softmax` and :func:`align_pairs` in the alignment's kernels (one
-    launch fewer): ``(weights, ids, aligned)``. The routing is the same, computed by the programs that count."""
+    launch fewer): ``(weights, ids, aligned)``. The routing is the same, computed by the programs that count.
+
+    ``small_pairs`` (None: up to :data:`SMALL_PAIRS` pairs of tokens that one program routes in a single tile,
+    :data:`ROUTE_TILE_LOGITS` logits) picks the one-program path; more tokens are routed by many programs at once.
+    """
     tokens = router_logits.shape[0]
+    if small_pairs is None:
+        fits_one_tile = tokens * next_power_of_2(router_logits.shape[1]) <= ROUTE_TILE_LOGITS
+        small_pairs = SMALL_PAIRS if fits_one_tile else 0
     device = router_logits.device
     routing = Routing(router_logits, top_k, renormalize,
                       torch.empty((tokens, top_k), dtype=torch.float32, device=device),
@@ -261,7 +270,7 @@ def _align(ids: torch.Tensor, num_experts: int, block_m: int, expert_map: torch.
             ids, map_arg, sorted_pairs, block_expert, num_padded, scratch,
             num_pairs, num_experts, block_expert.shape[0], *route_args, HAS_MAP=has_map, E_P2=e_p2, BLOCK_M=block_m,
             CHUNK=256, BLOCKS_TILE=blocks_tile, ROUTE=routing is not None,
-            BLOCK_T=max(1, min(next_power_of_2(max(tokens, 1)), 4096 // logits_p2)), **route_flags,
+            BLOCK_T=max(1, min(next_power_of_2(max(tokens, 1)), ROUTE_TILE_LOGITS // logits_p2)), **route_flags,
             num_warps=8, **pdl)
     else:
         counts = torch.zeros(2 * e_p2, dtype=torch.int32, device=device)  # the counts, then the fill counters
