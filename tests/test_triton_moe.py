@@ -257,6 +257,18 @@ def test_expert_map_adds_nothing_for_experts_held_elsewhere(tokens):
     assert_moe_close(both, moe_reference(x, full_w13, full_w2, weights, ids))
 
 
+@pytest.mark.parametrize("tokens", [21, 700], ids=["one program", "counted by chunk"])
+def test_routed_moe_through_an_expert_map(tokens):
+    """Routing inside the alignment on a rank that holds global experts 1, 3, 4 and 6: the reference's sum over
+    the held experts of the softmax top-k."""
+    expert_map = torch.tensor([-1, 0, -1, 1, 2, -1, 3, -1], dtype=torch.int32, device=DEVICE)
+    x, w13, w2, _, _ = moe_inputs(tokens, 4, 3, seed=tokens)
+    logits = torch.randn(tokens, 8, generator=torch.Generator().manual_seed(tokens)).to(DEVICE)
+    weights, ids = select_experts(logits, 3, renormalize=True)
+    assert_moe_close(routed_moe(x, logits, w13, w2, 3, True, expert_map=expert_map),
+                     moe_reference(x, w13, w2, weights, ids, expert_map=expert_map))
+
+
 # -- FP8 experts ---------------------------------------------------------------------------------------------
 
 
