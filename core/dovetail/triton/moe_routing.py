@@ -4,7 +4,9 @@ Equals :func:`dovetail.moe_ops.select_experts` (HF's Qwen-MoE and Mixtral router
 probabilities in float32, the ``top_k`` largest (the lowest expert id first among
 equal ones), divided by their sum when ``renormalize``. One program takes a tile of
 tokens with every expert's logit in registers, so a decode step routes in one
-launch instead of torch's softmax, top-k, sum and division.
+launch instead of torch's softmax, top-k, sum and division. :func:`route_tile` is
+that routing for one tile, which the MoE alignment's kernels also call
+(:func:`dovetail.triton.moe_align.route_and_align`).
 """
 
 from __future__ import annotations
