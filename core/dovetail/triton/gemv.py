@@ -157,7 +157,7 @@ def split_k_for(n: int, k: int, block_n: int, block_k: int, m: int = 1, block_m:
     split_k = 1
     programs = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     while (programs * split_k < MIN_PROGRAMS and k >= 4 * block_k * split_k
-           and 4 * m * 2 * split_k <= 2 * k):
+           and (2 * split_k) * m * 4 <= k * 2):  # float32 partial sums of the doubled split, per output
         split_k *= 2
     return split_k
 

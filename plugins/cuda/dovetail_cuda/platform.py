@@ -62,7 +62,6 @@ def blas_library() -> str:
     return choice
 
 
-
 def gemv_max_rows() -> int:
     """``DOVETAIL_GEMV_MAX_ROWS``: the most tokens whose 16-bit linears run the core's Triton GEMV on Hopper
     instead of cuBLAS (default :data:`dovetail.triton.fused_ops.GEMV_MAX_ROWS`; 0 keeps every linear on cuBLAS)."""
@@ -74,6 +73,7 @@ def gemv_max_rows() -> int:
     if not text.isdigit():
         raise ConfigError(f"DOVETAIL_GEMV_MAX_ROWS={text!r}: expected a whole number of tokens (0 turns the GEMV off)")
     return int(text)
+
 
 class _CudaHostCopy(HostCopy):
     """A copy into pinned host memory, ordered on the current stream, with an event to wait on."""
