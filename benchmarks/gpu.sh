@@ -148,7 +148,10 @@ elif step == "startup":
     base["backend"] = data.get("attention_backend", backend)
     if data.get("tensor_parallel_size", 1) > 1:
         base["flags"] = f"-tp {data['tensor_parallel_size']}"
-    figures.append(("start-up", data["startup_to_first_token_s"], "s", {"engine_s": round(data["engine_s"], 1)}))
+    figures.append(("start-up", data["startup_to_first_token_s"], "s", {
+        "interpreter_and_imports_s": round(data["interpreter_s"] + data["imports_s"], 1),
+        "engine_s": round(data["engine_s"], 1), **data.get("engine_phases", {}),
+        "first_token_s": round(data["first_token_s"], 2)}))
 else:  # peers
     for name, unit, key in (("B1", "output tok/s", "output_tokens_per_s"), ("B2", "ms/token", "ms_per_token")):
         if name in data:

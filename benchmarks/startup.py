@@ -4,7 +4,8 @@
 
 The parent notes the wall clock, starts a child interpreter that imports
 Dovetail, builds the engine for a named dummy-weight shape and generates one
-token for a 128-token prompt, and reports the child's phases. Prints one JSON line.
+token for a 128-token prompt, and reports the child's phases (the engine's own among them: configuration,
+workers and weights, memory profile, KV cache and graphs). Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -27,11 +28,13 @@ def child(args) -> None:
     llm = LLM(model_dir, device=args.device, attention_backend=args.attention_backend,
               enforce_eager=args.enforce_eager or None, tensor_parallel_size=args.tensor_parallel_size, **defaults)
     t_engine = time.time()
-    llm.generate([{"prompt_token_ids": list(range(1000, 1128))}],
+    vocab = llm.llm_engine.vocab_size
+    llm.generate([{"prompt_token_ids": [token % vocab for token in range(1000, 1128)]}],
                  SamplingParams(temperature=0, max_tokens=1, ignore_eos=True), use_tqdm=False)
     t_token = time.time()
     print(json.dumps({"child_start": t_start, "imported": t_import, "engine_ready": t_engine,
                       "first_token": t_token, "attention_backend": llm.llm_engine.attention_backend.name,
+                      "engine_phases": llm.llm_engine.startup_phases,
                       "graphs": llm.llm_engine.executor.collective_rpc("describe")[0]["graph_sizes"] is not None}))
 
 
@@ -65,6 +68,7 @@ def main() -> int:
                       "startup_to_first_token_s": times["first_token"] - t0,
                       "interpreter_s": times["child_start"] - t0, "imports_s": times["imported"] - times["child_start"],
                       "engine_s": times["engine_ready"] - times["imported"],
+                      "engine_phases": {name: round(seconds, 2) for name, seconds in times["engine_phases"].items()},
                       "first_token_s": times["first_token"] - times["engine_ready"]}))
     return 0
 

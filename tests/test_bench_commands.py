@@ -129,3 +129,22 @@ def test_a_named_shape_gets_a_synthetic_tokenizer_that_xgrammar_reads(tmp_path):
     assert tokenizer.decode(ids) == text and len(ids) < len(text)  # merges join characters into tokens
     info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=3000)
     assert info.vocab_type == xgr.VocabType.BYTE_LEVEL and info.stop_token_ids == [2999]
+
+
+def test_startup_reports_the_phases_of_a_fresh_process(tiny_llama_dir):
+    """``benchmarks/startup.py``: a fresh interpreter to its first token, split into the interpreter, the imports,
+    the engine's own phases and the first token."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "startup.py"
+    done = subprocess.run([sys.executable, str(script), "--model", str(tiny_llama_dir), "--device", "cpu"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert list(report["engine_phases"]) == ["config_s", "workers_and_weights_s", "memory_profile_s",
+                                             "kv_cache_and_graphs_s"]
+    parts = report["interpreter_s"] + report["imports_s"] + report["engine_s"] + report["first_token_s"]
+    assert 0 < parts <= report["startup_to_first_token_s"] + 1e-6
+    assert sum(report["engine_phases"].values()) <= report["engine_s"] + 0.01

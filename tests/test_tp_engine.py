@@ -187,6 +187,11 @@ def test_async_scheduling_across_processes(tiny_llama_dir, caplog):
     with caplog.at_level(logging.INFO, logger="dovetail"):
         llm = LLM(str(tiny_llama_dir), tensor_parallel_size=2, **kwargs)
     assert "world size 2 (executor mp)" in caplog.text, "the start-up log says the world size and the executor"
+    phases = llm.llm_engine.startup_phases
+    assert list(phases) == ["config_s", "workers_and_weights_s", "memory_profile_s", "kv_cache_and_graphs_s"]
+    assert all(s >= 0 for s in phases.values()) and sum(phases.values()) <= llm.llm_engine.startup_seconds
+    assert phases["workers_and_weights_s"] > 0.1, "spawning two workers and loading their shards takes time"
+    assert "start-up: config " in caplog.text and "kv cache and graphs " in caplog.text
     assert llm.llm_engine.overlap
     assert _greedy(llm, max_tokens=12) == sync_tokens
     params = SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[sync_tokens[1][3]])

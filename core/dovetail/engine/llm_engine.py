@@ -111,13 +111,21 @@ class LLMEngine:
         self.eos_token_ids = self._eos_token_ids()
         self._eos_frozen = frozenset(self.eos_token_ids)
 
+        marks = [time.monotonic()]
         self.executor = create_executor(spec, self.platform)
+        marks.append(time.monotonic())
         try:
             self.num_blocks = self.executor.determine_num_blocks()
+            marks.append(time.monotonic())
             self.executor.initialize_cache(self.num_blocks)
+            marks.append(time.monotonic())
         except BaseException:
             self.executor.shutdown()
             raise
+        #: Seconds of the start-up's phases: the configuration and selections, the workers with their weights,
+        #: the memory-profiling pass, the KV cache with the device graphs.
+        self.startup_phases = {"config_s": marks[0] - t0, "workers_and_weights_s": marks[1] - marks[0],
+                               "memory_profile_s": marks[2] - marks[1], "kv_cache_and_graphs_s": marks[3] - marks[2]}
         self.kv_manager = KVCacheManager(self.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv_manager, self.max_model_len)
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
@@ -143,6 +151,8 @@ class LLMEngine:
                     self.model_choice.architecture, platform_name, str(self.dtype).removeprefix("torch."),
                     self.attention_backend.name, self.num_blocks, config.cache.block_size, self.world_size,
                     self.executor_name)
+        logger.info("start-up: " + ", ".join(f"{name.removesuffix('_s').replace('_', ' ')} {seconds:.1f}s"
+                                             for name, seconds in self.startup_phases.items()))
 
     def _pins_host_memory(self) -> bool:
         """Whether host buffers bound for the device are pinned: only where this process drives it (other
