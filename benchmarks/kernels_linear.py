@@ -38,10 +38,13 @@ FP8_GRID = [(64, 256, 4, 3, True), (64, 128, 4, 5, True), (32, 256, 4, 3, True),
             (16, 512, 4, 3, True), (8, 1024, 4, 3, False), (16, 1024, 8, 3, False), (16, 512, 4, 3, False)]
 
 
+#: Shared memory a Hopper multiprocessor gives one program, less a margin: the bound of the tile grids here and in
+#: kernels_moe.py (a tile's pipeline stages of 16-bit operands).
+SHARED_MEMORY = 220 << 10
 #: Extra 16-bit Triton GEMV tiles for ``--configs``: (block_m, block_n, block_k, num_stages), 4 warps, tensor-core
-#: dot, those of at most 16 rows more than the product has and that fit a Hopper multiprocessor's shared memory.
+#: dot, those of at most 16 rows more than the product has and that fit ``SHARED_MEMORY``.
 BF16_GRID = [(bm, bn, bk, stages) for bm in (16, 32, 64, 128) for bn in (32, 64, 128) for bk in (128, 256)
-             for stages in (3, 4) if stages * (bm + bn) * bk * 2 <= 220 << 10]
+             for stages in (3, 4) if stages * (bm + bn) * bk * 2 <= SHARED_MEMORY]
 
 
 def projections(config) -> dict[str, tuple[int, int]]:

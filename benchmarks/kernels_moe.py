@@ -35,7 +35,7 @@ import statistics
 
 import torch
 
-from kernels_linear import CALLS, time_graph
+from kernels_linear import CALLS, SHARED_MEMORY, time_graph
 
 
 def copy_bandwidth() -> float:
@@ -131,7 +131,6 @@ def bench(config, ms: list[int], ops, fp8_mode: str | None, with_vllm: bool, ban
 
 #: The tiles ``--sweep-tiles`` times (BLOCK_N x BLOCK_K x stages, 4 warps; 8 warps too at BLOCK_N 128).
 SWEEP_BLOCK_N, SWEEP_BLOCK_K, SWEEP_STAGES = (32, 64, 128), (64, 128, 256), (3, 4, 5)
-SHARED_MEMORY = 220 << 10
 
 
 def sweep_tiles(config, ms: list[int]) -> list[dict]:

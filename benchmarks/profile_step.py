@@ -16,8 +16,9 @@ time.
 ``--trace FILE`` reads a trace that ``dovetail bench ... --profile`` wrote (one per rank, under
 ``DOVETAIL_TORCH_PROFILER_DIR``; a whole B1 as the engine runs it, graphs included) instead of running a model:
 the device's busy share of the span, each kernel's summed time and the groups', the idle time by the
-length of the gap it fell in, and the short gaps' idle time by the kernels on either side. With programmatic dependent launch a kernel starts before its predecessor
-ends and waits, so a short kernel's time there includes some of the one before it.
+length of the gap it fell in, and the short gaps' idle time by the kernels on either side. With programmatic
+dependent launch a kernel starts before its predecessor ends and waits, so a short kernel's time there
+includes some of the one before it.
 
 ``--stages`` times the host instead: each engine stage (schedule, prepare, forward, logits, output
 processing) and, inside the forward, the linear layers, the attention backend and the embedding, by wrapping
@@ -218,10 +219,11 @@ def trace_summary(path: str) -> dict:
         by_name[e["name"]] += e["dur"]
         calls[e["name"]] += 1
     total = sum(by_name.values())
-    groups = {group: sum(t for name, t in by_name.items() if any(k in name for k in keys)) / 1e6
-              for group, keys in KERNEL_GROUPS.items()}
+    groups: dict[str, float] = collections.defaultdict(float)
+    for name, t in by_name.items():
+        groups[group_of(name)] += t / 1e6
     return {"trace": path, "span_s": (end - start) / 1e6, "busy_s": busy / 1e6, "kernel_s": total / 1e6,
-            "groups_s": groups, "idle_s_by_gap_us": {f"<{limit:g}": idle[limit] / 1e6 for limit in GAP_CLASSES},
+            "groups_s": dict(groups), "idle_s_by_gap_us": {f"<{limit:g}": idle[limit] / 1e6 for limit in GAP_CLASSES},
             "kernels": [{"name": name, "s": t / 1e6, "calls": calls[name]} for name, t in by_name.most_common()],
             "short_idle_between": [{"after": a, "before": b, "s": t / 1e6}
                                    for (a, b), t in idle_between.most_common(15)]}
