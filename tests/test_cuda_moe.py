@@ -19,7 +19,7 @@ pytestmark = pytest.mark.gpu
 EXPERTS, TOP_K, HIDDEN, INTER = 128, 8, 2048, 768
 PROMPTS = [[5, 6, 7, 8, 9, 10], list(range(20, 61)), [3], list(range(100, 117)), [42] * 33]
 MAX_TOKENS = 24
-ENGINE = dict(device="cuda", dtype="float16", gpu_memory_utilization=0.1, max_num_seqs=16, attention_backend="TRITON")
+ENGINE = dict(device="cuda", dtype="float16", gpu_memory_utilization=0.3, max_num_seqs=16, attention_backend="TRITON")
 
 
 @pytest.fixture(scope="module", autouse=True)

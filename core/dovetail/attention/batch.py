@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dovetail.device_copy import to_device
+
 
 @dataclass
 class AttentionBatch:
@@ -80,9 +82,9 @@ class AttentionBatch:
         return cls(
             num_tokens=qsl[-1], num_seqs=len(query_lens), num_decodes=num_decodes,
             max_query_len=max(query_lens, default=0), max_seq_len=max(seq_lens, default=0),
-            query_start_loc=qsl_cpu.to(device, non_blocking=True),
-            seq_lens=seq_cpu.to(device, non_blocking=True),
-            block_table=table.to(device, non_blocking=True),
-            slot_mapping=torch.tensor(slots, dtype=torch.long).to(device, non_blocking=True),
+            query_start_loc=to_device(qsl_cpu, device),
+            seq_lens=to_device(seq_cpu, device),
+            block_table=to_device(table, device),
+            slot_mapping=to_device(torch.tensor(slots, dtype=torch.long), device),
             query_start_loc_cpu=qsl_cpu, seq_lens_cpu=seq_cpu, block_size=block_size, block_table_cpu=table,
         )

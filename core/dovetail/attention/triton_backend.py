@@ -26,6 +26,7 @@ import torch
 from dovetail.attention.backend import (AttentionBackend, AttentionImpl, AttentionLayerSpec, AttentionMetadataBuilder,
                                         RotaryInputs)
 from dovetail.attention.batch import AttentionBatch
+from dovetail.device_copy import copy_to_device, to_device
 
 
 @dataclasses.dataclass
@@ -59,14 +60,14 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
         if not batch.num_decodes:
             return TritonAttentionBatch.of(batch, None)
         order = _longest_first(batch.seq_lens_cpu[:batch.num_decodes])
-        return TritonAttentionBatch.of(batch, order.to(batch.seq_lens.device, non_blocking=True))
+        return TritonAttentionBatch.of(batch, to_device(order, batch.seq_lens.device))
 
     def build_for_graph(self, batch: AttentionBatch, graph_size: int) -> TritonAttentionBatch:
         order = self._graph_orders.get(graph_size)
         if order is None:
             order = self._graph_orders[graph_size] = torch.empty(graph_size, dtype=torch.int32,
                                                                  device=batch.seq_lens.device)
-        order.copy_(_longest_first(batch.seq_lens_cpu[:graph_size]), non_blocking=True)
+        copy_to_device(order, _longest_first(batch.seq_lens_cpu[:graph_size]))
         return TritonAttentionBatch.of(batch, order)
 
 

@@ -26,6 +26,7 @@ import torch
 
 from dovetail.attention.backend import AttentionBackend
 from dovetail.attention.batch import AttentionBatch
+from dovetail.device_copy import copy_to_device, to_device
 from dovetail.engine.scheduler import ScheduledBatch
 from dovetail.engine.sharded_logits import ShardedLogits
 from dovetail.forward_context import set_forward_context
@@ -74,10 +75,6 @@ class StepLogits:
     prompt_logits: dict[str, tuple[torch.Tensor, list[int]]]
 
 
-def _to(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    return host.to(device, non_blocking=True)
-
-
 def pending_inputs(batch: ScheduledBatch) -> tuple[list[int], list[int]]:
     """(input rows, rows of the in-flight step's tokens) of the sequences whose last input token is
     still on the device."""
@@ -97,9 +94,9 @@ def fill_pending(input_ids: torch.Tensor, rows: tuple[list[int], list[int]], pre
         return
     if prev_tokens is None:
         raise RuntimeError("a sequence waits for a token of a step that is not in flight")
-    index = _to(torch.tensor(dst, dtype=torch.long), input_ids.device)
-    input_ids.index_copy_(0, index, prev_tokens.index_select(0, _to(torch.tensor(src, dtype=torch.long),
-                                                                      prev_tokens.device)))
+    index = to_device(torch.tensor(dst, dtype=torch.long), input_ids.device)
+    source = to_device(torch.tensor(src, dtype=torch.long), prev_tokens.device)
+    input_ids.index_copy_(0, index, prev_tokens.index_select(0, source))
 
 
 def block_table_array(block_tables: list[list[int]], rows: int | None = None, fill: int = 0) -> np.ndarray:
@@ -214,10 +211,10 @@ class ModelRunner:
         attn = AttentionBatch(
             num_tokens=num_tokens, num_seqs=len(query_lens), num_decodes=num_decodes,
             max_query_len=max(query_lens, default=0), max_seq_len=int(seq_lens.max()) if len(query_lens) else 0,
-            query_start_loc=_to(qsl32, dev), seq_lens=_to(seq32, dev), block_table=_to(table, dev),
-            slot_mapping=_to(slots, dev), query_start_loc_cpu=qsl32, seq_lens_cpu=seq32, block_size=bs,
-            block_table_cpu=table)
-        return _to(torch.tensor(input_ids, dtype=torch.long), dev), _to(positions, dev), attn
+            query_start_loc=to_device(qsl32, dev), seq_lens=to_device(seq32, dev),
+            block_table=to_device(table, dev), slot_mapping=to_device(slots, dev), query_start_loc_cpu=qsl32,
+            seq_lens_cpu=seq32, block_size=bs, block_table_cpu=table)
+        return to_device(torch.tensor(input_ids, dtype=torch.long), dev), to_device(positions, dev), attn
 
     # -- the step ------------------------------------------------------------------------
 
@@ -266,7 +263,7 @@ class ModelRunner:
     def _rows(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
         if rows == list(range(rows[0], rows[0] + len(rows))):
             return hidden[rows[0]:rows[0] + len(rows)]
-        return hidden.index_select(0, _to(torch.tensor(rows, dtype=torch.long), hidden.device))
+        return hidden.index_select(0, to_device(torch.tensor(rows, dtype=torch.long), hidden.device))
 
     # -- profiling ---------------------------------------------------------------------------
 
@@ -391,8 +388,8 @@ class DecodeGraphs:
         slots[:] = table[np.arange(size), positions // bs].astype(np.int64) * bs + positions % bs
         seq_lens = torch.from_numpy((positions + 1).astype(np.int32))
         table = torch.from_numpy(table)
-        self.inputs[:, :size].copy_(torch.from_numpy(inputs), non_blocking=True)
-        self.block_table[:size, :table.shape[1]].copy_(table, non_blocking=True)
+        copy_to_device(self.inputs[:, :size], torch.from_numpy(inputs))
+        copy_to_device(self.block_table[:size, :table.shape[1]], table)
         if size not in self.views:
             self.views[size] = dict(query_start_loc=self.query_start_loc[:size + 1], seq_lens=self.seq_lens[:size],
                                     block_table=self.block_table[:size], slot_mapping=self.slots[:size],

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from dovetail.device_copy import to_device
 from dovetail.engine.sharded_logits import ShardedLogits
 
 if TYPE_CHECKING:
@@ -40,7 +41,7 @@ class SampleResult:
 
 
 def _host_to(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+    return to_device(torch.tensor(values, dtype=dtype), device)
 
 
 # -- counter-based noise for seeded requests -------------------------------------------------

@@ -19,6 +19,7 @@ from typing import Optional
 
 import torch
 
+from dovetail.device_copy import to_device
 from dovetail.sampling_params import SamplingParams
 
 #: Per sampled row: (the sampled token's logprob, its rank, the top ``logprobs`` as ``(token, logprob)``).
@@ -97,12 +98,10 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Optio
 
     backend = BITMASK_KERNELS.get(logits.device.type, "torch_native")
     vocab_size = logits.shape[-1] if vocab_size is None else vocab_size
-    if logits.device.type != "cpu" and not bitmask.is_pinned():
-        bitmask = bitmask.pin_memory()  # a copy from pageable memory may wait for the work queued before it
-    bitmask = bitmask.to(logits.device, non_blocking=True)
+    bitmask = to_device(bitmask, logits.device)
     if rows is None or len(rows) == logits.shape[0]:
         xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab_size, backend=backend)
         return
     full = torch.empty((logits.shape[0], bitmask.shape[1]), dtype=bitmask.dtype, device=logits.device)
-    full.index_copy_(0, torch.tensor(rows, dtype=torch.long).to(logits.device, non_blocking=True), bitmask)
+    full.index_copy_(0, to_device(torch.tensor(rows, dtype=torch.long), logits.device), bitmask)
     xgr.apply_token_bitmask_inplace(logits, full, vocab_size=vocab_size, indices=rows, backend=backend)

@@ -35,6 +35,7 @@ from dovetail.attention.backend import (AttentionBackend, AttentionImpl, Attenti
                                         AttentionRequirements)
 from dovetail.attention.batch import AttentionBatch
 from dovetail.attention.triton_backend import TritonAttentionImpl, TritonBackend, TritonMetadataBuilder
+from dovetail.device_copy import copy_to_device, to_device
 from dovetail.triton import triton_missing_reason
 from dovetail_cuda.kv_write import write_kv_cache
 
@@ -125,14 +126,14 @@ class FlashAttnMetadataBuilder(AttentionMetadataBuilder):
         self.graph_cu_seqlens_k: torch.Tensor | None = None
 
     def build(self, batch: AttentionBatch) -> FlashAttnMetadata:
-        cu_k = self._cu_seqlens_k(batch).to(self.device, non_blocking=True)
+        cu_k = to_device(self._cu_seqlens_k(batch), self.device)
         return self._metadata(batch, cu_k)
 
     def build_for_graph(self, batch: AttentionBatch, graph_size: int) -> FlashAttnMetadata:
         if self.graph_cu_seqlens_k is None or self.graph_cu_seqlens_k.numel() < graph_size + 1:
             self.graph_cu_seqlens_k = torch.zeros(graph_size + 1, dtype=torch.int32, device=self.device)
         cu_k = self.graph_cu_seqlens_k[:graph_size + 1]
-        cu_k.copy_(self._cu_seqlens_k(batch), non_blocking=True)
+        copy_to_device(cu_k, self._cu_seqlens_k(batch))
         return self._metadata(batch, cu_k)
 
     @staticmethod

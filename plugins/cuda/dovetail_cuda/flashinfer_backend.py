@@ -35,6 +35,7 @@ import torch
 from dovetail.attention.backend import (AttentionBackend, AttentionImpl, AttentionLayerSpec,
                                         AttentionMetadataBuilder)
 from dovetail.attention.batch import AttentionBatch
+from dovetail.device_copy import to_device
 from dovetail_cuda.kv_write import write_kv_cache
 
 #: The float workspace FlashInfer's split-KV kernels use (the size vLLM gives it).
@@ -137,7 +138,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
         nd, bs = batch.num_decodes, self.block_size
         split = int(pages.indptr[nd])
         # In graph mode FlashInfer copies the indices with a blocking copy unless they are already on the device.
-        indices = pages.indices.to(self.device, non_blocking=True) if graph else pages.indices
+        indices = to_device(pages.indices, self.device) if graph else pages.indices
         decode = prefill = None
         if nd:
             for key, wrapper in decode_wrappers.items():

@@ -24,6 +24,7 @@ import torch
 
 from dovetail.attention.backend import AttentionMetadataBuilder
 from dovetail.attention.batch import AttentionBatch
+from dovetail.device_copy import to_device
 
 
 #: Tokens per partition of ``paged_attention_v1``'s split-K reduction (the value vLLM and AITER's tests use).
@@ -69,7 +70,7 @@ class AiterAttentionMetadata:
 
 
 def _int32(values: list[int], device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int32).to(device, non_blocking=True)
+    return to_device(torch.tensor(values, dtype=torch.int32), device)
 
 
 def _cumulative(lengths: list[int]) -> list[int]:
