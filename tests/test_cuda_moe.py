@@ -19,6 +19,8 @@ pytestmark = pytest.mark.gpu
 EXPERTS, TOP_K, HIDDEN, INTER = 128, 8, 2048, 768
 PROMPTS = [[5, 6, 7, 8, 9, 10], list(range(20, 61)), [3], list(range(100, 117)), [42] * 33]
 MAX_TOKENS = 24
+#: 0.3 of the card: after the float32 engine of the HF comparison, about 10 GiB of the device stay held outside
+#: torch's allocator in the test process (measured on an H100; 0.1 then leaves no KV cache).
 ENGINE = dict(device="cuda", dtype="float16", gpu_memory_utilization=0.3, max_num_seqs=16, attention_backend="TRITON")
 
 
@@ -215,7 +217,8 @@ def test_moe_model_matches_hf_with_cuda_graphs(moe_model):
         assert_greedy_matches(tokens, hf_tokens, hf_logprobs, tol=1e-3)
 
 
-def test_moe_graphs_on_and_off_give_identical_tokens(moe_model):
+def test_moe_graphs_on_and_off_give_identical_tokens(moe_model, monkeypatch):
+    monkeypatch.setenv("DOVETAIL_MOE_TUNE", "0")  # the default tiles: tuning before capture is tested against HF
     prompts = [list(range(10 + i, 40 + i)) for i in range(5)]  # 5 decodes: padded up to the graph of 8
     eager = LLM(str(moe_model), enforce_eager=True, **ENGINE)
     eager_tokens = _greedy(eager, prompts)
@@ -229,7 +232,8 @@ def test_moe_graphs_on_and_off_give_identical_tokens(moe_model):
     assert len(replays) == MAX_TOKENS - 1, "every decode step should replay a graph"
 
 
-def test_moe_steps_make_no_implicit_host_synchronisation(moe_model):
+def test_moe_steps_make_no_implicit_host_synchronisation(moe_model, monkeypatch):
+    monkeypatch.setenv("DOVETAIL_MOE_TUNE", "0")
     llm = LLM(str(moe_model), **ENGINE)
     _greedy(llm, PROMPTS[:2])  # warm-up
     engine = llm.llm_engine
