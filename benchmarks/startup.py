@@ -3,9 +3,13 @@
     python benchmarks/startup.py --model qwen3-0.6b [--attention-backend TRITON] [--enforce-eager] [--device D] [-tp N]
 
 The parent notes the wall clock, starts a child interpreter that imports
-Dovetail, builds the engine for a named dummy-weight shape and generates one
-token for a 128-token prompt, and reports the child's phases (the engine's own among them: configuration,
-workers and weights, memory profile, KV cache and graphs). Prints one JSON line.
+Dovetail, writes a named shape's model directory (its config.json; dummy
+weights), builds the engine and generates one token for a 128-token prompt,
+and reports the child's phases: the engine's own (configuration, workers and
+weights, memory profile, KV cache and graphs) and, within its workers and
+weights, those of the slowest rank (its process coming up, device and
+process group, all-reduce setup, model configuration, model, weights, model
+runner). Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ def child(args) -> None:
 
     t_import = time.time()
     model_dir, defaults = shapes.materialize(args.model)
+    t_directory = time.time()
     llm = LLM(model_dir, device=args.device, attention_backend=args.attention_backend,
               enforce_eager=args.enforce_eager or None, tensor_parallel_size=args.tensor_parallel_size, **defaults)
     t_engine = time.time()
@@ -32,9 +37,11 @@ def child(args) -> None:
     llm.generate([{"prompt_token_ids": [token % vocab for token in range(1000, 1128)]}],
                  SamplingParams(temperature=0, max_tokens=1, ignore_eos=True), use_tqdm=False)
     t_token = time.time()
-    print(json.dumps({"child_start": t_start, "imported": t_import, "engine_ready": t_engine,
-                      "first_token": t_token, "attention_backend": llm.llm_engine.attention_backend.name,
+    print(json.dumps({"child_start": t_start, "imported": t_import, "directory_ready": t_directory,
+                      "engine_ready": t_engine, "first_token": t_token,
+                      "attention_backend": llm.llm_engine.attention_backend.name,
                       "engine_phases": llm.llm_engine.startup_phases,
+                      "worker_phases": llm.llm_engine.slowest_rank_startup(),
                       "graphs": llm.llm_engine.executor.collective_rpc("describe")[0]["graph_sizes"] is not None}))
 
 
@@ -67,8 +74,10 @@ def main() -> int:
                       "graphs": times["graphs"],
                       "startup_to_first_token_s": times["first_token"] - t0,
                       "interpreter_s": times["child_start"] - t0, "imports_s": times["imported"] - times["child_start"],
-                      "engine_s": times["engine_ready"] - times["imported"],
+                      "model_directory_s": times["directory_ready"] - times["imported"],
+                      "engine_s": times["engine_ready"] - times["directory_ready"],
                       "engine_phases": {name: round(seconds, 2) for name, seconds in times["engine_phases"].items()},
+                      "worker_phases": times["worker_phases"],
                       "first_token_s": times["first_token"] - times["engine_ready"]}))
     return 0
 

@@ -63,6 +63,10 @@ class _Parent:
     children: list[Request]
 
 
+def _phases_text(phases: dict[str, float]) -> str:
+    return ", ".join(f"{name.removesuffix('_s').replace('_', ' ')} {seconds:.1f}s" for name, seconds in phases.items())
+
+
 class LLMEngine:
     """The synchronous engine behind :class:`dovetail.LLM` and the server."""
 
@@ -119,6 +123,8 @@ class LLMEngine:
             marks.append(time.monotonic())
             self.executor.initialize_cache(self.num_blocks)
             marks.append(time.monotonic())
+            #: Each rank's own start-up phases (:attr:`dovetail.engine.worker.Worker.startup_phases`), by rank.
+            self.worker_startup_phases: list[dict[str, float]] = self.executor.collective_rpc("startup_report")
         except BaseException:
             self.executor.shutdown()
             raise
@@ -151,8 +157,12 @@ class LLMEngine:
                     self.model_choice.architecture, platform_name, str(self.dtype).removeprefix("torch."),
                     self.attention_backend.name, self.num_blocks, config.cache.block_size, self.world_size,
                     self.executor_name)
-        logger.info("start-up: " + ", ".join(f"{name.removesuffix('_s').replace('_', ' ')} {seconds:.1f}s"
-                                             for name, seconds in self.startup_phases.items()))
+        logger.info("start-up: %s; within the workers and weights, the slowest rank's: %s",
+                    _phases_text(self.startup_phases), _phases_text(self.slowest_rank_startup()))
+
+    def slowest_rank_startup(self) -> dict[str, float]:
+        """The start-up phases of the rank that took longest to come up."""
+        return max(self.worker_startup_phases, key=lambda phases: sum(phases.values()))
 
     def _pins_host_memory(self) -> bool:
         """Whether host buffers bound for the device are pinned: only where this process drives it (other

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -76,6 +77,19 @@ def check_heads_divide(shape, world_size: int) -> None:
                           f"tensor_parallel_size={world_size} ranks (nor replicated evenly)")
 
 
+class _Laps:
+    """Seconds between successive marks, by the name given at each mark."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self._last = time.monotonic()
+
+    def mark(self, name: str) -> None:
+        now = time.monotonic()
+        self.seconds[name] = now - self._last
+        self._last = now
+
+
 @dataclass
 class _Launched:
     """A step whose sampling is queued on the device: its rows and its prompt logprobs."""
@@ -90,7 +104,10 @@ class Worker:
 
     def __init__(self, spec: WorkerSpec, rank: int = 0, world_size: int = 1,
                  distributed_init_method: str | None = None, local_rank: int | None = None,
-                 platform: Platform | None = None):
+                 platform: Platform | None = None, started_at: float | None = None):
+        laps = _Laps()
+        if started_at is not None:  # the wall-clock time this rank's process was asked for
+            laps.seconds["process_start_s"] = max(0.0, time.time() - started_at)
         self.spec, self.rank, self.world_size = spec, rank, world_size
         config = spec.config
         manager = get_plugin_manager()
@@ -103,8 +120,10 @@ class Worker:
         self.device = platform.device(self.local_rank)
         distributed.init_tensor_parallel(world_size, rank, platform.dist_backend, distributed_init_method or "",
                                          self.device)
+        laps.mark("device_and_group_s")
         if world_size > 1:
             distributed.set_all_reduce_kernel(platform.all_reduce_kernel(distributed.tp_group(), self.device))
+            laps.mark("all_reduce_setup_s")
         platform.seed_everything(config.model.seed)
 
         path = model_loader.resolve_model_path(spec.model_path)
@@ -118,7 +137,8 @@ class Worker:
             platform, spec.dtype, config.model.quantization, model_loader.quantization_config(self.hf_config),
             manager)
         self.ops = platform.fused_ops()
-        self.model = self._build_model(path)
+        laps.mark("model_config_s")
+        self.model = self._build_model(path, laps)
         self.vocab_size = int(self.hf_config.vocab_size)
         self.runner = ModelRunner(self.model, platform, self.attention_backend, config.cache.block_size,
                                   spec.dtype, config.cache.kv_cache_dtype, self.device,
@@ -131,18 +151,26 @@ class Worker:
         self._last_tokens: torch.Tensor | None = None
         self._unsampled: torch.Tensor | None = None  # the logits of a step whose bitmask is still to come
         self.profiler = StepProfiler(rank, platform.device_type)
+        laps.mark("runner_s")
+        #: Seconds of this rank's start-up: its process coming up (imports included; only where the executor
+        #: started one), the device and the process group, the all-reduce's setup (several ranks), the model's
+        #: configuration and the selections, building the model, its weights (loaded or drawn, then
+        #: processed), the model runner.
+        self.startup_phases = laps.seconds
 
-    def _build_model(self, path):
+    def _build_model(self, path, laps: "_Laps"):
         ctx = ModelContext(dtype=self.spec.dtype, device=self.device, quant=self.quant_method,
                            attention_backend=self.attention_backend, ops=self.ops,
                            quant_kernels=self.platform.quant_kernels())
         with torch.device(self.device):
             model = self.model_choice.cls(self.hf_config, "", ctx=ctx)
+        laps.mark("model_build_s")
         if self.spec.config.model.load_format == "dummy":
             model_loader.fill_dummy_weights(model, self.spec.config.model.seed)
         else:
             model_loader.load_weights(model, path)
         model_loader.process_weights_after_loading(model)
+        laps.mark("weights_s")
         return model.eval()
 
     # -- the KV cache ------------------------------------------------------------------------
@@ -261,6 +289,10 @@ class Worker:
         self._launched.clear()
         self._last_tokens = None
         self._unsampled = None
+
+    def startup_report(self) -> dict[str, float]:
+        """:attr:`startup_phases`, each to the hundredth of a second."""
+        return {name: round(seconds, 2) for name, seconds in self.startup_phases.items()}
 
     def describe(self) -> dict:
         """This rank's device, captured graph sizes and parameter shapes (for logs and tests)."""

@@ -79,13 +79,13 @@ def _exit_with_parent(parent_pid: int) -> None:
 
 
 def _worker_main(spec: WorkerSpec, rank: int, world_size: int, init_method: str, conn, parent_pid: int,
-                 log_level: int) -> None:
+                 log_level: int, started_at: float) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the engine's to handle
     _exit_with_parent(parent_pid)
     logging.basicConfig(level=log_level, format=f"%(levelname)s rank {rank} %(name)s: %(message)s")
     worker = None
     try:
-        worker = Worker(spec, rank, world_size, init_method)
+        worker = Worker(spec, rank, world_size, init_method, started_at=started_at)
         conn.send((True, None, 0))
         while True:
             call, method, args, reply = pickle.loads(conn.recv_bytes())
@@ -185,7 +185,8 @@ class MultiprocExecutor(RemoteExecutor):
             for rank in range(world_size):
                 parent_end, child_end = ctx.Pipe()
                 proc = ctx.Process(target=_worker_main, name=f"dovetail-worker-{rank}", daemon=True,
-                                   args=(spec, rank, world_size, init_method, child_end, os.getpid(), log_level))
+                                   args=(spec, rank, world_size, init_method, child_end, os.getpid(), log_level,
+                                         time.time()))
                 proc.start()
                 child_end.close()
                 self._processes.append(proc)

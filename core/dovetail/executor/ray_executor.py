@@ -14,6 +14,7 @@ its rank named, and the executor then kills the others.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from dovetail.engine.step import StepDescription, StepOutput
@@ -44,10 +45,10 @@ class RayWorkerActor:
             s.bind(("", 0))
             return ip, s.getsockname()[1]
 
-    def start(self, spec: WorkerSpec, rank: int, world_size: int, init_method: str) -> int:
+    def start(self, spec: WorkerSpec, rank: int, world_size: int, init_method: str, started_at: float) -> int:
         import os
 
-        self.worker = Worker(spec, rank, world_size, init_method, local_rank=0)
+        self.worker = Worker(spec, rank, world_size, init_method, local_rank=0, started_at=started_at)
         return os.getpid()
 
     def call(self, method: str, *args: Any) -> Any:
@@ -96,6 +97,7 @@ class RayExecutor(RemoteExecutor):
             else:
                 resources = {"num_cpus": 0, "resources": {key: 1}}
             actor_cls = ray.remote(RayWorkerActor)
+            started_at = time.time()
             for rank in range(world_size):
                 strategy = PlacementGroupSchedulingStrategy(placement_group=self._placement,
                                                             placement_group_bundle_index=rank)
@@ -103,7 +105,7 @@ class RayExecutor(RemoteExecutor):
                                                       **resources).remote())
             ip, port = self._gather([self._actors[0].address.remote()], [0])[0]
             init_method = f"tcp://{ip}:{port}"
-            self.pids = self._gather([a.start.remote(spec, rank, world_size, init_method)
+            self.pids = self._gather([a.start.remote(spec, rank, world_size, init_method, started_at)
                                       for rank, a in enumerate(self._actors)], range(world_size))
         except BaseException:
             self.shutdown()
