@@ -150,7 +150,6 @@ elif step == "startup":
         base["flags"] = f"-tp {data['tensor_parallel_size']}"
     figures.append(("start-up", data["startup_to_first_token_s"], "s", {
         "interpreter_and_imports_s": round(data["interpreter_s"] + data["imports_s"], 1),
-        "model_directory_s": round(data.get("model_directory_s", 0.0), 1),
         "engine_s": round(data["engine_s"], 1), **data.get("engine_phases", {}),
         **{f"rank_{name}": seconds for name, seconds in data.get("worker_phases", {}).items()},
         "first_token_s": round(data["first_token_s"], 2)}))

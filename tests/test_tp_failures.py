@@ -3,6 +3,7 @@ with its rank named, and neither an error nor Ctrl-C nor SIGTERM leaves a worker
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -32,9 +33,13 @@ def _wait_gone(pids: list[int], seconds: float = 20.0) -> None:
 
 
 def test_heads_not_divisible_by_the_size_is_refused(tiny_llama_dir):
+    before = {p.pid for p in multiprocessing.active_children()}
     with pytest.raises(ConfigError, match=r"^tensor_parallel_size: the model's 4 attention heads are not divisible "
-                                          r"by tensor_parallel_size=3$"):
+                                          r"by tensor_parallel_size=3$") as caught:
         LLM(str(tiny_llama_dir), tensor_parallel_size=3, **COMMON)
+    # While the error (and so its frames) is still held, as a caller that logs or keeps it would:
+    left = [p.pid for p in multiprocessing.active_children() if p.pid not in before]
+    assert caught.value and not left, "the rank processes started while the engine configured stop with its error"
 
 
 def test_uni_with_several_ranks_is_refused(tiny_llama_dir):

@@ -30,7 +30,7 @@ from dovetail.engine.step import NewRequestData, StepDescription
 from dovetail.engine.structured_output import StructuredOutputManager
 from dovetail.engine.worker import WorkerSpec, attention_requirements, check_heads_divide
 from dovetail.errors import ConfigError, RequestError, WorkerError
-from dovetail.executor import create_executor, executor_backend
+from dovetail.executor import create_executor, executor_backend, start_processes_early
 from dovetail import model_loader
 from dovetail.outputs import RequestOutput
 from dovetail.plugin_manager import get_plugin_manager
@@ -78,7 +78,6 @@ class LLMEngine:
         manager = get_plugin_manager()
         mc = config.model
         self.model_path = model_loader.resolve_model_path(mc.model)
-        self.hf_config = model_loader.load_hf_config(self.model_path)
 
         platform_name = selection.resolve_platform_name(config.device.device, manager)
         self.platform = selection.create_platform(platform_name, manager)
@@ -91,7 +90,37 @@ class LLMEngine:
             self.platform.check_world_size(self.world_size)
         if self.executor_name == "uni":
             self.platform.set_device(0)
+        started = start_processes_early(self.executor_name, self.world_size, str(self.model_path))
+        try:
+            spec = self._configure(manager)
+            marks = [time.monotonic()]
+            self.executor = create_executor(spec, self.platform, started)
+        except BaseException:
+            if started is not None:
+                started.shutdown()
+            raise
+        marks.append(time.monotonic())
+        try:
+            self.num_blocks = self.executor.determine_num_blocks()
+            marks.append(time.monotonic())
+            self.executor.initialize_cache(self.num_blocks)
+            marks.append(time.monotonic())
+            #: Each rank's own start-up phases (:attr:`dovetail.engine.worker.Worker.startup_phases`), by rank.
+            self.worker_startup_phases: list[dict[str, float]] = self.executor.collective_rpc("startup_report")
+        except BaseException:
+            self.executor.shutdown()
+            raise
+        #: Seconds of the start-up's phases: the configuration and selections, the workers with their weights,
+        #: the memory-profiling pass, the KV cache with the device graphs.
+        self.startup_phases = {"config_s": marks[0] - t0, "workers_and_weights_s": marks[1] - marks[0],
+                               "memory_profile_s": marks[2] - marks[1], "kv_cache_and_graphs_s": marks[3] - marks[2]}
+        self._init_scheduling_and_outputs(config, platform_name, t0)
 
+    def _configure(self, manager) -> WorkerSpec:
+        """The model's configuration, dtype, lengths and limits, the model class, attention backend,
+        quantization and tokenizer; the spec every worker gets."""
+        config, mc = self.config, self.config.model
+        self.hf_config = model_loader.load_hf_config(self.model_path)
         self.dtype = self._resolve_dtype()
         self.max_model_len = self._resolve_max_model_len()
         self._resolve_scheduler_limits()
@@ -114,24 +143,10 @@ class LLMEngine:
         self.vocab_size = int(self.hf_config.vocab_size)
         self.eos_token_ids = self._eos_token_ids()
         self._eos_frozen = frozenset(self.eos_token_ids)
+        return spec
 
-        marks = [time.monotonic()]
-        self.executor = create_executor(spec, self.platform)
-        marks.append(time.monotonic())
-        try:
-            self.num_blocks = self.executor.determine_num_blocks()
-            marks.append(time.monotonic())
-            self.executor.initialize_cache(self.num_blocks)
-            marks.append(time.monotonic())
-            #: Each rank's own start-up phases (:attr:`dovetail.engine.worker.Worker.startup_phases`), by rank.
-            self.worker_startup_phases: list[dict[str, float]] = self.executor.collective_rpc("startup_report")
-        except BaseException:
-            self.executor.shutdown()
-            raise
-        #: Seconds of the start-up's phases: the configuration and selections, the workers with their weights,
-        #: the memory-profiling pass, the KV cache with the device graphs.
-        self.startup_phases = {"config_s": marks[0] - t0, "workers_and_weights_s": marks[1] - marks[0],
-                               "memory_profile_s": marks[2] - marks[1], "kv_cache_and_graphs_s": marks[3] - marks[2]}
+    def _init_scheduling_and_outputs(self, config: EngineConfig, platform_name: str, t0: float) -> None:
+        """The KV-cache manager, scheduler, output processing and request books, once the workers are up."""
         self.kv_manager = KVCacheManager(self.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv_manager, self.max_model_len)
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
@@ -157,7 +172,7 @@ class LLMEngine:
                     self.model_choice.architecture, platform_name, str(self.dtype).removeprefix("torch."),
                     self.attention_backend.name, self.num_blocks, config.cache.block_size, self.world_size,
                     self.executor_name)
-        logger.info("start-up: %s; within the workers and weights, the slowest rank's: %s",
+        logger.info("start-up: %s; the slowest rank's: %s",
                     _phases_text(self.startup_phases), _phases_text(self.slowest_rank_startup()))
 
     def slowest_rank_startup(self) -> dict[str, float]:

@@ -80,8 +80,8 @@ def check_heads_divide(shape, world_size: int) -> None:
 class _Laps:
     """Seconds between successive marks, by the name given at each mark."""
 
-    def __init__(self):
-        self.seconds: dict[str, float] = {}
+    def __init__(self, earlier: dict[str, float] | None = None):
+        self.seconds: dict[str, float] = dict(earlier or {})
         self._last = time.monotonic()
 
     def mark(self, name: str) -> None:
@@ -104,10 +104,8 @@ class Worker:
 
     def __init__(self, spec: WorkerSpec, rank: int = 0, world_size: int = 1,
                  distributed_init_method: str | None = None, local_rank: int | None = None,
-                 platform: Platform | None = None, started_at: float | None = None):
-        laps = _Laps()
-        if started_at is not None:  # the wall-clock time this rank's process was asked for
-            laps.seconds["process_start_s"] = max(0.0, time.time() - started_at)
+                 platform: Platform | None = None, startup_phases: dict[str, float] | None = None):
+        laps = _Laps(startup_phases)
         self.spec, self.rank, self.world_size = spec, rank, world_size
         config = spec.config
         manager = get_plugin_manager()
@@ -152,10 +150,10 @@ class Worker:
         self._unsampled: torch.Tensor | None = None  # the logits of a step whose bitmask is still to come
         self.profiler = StepProfiler(rank, platform.device_type)
         laps.mark("runner_s")
-        #: Seconds of this rank's start-up: its process coming up (imports included; only where the executor
-        #: started one), the device and the process group, the all-reduce's setup (several ranks), the model's
-        #: configuration and the selections, building the model, its weights (loaded or drawn, then
-        #: processed), the model runner.
+        #: Seconds of this rank's start-up: what its executor measured before (``startup_phases``: its process
+        #: coming up, imports included, and waiting for its work), then the device and the process group, the
+        #: all-reduce's setup (several ranks), the model's configuration and the selections, building the
+        #: model, its weights (loaded or drawn, then processed), the model runner.
         self.startup_phases = laps.seconds
 
     def _build_model(self, path, laps: "_Laps"):

@@ -16,8 +16,19 @@ def executor_backend(tensor_parallel_size: int, requested: str | None) -> str:
     return requested or ("uni" if tensor_parallel_size == 1 else "mp")
 
 
-def create_executor(spec: WorkerSpec, platform: Platform) -> Executor:
-    """Start the workers of ``spec``'s world on the executor it names; ``platform`` serves ``uni``."""
+def start_processes_early(backend: str, world_size: int, model_path: str) -> Executor | None:
+    """For ``mp``, the executor with its worker processes already starting (they import and read the model's
+    configuration while the engine configures; :func:`create_executor` then gives them their work); else None."""
+    if backend != "mp":
+        return None
+    from dovetail.executor.multiproc import MultiprocExecutor
+
+    return MultiprocExecutor(world_size, model_path)
+
+
+def create_executor(spec: WorkerSpec, platform: Platform, started: Executor | None = None) -> Executor:
+    """Start the workers of ``spec``'s world on the executor it names; ``platform`` serves ``uni``; ``started``
+    is :func:`start_processes_early`'s executor, if any."""
     parallel = spec.config.parallel
     backend = executor_backend(parallel.tensor_parallel_size, parallel.distributed_executor_backend)
     if backend == "uni":
@@ -27,10 +38,12 @@ def create_executor(spec: WorkerSpec, platform: Platform) -> Executor:
     if backend == "mp":
         from dovetail.executor.multiproc import MultiprocExecutor
 
-        return MultiprocExecutor(spec, parallel.tensor_parallel_size)
+        executor = started or MultiprocExecutor(parallel.tensor_parallel_size, spec.model_path)
+        executor.build(spec)
+        return executor
     from dovetail.executor.ray_executor import RayExecutor
 
     return RayExecutor(spec, parallel.tensor_parallel_size, platform)
 
 
-__all__ = ["EXECUTOR_BACKENDS", "Executor", "create_executor", "executor_backend"]
+__all__ = ["EXECUTOR_BACKENDS", "Executor", "create_executor", "executor_backend", "start_processes_early"]

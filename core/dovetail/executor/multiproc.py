@@ -78,14 +78,20 @@ def _exit_with_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, name="dovetail-parent-watch", daemon=True).start()
 
 
-def _worker_main(spec: WorkerSpec, rank: int, world_size: int, init_method: str, conn, parent_pid: int,
-                 log_level: int, started_at: float) -> None:
+def _worker_main(rank: int, world_size: int, init_method: str, conn, parent_pid: int, log_level: int,
+                 started_at: float, model_path: str) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the engine's to handle
     _exit_with_parent(parent_pid)
     logging.basicConfig(level=log_level, format=f"%(levelname)s rank {rank} %(name)s: %(message)s")
     worker = None
     try:
-        worker = Worker(spec, rank, world_size, init_method, started_at=started_at)
+        _read_model_config(model_path)
+        ready = time.time()
+        spec = pickle.loads(conn.recv_bytes())
+        if not isinstance(spec, WorkerSpec):  # stopped before it was given work
+            return
+        phases = {"process_start_s": max(0.0, ready - started_at), "spec_wait_s": time.time() - ready}
+        worker = Worker(spec, rank, world_size, init_method, startup_phases=phases)
         conn.send((True, None, 0))
         while True:
             call, method, args, reply = pickle.loads(conn.recv_bytes())
@@ -107,6 +113,18 @@ def _worker_main(spec: WorkerSpec, rank: int, world_size: int, init_method: str,
         if worker is not None:
             with contextlib.suppress(Exception):
                 worker.shutdown()
+
+
+def _read_model_config(model_path: str) -> None:
+    """Read the model's configuration once while the engine still configures: the imports it takes
+    (transformers') are then done when the worker reads it again. A configuration that cannot be read is the
+    engine's to report."""
+    from pathlib import Path
+
+    from dovetail import model_loader
+
+    with contextlib.suppress(Exception):
+        model_loader.load_hf_config(Path(model_path))
 
 
 def _picklable(exc: BaseException) -> BaseException | None:
@@ -167,11 +185,15 @@ def _watch(executor_ref, sentinels: list, wake) -> None:
 
 
 class MultiprocExecutor(RemoteExecutor):
-    """``world_size`` worker processes on this host, rank ``r`` on device ``r``."""
+    """``world_size`` worker processes on this host, rank ``r`` on device ``r``.
+
+    The processes start as soon as the executor is made, before the engine has worked out what they will run:
+    each imports Dovetail and reads the model's configuration meanwhile, then waits for :meth:`build`.
+    """
 
     name = "mp"
 
-    def __init__(self, spec: WorkerSpec, world_size: int):
+    def __init__(self, world_size: int, model_path: str):
         self.world_size = world_size
         ctx = multiprocessing.get_context("spawn")
         init_method = f"tcp://127.0.0.1:{free_port()}"
@@ -185,16 +207,30 @@ class MultiprocExecutor(RemoteExecutor):
             for rank in range(world_size):
                 parent_end, child_end = ctx.Pipe()
                 proc = ctx.Process(target=_worker_main, name=f"dovetail-worker-{rank}", daemon=True,
-                                   args=(spec, rank, world_size, init_method, child_end, os.getpid(), log_level,
-                                         time.time()))
+                                   args=(rank, world_size, init_method, child_end, os.getpid(), log_level,
+                                         time.time(), model_path))
                 proc.start()
                 child_end.close()
                 self._processes.append(proc)
                 self._conns.append(parent_end)
-        self._receive(range(world_size))  # every rank has built its model
-        threading.Thread(target=_watch, args=(weakref.ref(self), [p.sentinel for p in self._processes], wake_r),
+        self._wake_reader = wake_r
+        self._built = False
+
+    def build(self, spec: WorkerSpec) -> None:
+        """Give every rank ``spec`` and wait until each has built its part of the model."""
+        payload = pickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL)
+        for rank, conn in enumerate(self._conns):
+            try:
+                conn.send_bytes(payload)
+            except (BrokenPipeError, ConnectionResetError, OSError):
+                self._receive([])  # raises for the rank that is gone
+                raise self._fail(WorkerError(f"worker rank {rank} stopped before it was given its work", rank))
+        self._receive(range(self.world_size))
+        self._built = True
+        threading.Thread(target=_watch, args=(weakref.ref(self), [p.sentinel for p in self._processes],
+                                              self._wake_reader),
                          name="dovetail-worker-watch", daemon=True).start()
-        logger.info("mp executor: %d worker processes (pids %s)", world_size,
+        logger.info("mp executor: %d worker processes (pids %s)", self.world_size,
                     ", ".join(str(p.pid) for p in self._processes))
 
     @property
@@ -295,4 +331,6 @@ class MultiprocExecutor(RemoteExecutor):
                 proc.terminate()
 
     def shutdown(self) -> None:
+        if not self._built:  # nothing on a device yet: no need to wait for the ranks' imports
+            self._stop_ranks()
         self._finalizer()

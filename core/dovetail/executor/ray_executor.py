@@ -48,7 +48,8 @@ class RayWorkerActor:
     def start(self, spec: WorkerSpec, rank: int, world_size: int, init_method: str, started_at: float) -> int:
         import os
 
-        self.worker = Worker(spec, rank, world_size, init_method, local_rank=0, started_at=started_at)
+        phases = {"process_start_s": max(0.0, time.time() - started_at)}  # the actor's process, its imports
+        self.worker = Worker(spec, rank, world_size, init_method, local_rank=0, startup_phases=phases)
         return os.getpid()
 
     def call(self, method: str, *args: Any) -> Any:
