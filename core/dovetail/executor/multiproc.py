@@ -1,6 +1,8 @@
 """The ``mp`` executor: one worker process per device on this host (the default with several ranks).
 
-Workers are started with ``spawn`` and talk to the engine over one pipe each:
+Workers are started with ``spawn`` as the engine begins, so that their imports and the reading of the
+model's configuration overlap the engine's own configuration; they then get their spec and build their
+part of the model. They talk to the engine over one pipe each:
 a call is pickled once and written to every rank's pipe; rank 0 answers the
 steps, every rank answers the collective calls. While it waits, the engine
 watches every pipe and every process, so a rank that raises (its error comes
