@@ -220,13 +220,8 @@ class MultiprocExecutor(RemoteExecutor):
 
     def build(self, spec: WorkerSpec) -> None:
         """Give every rank ``spec`` and wait until each has built its part of the model."""
-        payload = pickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL)
-        for rank, conn in enumerate(self._conns):
-            try:
-                conn.send_bytes(payload)
-            except (BrokenPipeError, ConnectionResetError, OSError):
-                self._receive([])  # raises for the rank that is gone
-                raise self._fail(WorkerError(f"worker rank {rank} stopped before it was given its work", rank))
+        self._write_to_every_rank(pickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL),
+                                  "stopped before it was given its work")
         self._receive(range(self.world_size))
         self._built = True
         threading.Thread(target=_watch, args=(weakref.ref(self), [p.sentinel for p in self._processes],
@@ -244,13 +239,17 @@ class MultiprocExecutor(RemoteExecutor):
     def _send(self, method: str, args: tuple, reply: int) -> None:
         self._check_alive()
         self._calls += 1
-        payload = pickle.dumps((self._calls, method, args, reply), protocol=pickle.HIGHEST_PROTOCOL)
+        self._write_to_every_rank(pickle.dumps((self._calls, method, args, reply), protocol=pickle.HIGHEST_PROTOCOL),
+                                  "stopped taking work")
+
+    def _write_to_every_rank(self, payload: bytes, gone: str) -> None:
+        """Write ``payload`` to every rank's pipe; a closed pipe fails the executor with the rank and ``gone``."""
         for rank, conn in enumerate(self._conns):
             try:
                 conn.send_bytes(payload)
             except (BrokenPipeError, ConnectionResetError, OSError):
                 self._receive([])  # raises for the rank that is gone
-                raise self._fail(WorkerError(f"worker rank {rank} stopped taking work", rank))
+                raise self._fail(WorkerError(f"worker rank {rank} {gone}", rank))
 
     def _receive(self, ranks) -> list[Any]:
         """Wait for an answer to the last call from each of ``ranks``; any rank's error or death fails the
