@@ -7,8 +7,9 @@ then :mod:`~dovetail.triton.moe_gemm`'s gate/up, down and sum; FP8 experts add
 the quantization of each GEMM's input); a single token (batch-1 decode) needs no
 alignment, its ``top_k`` experts being distinct. :func:`routed_moe` takes the router's logits
 instead of the chosen experts and routes in the alignment's kernels, so routing costs no launch of its
-own (but for one token, which needs no alignment). No value computed on the device is read on the host and every buffer's size follows from the token count, so a decode step
-is captured by device graphs as it is. Tiles come from :mod:`~dovetail.triton.moe_configs`.
+own (but for one token, which needs no alignment). No value computed on the device is read on the
+host and every buffer's size follows from the token count, so a decode step is captured by device
+graphs as it is. Tiles come from :mod:`~dovetail.triton.moe_configs`.
 """
 
 from __future__ import annotations

@@ -25,8 +25,9 @@ MAX_EXPERTS = 1024
 @triton.jit
 def route_tile(logits_ptr, weights_ptr, ids_ptr, rows, num_tokens, num_experts, stride_lt, TOP_K: tl.constexpr,
                K_P2: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
-    """Route the ``BLOCK_T`` tokens ``rows``: store their weights and expert ids (``[tokens, TOP_K]``) and return the ids
-    (``[rows, K_P2]``) with the mask of those that are real (rows past the end and slots past ``TOP_K`` are not)."""
+    """Route the ``BLOCK_T`` tokens ``rows``: store their weights and expert ids (``[tokens, TOP_K]``) and return
+    the ids (``[rows, K_P2]``) with the mask of those that are real (rows past the end and slots past ``TOP_K``
+    are not)."""
     experts = tl.arange(0, BLOCK_E)
     row_ok = rows < num_tokens
     col_ok = experts < num_experts
