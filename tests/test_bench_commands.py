@@ -55,6 +55,25 @@ def test_throughput_generates_every_requested_token(tiny_llama_dir, tmp_path):
     assert result["dovetail"]["kv_cache_blocks_per_rank"] > 0 and result["dovetail"]["world_size"] == 1
 
 
+def test_step_stats_charge_every_step_of_the_timed_run(tiny_llama_dir, tmp_path):
+    out = tmp_path / "throughput.json"
+    rc = main(["--log-level", "WARNING", "bench", "throughput", "--model", str(tiny_llama_dir), "--device", "cpu",
+               "--num-prompts", "6", "--input-len", "8:20", "--output-len", "3:9", "--max-num-batched-tokens", "32",
+               "--step-stats", "--output-json", str(out)])
+    assert rc == 0
+    result = json.loads(out.read_text())["dovetail"]
+    stats = result["step_stats"]
+    groups = stats["groups"]
+    # Every prompt token is in a prefill step; each request's first token comes from its prefill, the rest
+    # from decode tokens; a 32-token budget splits these prompts over several steps.
+    assert sum(g["prompt_tokens"] for g in groups.values()) == result["prompt_tokens"]
+    assert groups["prefill"]["steps"] > 1
+    assert sum(g["decode_tokens"] for g in groups.values()) == result["output_tokens"] - 6
+    assert stats["steps"] == sum(g["steps"] for g in groups.values())
+    assert 0 < sum(g["seconds"] for g in groups.values()) <= stats["seconds"] <= result["seconds"]
+    assert all(name == "prefill" or name.startswith("decode ") for name in groups)
+
+
 def test_throughput_with_a_text_prompt_reports_the_time_to_queue(tmp_path):
     from dovetail.llm import default_model
 

@@ -5,14 +5,17 @@ request set, after one warm-up call. ``enqueue_seconds`` is the part of that
 time ``LLM.generate`` took to queue every request (from the call to the last
 request's arrival). ``--prompt TEXT`` gives every request that text instead of
 random token ids, so that queueing includes tokenising. ``--structured-output
-json`` adds the same run under a JSON schema (:mod:`dovetail.bench.structured`).
+json`` adds the same run under a JSON schema (:mod:`dovetail.bench.structured`). ``--step-stats`` adds
+where the timed run's wall time went, by kind of step (:mod:`dovetail.bench.step_stats`).
 """
 
 from __future__ import annotations
 
+import sys
 import time
 
 from dovetail.bench.common import add_common_arguments, build_llm, emit, environment, profiled
+from dovetail.bench.step_stats import format_summary, recorded_steps
 from dovetail.bench.workload import BenchRequest, greedy_inputs, parse_range, random_requests, warm_up
 
 #: Defaults per named shape: (requests, prompt range, output range, HF batch size). Every GPU shape runs B1
@@ -32,6 +35,9 @@ def add_parser(sub) -> None:
     p.add_argument("--structured-output", choices=("json",), default=None,
                    help="run the requests again, each under one JSON schema, and report both runs, their ratio "
                         "and the grammar's compile time (a named shape gets a synthetic tokenizer)")
+    p.add_argument("--step-stats", action="store_true",
+                   help="report the timed run's wall time by kind of step: prefill, and decode-only steps by "
+                        "their number of sequences")
     p.set_defaults(func=run)
 
 
@@ -59,7 +65,7 @@ def run(args) -> int:
         prompts = [args.prompt] * num
     else:
         warm_up(llm, prompts, params)
-    with profiled(llm, args.profile) as summaries:
+    with profiled(llm, args.profile) as summaries, recorded_steps(engine, args.step_stats) as steps:
         t0, t0_monotonic = time.perf_counter(), time.monotonic()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - t0
@@ -77,6 +83,9 @@ def run(args) -> int:
                      "kv_cache_blocks_per_rank": engine.num_blocks, "kv_block_size": engine.config.cache.block_size,
                      "profile_summaries": summaries, "load_seconds": load_s, "preemptions": engine.scheduler.num_preemptions},
     }
+    if args.step_stats:
+        result["dovetail"]["step_stats"] = steps
+        print(format_summary(steps), file=sys.stderr)
     if args.structured_output == "json":
         from dovetail.bench.structured import run_constrained
 
