@@ -1,13 +1,15 @@
 """The linear layers' kernels on a GPU: cuBLAS against the engine's GEMVs, 16-bit and FP8, shape by shape.
 
     python benchmarks/kernels_linear.py [--model llama-3.1-8b] [--ms 1,2,4,8,16,64,256] [--shapes qkv,o]
-        [--configs] [--best N] [--json results.json]
+        [--tp N] [--blas] [--tunable] [--configs] [--best N] [--json results.json]
 
 For the projections of a named shape (qkv, o, gate_up, down of one layer, the LM head, a mixture of experts'
 router) and M tokens it
 times, from CUDA graphs (how the engine runs decode):
 
-- ``F.linear`` on 16-bit weights (cuBLAS or cuBLASLt, as the platform set torch up);
+- ``F.linear`` on 16-bit weights (cuBLAS or cuBLASLt, as the platform set torch up); ``--blas`` adds it under
+  each of torch's libraries (``F.linear cublas``, ``F.linear cublaslt``) and ``--tunable`` under torch's
+  TunableOp (``F.linear tunableop``: every cuBLASLt algorithm timed for the shape, the fastest kept);
 - the platform's ``FusedOps.linear`` (what the engine's 16-bit layers call: a Triton GEMV where the platform
   chose one, else ``F.linear``) and :func:`dovetail.triton.gemv.gemv` with its default configuration;
 - FP8 weights (e4m3, per-channel scales): the platform's ``QuantKernels.fp8_linear`` (what the engine's fp8
@@ -17,8 +19,10 @@ times, from CUDA graphs (how the engine runs decode):
 
 Each graph runs ``CALLS`` products cycling over enough weight copies (at least 256 MB) that none is read from
 L2; a time is the median of ``REPLAYS`` replays. Every kernel is first checked against the float reference
-(largest error relative to the largest output). Prints µs per product and the weight bytes read per second,
-then one decode step's layer linears summed over the layers.
+(largest error relative to the largest output). Prints µs per product, the weight bytes read per second and
+the TFLOP/s, then one decode step's layer linears summed over the layers. ``--tp N`` takes one rank's share of
+each product under tensor parallelism: output features divided for the column-parallel qkv, gate_up and LM
+head, input features for the row-parallel o and down.
 """
 
 from __future__ import annotations
@@ -61,6 +65,38 @@ def projections(config) -> dict[str, tuple[int, int]]:
     return shapes
 
 
+def rank_share(name: str, n: int, k: int, tp: int) -> tuple[int, int]:
+    """(N, K) of one of ``tp`` ranks' share of projection ``name`` (the router stays whole)."""
+    if name in ("o", "down"):
+        return n, k // tp
+    if name == "router":
+        return n, k
+    return n // tp, k
+
+
+def with_blas(library: str, fn):
+    """``fn`` run with torch's matrix products on ``library`` (a process-wide setting, restored after)."""
+    def call(i):
+        before = torch.backends.cuda.preferred_blas_library()
+        torch.backends.cuda.preferred_blas_library(library)
+        try:
+            return fn(i)
+        finally:
+            torch.backends.cuda.preferred_blas_library(before)
+    return call
+
+
+def with_tunable_op(fn):
+    """``fn`` run under torch's TunableOp: the first product of a shape times cuBLASLt's algorithms for it."""
+    def call(i):
+        torch.cuda.tunable.enable(True)
+        try:
+            return fn(i)
+        finally:
+            torch.cuda.tunable.enable(False)
+    return call
+
+
 def time_graph(fn, before_replay=None) -> float:
     """Median µs per call of ``fn(i)`` for i in range(CALLS), captured in one CUDA graph and replayed
     (``before_replay()`` first at each timed replay: a barrier lines several ranks up)."""
@@ -89,7 +125,8 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.float() - ref).abs().max() / ref.abs().max())
 
 
-def bench_shape(n: int, k: int, ms: list[int], ops, quant_kernels, configs: bool) -> dict:
+def bench_shape(n: int, k: int, ms: list[int], ops, quant_kernels, configs: bool, blas: bool = False,
+                tunable: bool = False) -> dict:
     from dovetail.quantization import quant_ops
     from dovetail.quantization.fp8_scaled_mm import fp8_linear_scaled_mm
     from dovetail.triton.gemv import GemvConfig, fp8_gemv, gemv, split_k_for
@@ -115,6 +152,12 @@ def bench_shape(n: int, k: int, ms: list[int], ops, quant_kernels, configs: bool
             "fp8 triton gemv": (lambda i: fp8_gemv(x, qs[i % len(qs)], scale), ref8),
             "fp8 scaled_mm": (lambda i: fp8_linear_scaled_mm(x, qs[i % len(qs)], scale), ref8),
         }
+        linear = paths["F.linear"][0]
+        if blas:
+            for library in ("cublas", "cublaslt"):
+                paths[f"F.linear {library}"] = (with_blas(library, linear), ref16)
+        if tunable:
+            paths["F.linear tunableop"] = (with_tunable_op(with_blas("cublaslt", linear)), ref16)
         if configs:
             for bn, bk, warps, stages, dot in FP8_GRID:
                 cfg = GemvConfig(bn, bk, warps, stages, split_k_for(n, k, bn, bk), dot)
@@ -144,6 +187,9 @@ def main() -> None:
     p.add_argument("--device", default=None, help="the platform (default: auto-selected)")
     p.add_argument("--shapes", default="qkv,o,gate_up,down,lm_head")
     p.add_argument("--ms", default="1,2,4,8,16,64,256")
+    p.add_argument("--tp", type=int, default=1, help="one rank's share of each product at this tensor-parallel size")
+    p.add_argument("--blas", action="store_true", help="also F.linear under cuBLAS and under cuBLASLt")
+    p.add_argument("--tunable", action="store_true", help="also F.linear under torch's TunableOp (cuBLASLt, tuned)")
     p.add_argument("--configs", action="store_true", help="also grids of Triton GEMV configurations (FP8, 16-bit)")
     p.add_argument("--best", type=int, default=0, help="print only the N fastest paths of each product")
     p.add_argument("--json", default=None)
@@ -157,22 +203,30 @@ def main() -> None:
     ops, quant_kernels = platform.fused_ops(), platform.quant_kernels()
     config = shapes.SHAPES[args.model].config()
     ms = [int(v) for v in args.ms.split(",")]
-    results = {"model": args.model, "gpu": torch.cuda.get_device_name(), "platform": platform.name,
+    if args.tunable:
+        torch.cuda.tunable.tuning_enable(True)
+        torch.cuda.tunable.set_max_tuning_duration(100)  # ms a shape
+        torch.cuda.tunable.write_file_on_exit(False)
+    results = {"model": args.model, "tp": args.tp, "gpu": torch.cuda.get_device_name(), "platform": platform.name,
                "fused_ops": type(ops).__name__, "quant_kernels": type(quant_kernels).__name__, "shapes": {}}
     print(json.dumps({k: v for k, v in results.items() if k != "shapes"}))
     for name in args.shapes.split(","):
-        n, k = projections(config)[name]
-        results["shapes"][name] = rows = bench_shape(n, k, ms, ops, quant_kernels, args.configs)
+        n, k = rank_share(name, *projections(config)[name], args.tp)
+        results["shapes"][name] = rows = bench_shape(n, k, ms, ops, quant_kernels, args.configs, args.blas,
+                                                     args.tunable)
         for m, row in rows.items():
             cells = []
             shown = row.items()
             if args.best:
                 shown = sorted(((p, r) for p, r in row.items() if "us" in r), key=lambda pr: pr[1]["us"])[:args.best]
-                shown += [(p, row[p]) for p in ("F.linear", "FusedOps.linear") if p in row and (p, row[p]) not in shown]
+                shown += [(p, r) for p, r in row.items()
+                          if (p.startswith("F.linear") or p == "FusedOps.linear") and (p, r) not in shown]
             for path, r in shown:
                 if "us" in r:
                     weight_bytes = n * k * (1 if path.startswith("fp8") else 2)
-                    cells.append(f"{path} {r['us']:.1f}us {weight_bytes / r['us'] / 1e3:.0f}GB/s err {r['rel_err']:.0e}")
+                    tflops = 2 * m * n * k / r["us"] / 1e6
+                    cells.append(f"{path} {r['us']:.1f}us {weight_bytes / r['us'] / 1e3:.0f}GB/s {tflops:.0f}TF/s "
+                                 f"err {r['rel_err']:.0e}")
                 else:
                     cells.append(f"{path} failed")
             print(f"{name:>8} {n}x{k} M={m:<4} " + " | ".join(cells), flush=True)

@@ -170,3 +170,22 @@ def test_startup_reports_the_phases_of_a_fresh_process(tiny_llama_dir):
     assert 0 < parts <= report["startup_to_first_token_s"] + 1e-6
     assert sum(report["engine_phases"].values()) <= report["engine_s"] + 0.01
     assert sum(report["worker_phases"].values()) <= report["engine_phases"]["workers_and_weights_s"] + 0.02
+
+
+def test_the_linear_benchmark_takes_one_ranks_share_of_each_product():
+    """``benchmarks/kernels_linear.py --tp 2``: column-parallel products lose half their output features,
+    row-parallel ones half their input features, the router none."""
+    import importlib.util
+    from pathlib import Path
+
+    from dovetail.bench import shapes
+
+    spec = importlib.util.spec_from_file_location(
+        "kernels_linear", Path(__file__).resolve().parents[1] / "benchmarks" / "kernels_linear.py")
+    kernels_linear = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(kernels_linear)
+    whole = kernels_linear.projections(shapes.SHAPES["llama-3.1-8b"].config())
+    shares = {name: kernels_linear.rank_share(name, n, k, 2) for name, (n, k) in whole.items()}
+    assert shares == {"qkv": (3072, 4096), "o": (4096, 2048), "gate_up": (14336, 4096), "down": (4096, 7168),
+                      "lm_head": (64128, 4096)}
+    assert kernels_linear.rank_share("router", 128, 2048, 2) == (128, 2048)
