@@ -206,7 +206,8 @@ def main() -> None:
     if args.tunable:
         torch.cuda.tunable.tuning_enable(True)
         torch.cuda.tunable.set_max_tuning_duration(100)  # ms a shape
-        torch.cuda.tunable.write_file_on_exit(False)
+        if hasattr(torch.cuda.tunable, "write_file_on_exit"):  # keep the tuning out of the working directory
+            torch.cuda.tunable.write_file_on_exit(False)
     results = {"model": args.model, "tp": args.tp, "gpu": torch.cuda.get_device_name(), "platform": platform.name,
                "fused_ops": type(ops).__name__, "quant_kernels": type(quant_kernels).__name__, "shapes": {}}
     print(json.dumps({k: v for k, v in results.items() if k != "shapes"}))
