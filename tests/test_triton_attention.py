@@ -220,7 +220,6 @@ def test_kernel_tiles_splits_and_window_skipping(num_splits):
 
 def test_decode_split_path_matches():
     """The backend's decode launch splits small batches; force both splits and none."""
-    from dovetail.triton.completion_counters import all_counters
     from dovetail.triton.paged_attention import paged_attention
 
     case = make_case([1, 1], [30, 17], num_heads=4, num_kv_heads=2, seed=12)
@@ -228,14 +227,12 @@ def test_decode_split_path_matches():
     spec = spec_for(case)
     ref_cache = cache.clone()
     expected = ReferenceAttentionImpl(spec).forward(q, k, v, ref_cache, batch)
-    for splits in (1, 2, 16, 16):  # 16 twice: the counters the first launch leaves serve the second
+    for splits in (1, 2, 16):
         out = torch.full_like(q, float("nan"))
         paged_attention(q, ref_cache[0], ref_cache[1], out, batch.block_table, batch.seq_lens,
                         batch.query_start_loc, num_tokens=2, num_seqs=2, scale=spec.scale, decode=True,
                         num_splits=splits)
         torch.testing.assert_close(out, expected, **TOLERANCE[torch.float32])
-        # The last split of each sequence and KV head merged the parts and set its counter back to zero.
-        assert all(int(counters.count_nonzero()) == 0 for counters in all_counters())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -19,8 +19,8 @@ import sys
 import pytest
 
 ATTENTION_TYPES = dict(
-    split_out_ptr="*fp32", split_max_ptr="*fp32", split_sum_ptr="*fp32", split_count_ptr="*i32",
-    block_table_ptr="*i32", seq_lens_ptr="*i32", query_start_loc_ptr="*i32", decode_order_ptr="*i32", num_seqs="i32", scale="fp32",
+    split_out_ptr="*fp32", split_max_ptr="*fp32", split_sum_ptr="*fp32", block_table_ptr="*i32",
+    seq_lens_ptr="*i32", query_start_loc_ptr="*i32", decode_order_ptr="*i32", num_seqs="i32", scale="fp32",
     softcap="fp32", window="i32")
 
 
@@ -142,6 +142,7 @@ def _variants():
     from dovetail.triton.argmax import _chunk_max_kernel, _row_max_kernel
     from dovetail.triton.kv_cache_write import _kv_cache_write_kernel
     from dovetail.triton.norm import _rms_norm_kernel
+    from dovetail.triton.paged_attention import _reduce_splits_kernel
     from dovetail.triton.rotary import _rotary_kernel
 
     return {
@@ -157,6 +158,9 @@ def _variants():
         "attention decode split bf16 h128 gqa4, fp8 cache": attention_variant("bf16", 128, 4, True, split=True,
                                                                               kv_fp8=True),
         "attention prefill bf16 h128 gqa4, fp8 cache": attention_variant("bf16", 128, 4, False, kv_fp8=True),
+        "reduce splits": (_reduce_splits_kernel, dict(out_ptr="*bf16", split_out_ptr="*fp32", split_max_ptr="*fp32",
+                                                      split_sum_ptr="*fp32", stride_ot="i32", stride_oh="i32"),
+                          dict(NUM_HEADS=32, NUM_SPLITS=16, HEAD_SIZE=96, HEAD_PAD=128), dict(num_warps=4)),
         "kv cache write": (_kv_cache_write_kernel, dict(k_ptr="*bf16", v_ptr="*bf16", key_cache_ptr="*bf16",
                                                         value_cache_ptr="*bf16", slot_ptr="*i64"),
                            dict(NUM_KV_HEADS=8, HEAD_SIZE=128, BLOCK_SIZE=16, HEADS_PAD=8, HEAD_PAD=128,

@@ -166,7 +166,7 @@ def test_mixed_steps_compile_nothing_beyond_start_up():
     table = compute_cos_sin_cache(128, 4096, {"rope_theta": 500000.0, "rope_type": "default"}, 4096).cuda()
 
     def compiled():
-        kernels = (paged_attention._paged_attention_kernel,
+        kernels = (paged_attention._paged_attention_kernel, paged_attention._reduce_splits_kernel,
                    rotary._rotary_kernel, kv_cache_write._kv_cache_write_kernel)
         return sum(len(entry[0]) for kernel in kernels for entry in kernel.device_caches.values())
 

@@ -43,7 +43,6 @@ import triton
 import triton.language as tl
 
 from dovetail.triton import next_power_of_2
-from dovetail.triton.completion_counters import completion_counters
 from dovetail.triton.pdl import launch_kwargs, pdl_launch_dependents, pdl_wait, use_pdl
 
 
@@ -236,7 +235,7 @@ def _gemv(x, weight, scale, bias, config):
         part = counts = out
     else:
         part = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device)
-        counts = completion_counters("gemv", x.device, grid[0] * grid[2])
+        counts = _tile_counters(x.device, grid[0] * grid[2])
     _gemv_kernel[grid](x2, weight, out if scale is None else scale, bias_arg, out, part, counts, m, n, k,
                        x2.stride(0), weight.stride(0), out.stride(0), k_chunk, HAS_BIAS=bias is not None,
                        SPLIT_K=cfg.split_k, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
@@ -245,3 +244,18 @@ def _gemv(x, weight, scale, bias, config):
                        EVEN=n % cfg.block_n == 0 and k % cfg.block_k == 0,
                        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kwargs(use_pdl(x.device)))
     return out.reshape(*x.shape[:-1], n)
+
+
+_counters: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """int32 zeros, one per output tile, that split-K launches on ``device`` share (each leaves them at zero).
+
+    Made on the first split-K call (the engine's warm-up, before graph capture); a larger one, when
+    needed, leaves the older in place for the graphs that captured it.
+    """
+    held = _counters.setdefault(device, [])
+    if not held or held[-1].numel() < tiles:
+        held.append(torch.zeros(max(tiles, 1 << 16), dtype=torch.int32, device=device))
+    return held[-1]

@@ -27,11 +27,9 @@ the decode's slot, and with ``rotary`` it rotates the decode's q and k first, as
 would. The TRITON backend does so for split launches only (its ``_fuses_into_decode_launch`` says why).
 
 With ``SPLIT_KV`` each of ``num_splits`` programs takes a share of the key tiles
-and writes a partial result (its output, row maximum and row sum); the last of a
-group's splits to finish merges them (:mod:`dovetail.triton.completion_counters`),
-in the same launch, so a split step costs no second kernel. Splits keep the GPU
-busy on decode batches too small to fill it (batch 1 has only ``num_kv_heads``
-programs otherwise).
+and writes a partial result (its output, row maximum and row sum);
+:func:`_reduce_splits_kernel` merges them. That keeps the GPU busy on decode
+batches too small to fill it (batch 1 has only ``num_kv_heads`` programs otherwise).
 """
 
 from __future__ import annotations
@@ -46,7 +44,6 @@ import triton.language as tl
 
 from dovetail.attention.backend import RotaryInputs
 from dovetail.triton import interpreter_active, next_power_of_2, unaligned
-from dovetail.triton.completion_counters import completion_counters
 from dovetail.triton.kv_quant import from_cache, to_cache
 from dovetail.triton.pdl import launch_kwargs, pdl_prologue, use_pdl
 from dovetail.triton import rotary as rotary_kernel
@@ -140,7 +137,7 @@ _PER_STEP_POINTERS = ["block_table_ptr", "seq_lens_ptr", "query_start_loc_ptr", 
 @triton.jit(do_not_specialize=["num_seqs", "window", "stride_table"], **unaligned(*_PER_STEP_POINTERS))
 def _paged_attention_kernel(
     q_ptr, key_cache_ptr, value_cache_ptr, out_ptr,
-    split_out_ptr, split_max_ptr, split_sum_ptr, split_count_ptr,
+    split_out_ptr, split_max_ptr, split_sum_ptr,
     block_table_ptr, seq_lens_ptr, query_start_loc_ptr, decode_order_ptr,
     new_k_ptr, new_v_ptr, slot_ptr, positions_ptr, cos_sin_ptr, q_norm_ptr, k_norm_ptr,
     num_seqs, scale, softcap, window, eps, k_scale, v_scale,
@@ -295,48 +292,35 @@ def _paged_attention_kernel(
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     if SPLIT_KV:
-        # Each split stores its part; the last of this program group's splits to finish (counted in
-        # split_count_ptr, which it resets to 0 for the next launch) merges them in split order.
-        num_splits = tl.num_programs(2)
-        first_row = (token * NUM_HEADS + head) * num_splits
-        split_row = first_row + tl.program_id(2)
+        split_row = (token * NUM_HEADS + head) * tl.num_programs(2) + tl.program_id(2)
         tl.store(split_out_ptr + split_row[:, None] * HEAD_PAD + dims[None, :], out, mask=row_valid[:, None])
         tl.store(split_max_ptr + split_row, m_i, mask=row_valid)
         tl.store(split_sum_ptr + split_row, l_i, mask=row_valid)
-        tl.debug_barrier()
-        counter = split_count_ptr + q_block * (NUM_HEADS // QUERIES_PER_KV) + kv_head
-        if tl.atomic_add(counter, 1, sem="acq_rel") == num_splits - 1:
-            out = _merge_splits(split_out_ptr, split_max_ptr, split_sum_ptr, first_row, row_valid, dims, num_splits,
-                                BLOCK_M, HEAD_PAD)
-            tl.atomic_xchg(counter, 0)
-            tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
-                     out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & dim_valid[None, :])
     else:
         tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & dim_valid[None, :])
 
 
 @triton.jit
-def _merge_splits(split_out_ptr, split_max_ptr, split_sum_ptr, first_row, row_valid, dims, num_splits,
-                  BLOCK_M: tl.constexpr, HEAD_PAD: tl.constexpr):
-    """The rows' outputs from their splits' parts: each part weighted by its softmax sum, rescaled to the
-    largest maximum. Loads bypass L1 (``.cg``): the other splits' parts were written by other programs."""
-    m_all = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    for split in range(num_splits):
-        m_all = tl.maximum(m_all, tl.load(split_max_ptr + first_row + split, mask=row_valid, other=float("-inf"),
-                                          cache_modifier=".cg"))
-    total = tl.zeros([BLOCK_M], tl.float32)
-    merged = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
-    for split in range(num_splits):
-        row = first_row + split
-        m = tl.load(split_max_ptr + row, mask=row_valid, other=float("-inf"), cache_modifier=".cg")
-        l = tl.load(split_sum_ptr + row, mask=row_valid, other=0.0, cache_modifier=".cg")
-        weight = tl.where(l > 0.0, tl.exp2(m - m_all) * l, 0.0)
-        part = tl.load(split_out_ptr + row[:, None] * HEAD_PAD + dims[None, :], mask=row_valid[:, None], other=0.0,
-                       cache_modifier=".cg")
-        merged += part * weight[:, None]
-        total += weight
-    return merged / tl.where(total == 0.0, 1.0, total)[:, None]
+def _reduce_splits_kernel(
+    out_ptr, split_out_ptr, split_max_ptr, split_sum_ptr, stride_ot, stride_oh,
+    NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    pdl_prologue(USE_PDL)
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    splits = tl.arange(0, NUM_SPLITS)
+    dims = tl.arange(0, HEAD_PAD)
+    row = (token * NUM_HEADS + head) * NUM_SPLITS + splits
+    m = tl.load(split_max_ptr + row)
+    l = tl.load(split_sum_ptr + row)
+    m_all = tl.max(m, 0)
+    weight = tl.where(l > 0.0, tl.exp2(m - m_all) * l, 0.0)
+    partial = tl.load(split_out_ptr + row[:, None] * HEAD_PAD + dims[None, :])
+    out = tl.sum(partial * weight[:, None], 0) / tl.sum(weight, 0)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty),
+             mask=dims < HEAD_SIZE)
 
 
 #: Whether these kernels run in triton's CPU interpreter (``TRITON_INTERPRET=1``).
@@ -493,10 +477,8 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
         split_out = torch.empty((num_tokens, num_heads, num_splits, head_pad), dtype=torch.float32, device=q.device)
         split_max = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32, device=q.device)
         split_sum = torch.empty_like(split_max)
-        split_count = completion_counters("paged_attention", q.device, num_q_blocks * num_kv_heads)
     else:
         split_out = split_max = split_sum = out
-        split_count = seq_lens
     if new_kv is not None and not decode:
         raise ValueError("new_kv is for decode launches only: a prefill's queries read each other's keys "
                          "from the cache, so they must be written first")
@@ -514,7 +496,7 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
     if fp8 and value_cache.dtype != key_cache.dtype:
         raise ValueError("an FP8 key cache needs an FP8 value cache")
     _paged_attention_kernel[grid](
-        q, key_cache, value_cache, out, split_out, split_max, split_sum, split_count,
+        q, key_cache, value_cache, out, split_out, split_max, split_sum,
         block_table, seq_lens, query_start_loc, decode_order if decode_order is not None else seq_lens,
         new_k, new_v, slots, *_rotary_tensors(rotary, q),
         num_seqs, float(scale), float(logit_softcap or 1.0), int(sliding_window or 0),
@@ -535,3 +517,9 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
         and rotary.q_norm_weight.dtype == torch.float32, KV_FP8=fp8, ROUND_FP8=fp8 and interpreter_active(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
     )
+    if split_kv:
+        _reduce_splits_kernel[(num_tokens, num_heads)](
+            out, split_out, split_max, split_sum, out.stride(0), out.stride(1),
+            NUM_HEADS=num_heads, NUM_SPLITS=num_splits, HEAD_SIZE=head_size, HEAD_PAD=head_pad,
+            num_warps=4 if head_pad >= 128 else 2, **launch,
+        )
