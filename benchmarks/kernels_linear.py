@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 
 import torch
@@ -235,7 +236,8 @@ def main() -> None:
     layer = [s for s in ("qkv", "o", "gate_up", "down") if s in results["shapes"]]
     if len(layer) == 4:
         for m in ms:
-            step = {path: config.num_hidden_layers * sum(results["shapes"][s][m][path].get("us", float("nan"))
+            # (a split configuration's name holds its split, so it may be missing from other products)
+            step = {path: config.num_hidden_layers * sum(results["shapes"][s][m].get(path, {}).get("us", math.nan)
                                                          for s in layer)
                     for path in results["shapes"]["qkv"][m]}
             results.setdefault("decode_step_us", {})[m] = step
