@@ -14,8 +14,9 @@ times, from CUDA graphs (how the engine runs decode):
   chose one, else ``F.linear``) and :func:`dovetail.triton.gemv.gemv` with its default configuration;
 - FP8 weights (e4m3, per-channel scales): the platform's ``QuantKernels.fp8_linear`` (what the engine's fp8
   layers call), the Triton :func:`~dovetail.triton.gemv.fp8_gemv` and ``torch._scaled_mm`` with per-token
-  activation scales; ``--configs`` adds grids of ``GemvConfig`` for the Triton FP8 and 16-bit GEMVs, and
-  ``--best N`` prints only the N fastest paths of each product.
+  activation scales; ``--configs`` adds grids of ``GemvConfig`` for the Triton FP8 and 16-bit GEMVs (tensor-core
+  tiles, and at up to 4 rows register sums with their split of K), and ``--best N`` prints only the N fastest
+  16-bit and the N fastest FP8 paths of each product.
 
 Each graph runs ``CALLS`` products cycling over enough weight copies (at least 256 MB) that none is read from
 L2; a time is the median of ``REPLAYS`` replays. Every kernel is first checked against the float reference
@@ -50,6 +51,11 @@ SHARED_MEMORY = 220 << 10
 #: dot, those of at most 16 rows more than the product has and that fit ``SHARED_MEMORY``.
 BF16_GRID = [(bm, bn, bk, stages) for bm in (16, 32, 64, 128) for bn in (32, 64, 128) for bk in (128, 256)
              for stages in (3, 4) if stages * (bm + bn) * bk * 2 <= SHARED_MEMORY]
+#: Extra 16-bit register-sum configurations for ``--configs`` at up to 4 rows (the default there):
+#: (block_n, block_k, num_stages, split_k), 4 warps. Few output features (a TP rank's qkv, o and down) give
+#: few programs of ``block_n`` rows each; a narrower block or a split of K makes more of them.
+BF16_SUM_GRID = [(bn, bk, stages, split) for bn in (4, 8, 16) for bk in (512, 1024) for stages in (2, 3)
+                 for split in (1, 2)]
 
 
 def projections(config) -> dict[str, tuple[int, int]]:
@@ -170,6 +176,11 @@ def bench_shape(n: int, k: int, ms: list[int], ops, quant_kernels, configs: bool
                 cfg = GemvConfig(bn, bk, 4, stages, split_k_for(n, k, bn, bk, m, bm), True, block_m=bm)
                 paths[f"triton gemv m{bm} n{bn} k{bk} s{stages} split{cfg.split_k}"] = (
                     lambda i, cfg=cfg: gemv(x, ws[i % len(ws)], config=cfg), ref16)
+            if m <= 4:
+                for bn, bk, stages, split in BF16_SUM_GRID:
+                    cfg = GemvConfig(bn, bk, 4, stages, split, False)
+                    paths[f"triton gemv sums n{bn} k{bk} s{stages} split{split}"] = (
+                        lambda i, cfg=cfg: gemv(x, ws[i % len(ws)], config=cfg), ref16)
         row = {}
         for name, (fn, ref) in paths.items():
             try:
@@ -220,7 +231,9 @@ def main() -> None:
             cells = []
             shown = row.items()
             if args.best:
-                shown = sorted(((p, r) for p, r in row.items() if "us" in r), key=lambda pr: pr[1]["us"])[:args.best]
+                timed = sorted(((p, r) for p, r in row.items() if "us" in r), key=lambda pr: pr[1]["us"])
+                shown = ([pr for pr in timed if not pr[0].startswith("fp8")][:args.best]
+                         + [pr for pr in timed if pr[0].startswith("fp8")][:args.best])
                 shown += [(p, r) for p, r in row.items()
                           if (p.startswith("F.linear") or p == "FusedOps.linear") and (p, r) not in shown]
             for path, r in shown:
