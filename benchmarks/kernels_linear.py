@@ -81,27 +81,27 @@ def rank_share(name: str, n: int, k: int, tp: int) -> tuple[int, int]:
     return n // tp, k
 
 
-def with_blas(library: str, fn):
-    """``fn`` run with torch's matrix products on ``library`` (a process-wide setting, restored after)."""
+def with_setting(read, write, value, fn):
+    """``fn`` run with a process-wide torch setting at ``value`` (``write(value)``), restored after."""
     def call(i):
-        before = torch.backends.cuda.preferred_blas_library()
-        torch.backends.cuda.preferred_blas_library(library)
+        before = read()
+        write(value)
         try:
             return fn(i)
         finally:
-            torch.backends.cuda.preferred_blas_library(before)
+            write(before)
     return call
+
+
+def with_blas(library: str, fn):
+    """``fn`` run with torch's matrix products on ``library``."""
+    blas = torch.backends.cuda.preferred_blas_library
+    return with_setting(blas, blas, library, fn)
 
 
 def with_tunable_op(fn):
     """``fn`` run under torch's TunableOp: the first product of a shape times cuBLASLt's algorithms for it."""
-    def call(i):
-        torch.cuda.tunable.enable(True)
-        try:
-            return fn(i)
-        finally:
-            torch.cuda.tunable.enable(False)
-    return call
+    return with_setting(torch.cuda.tunable.is_enabled, torch.cuda.tunable.enable, True, fn)
 
 
 def time_graph(fn, before_replay=None) -> float:
