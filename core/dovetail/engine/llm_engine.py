@@ -90,7 +90,7 @@ class LLMEngine:
             self.platform.check_world_size(self.world_size)
         if self.executor_name == "uni":
             self.platform.set_device(0)
-        started = start_processes_early(self.executor_name, self.world_size, str(self.model_path), platform_name)
+        started = start_processes_early(self.executor_name, self.world_size, str(self.model_path))
         try:
             spec = self._configure(manager)
             marks = [time.monotonic()]

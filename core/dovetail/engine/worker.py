@@ -77,8 +77,8 @@ def check_heads_divide(shape, world_size: int) -> None:
                           f"tensor_parallel_size={world_size} ranks (nor replicated evenly)")
 
 
-class PhaseTimer:
-    """Seconds between successive marks, by the name given at each mark (a rank's start-up phases)."""
+class _Laps:
+    """Seconds between successive marks, by the name given at each mark."""
 
     def __init__(self, earlier: dict[str, float] | None = None):
         self.seconds: dict[str, float] = dict(earlier or {})
@@ -99,60 +99,29 @@ class _Launched:
     prompt_logprobs: dict
 
 
-@dataclass
-class RankConnection:
-    """A rank's platform and device, with the tensor-parallel group joined and its all-reduce set up."""
-
-    platform: Platform
-    local_rank: int
-    device: torch.device
-
-
-def connect_rank(platform_name: str, rank: int, world_size: int, distributed_init_method: str | None = None,
-                 local_rank: int | None = None, platform: Platform | None = None,
-                 laps: PhaseTimer | None = None) -> RankConnection:
-    """Select the rank's device, join the group and set up its all-reduce: what a rank can do before its
-    :class:`WorkerSpec` arrives (the ``mp`` executor's ranks do it while the engine configures). ``laps``
-    records ``device_and_group_s`` and, with several ranks, ``all_reduce_setup_s``."""
-    laps = laps or PhaseTimer()
-    if platform is None:
-        platform = selection.create_platform(platform_name, get_plugin_manager())
-    local_rank = rank if local_rank is None else local_rank
-    platform.set_device(local_rank)
-    device = platform.device(local_rank)
-    distributed.init_tensor_parallel(world_size, rank, platform.dist_backend, distributed_init_method or "", device)
-    laps.mark("device_and_group_s")
-    if world_size > 1:
-        distributed.set_all_reduce_kernel(platform.all_reduce_kernel(distributed.tp_group(), device))
-        laps.mark("all_reduce_setup_s")
-    return RankConnection(platform, local_rank, device)
-
-
 class Worker:
-    """One rank: builds the model on its device, sizes and holds the KV cache, runs and samples each step.
-
-    ``connection`` (:func:`connect_rank`) is the rank's device and group when they were set up before the
-    spec arrived; without it the worker sets them up first.
-    """
+    """One rank: builds the model on its device, sizes and holds the KV cache, runs and samples each step."""
 
     def __init__(self, spec: WorkerSpec, rank: int = 0, world_size: int = 1,
                  distributed_init_method: str | None = None, local_rank: int | None = None,
-                 platform: Platform | None = None, startup_phases: dict[str, float] | None = None,
-                 connection: RankConnection | None = None):
-        laps = PhaseTimer(startup_phases)
+                 platform: Platform | None = None, startup_phases: dict[str, float] | None = None):
+        laps = _Laps(startup_phases)
         self.spec, self.rank, self.world_size = spec, rank, world_size
         config = spec.config
         manager = get_plugin_manager()
-        if connection is None:
-            created = platform is None
-            connection = connect_rank(config.device.device, rank, world_size, distributed_init_method, local_rank,
-                                      platform, laps)
-            if created:
-                connection.platform.check_and_update_config(config)
-        else:
-            connection.platform.check_and_update_config(config)
-        platform = self.platform = connection.platform
-        self.local_rank, self.device = connection.local_rank, connection.device
+        if platform is None:
+            platform = selection.create_platform(config.device.device, manager)
+            platform.check_and_update_config(config)
+        self.platform = platform
+        self.local_rank = rank if local_rank is None else local_rank
+        platform.set_device(self.local_rank)
+        self.device = platform.device(self.local_rank)
+        distributed.init_tensor_parallel(world_size, rank, platform.dist_backend, distributed_init_method or "",
+                                         self.device)
+        laps.mark("device_and_group_s")
+        if world_size > 1:
+            distributed.set_all_reduce_kernel(platform.all_reduce_kernel(distributed.tp_group(), self.device))
+            laps.mark("all_reduce_setup_s")
         platform.seed_everything(config.model.seed)
 
         path = model_loader.resolve_model_path(spec.model_path)
@@ -182,14 +151,12 @@ class Worker:
         self.profiler = StepProfiler(rank, platform.device_type)
         laps.mark("runner_s")
         #: Seconds of this rank's start-up: what its executor measured before (``startup_phases``: its process
-        #: coming up, imports included; under ``mp`` also the device and group, the all-reduce's set-up, the
-        #: model's configuration read meanwhile, and waiting for its work), then (where the executor did not)
-        #: the device and the process group and the all-reduce's setup (several ranks), then the model's
-        #: configuration and the selections, building the model, its weights (loaded or drawn, then
-        #: processed), the model runner.
+        #: coming up, imports included, and waiting for its work), then the device and the process group, the
+        #: all-reduce's setup (several ranks), the model's configuration and the selections, building the
+        #: model, its weights (loaded or drawn, then processed), the model runner.
         self.startup_phases = laps.seconds
 
-    def _build_model(self, path, laps: PhaseTimer):
+    def _build_model(self, path, laps: "_Laps"):
         ctx = ModelContext(dtype=self.spec.dtype, device=self.device, quant=self.quant_method,
                            attention_backend=self.attention_backend, ops=self.ops,
                            quant_kernels=self.platform.quant_kernels())

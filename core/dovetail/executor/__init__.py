@@ -16,15 +16,14 @@ def executor_backend(tensor_parallel_size: int, requested: str | None) -> str:
     return requested or ("uni" if tensor_parallel_size == 1 else "mp")
 
 
-def start_processes_early(backend: str, world_size: int, model_path: str, platform_name: str) -> Executor | None:
-    """For ``mp``, the executor with its worker processes already starting (they import, join the group on
-    ``platform_name``'s devices and read the model's configuration while the engine configures;
-    :func:`create_executor` then gives them their work); else None."""
+def start_processes_early(backend: str, world_size: int, model_path: str) -> Executor | None:
+    """For ``mp``, the executor with its worker processes already starting (they import and read the model's
+    configuration while the engine configures; :func:`create_executor` then gives them their work); else None."""
     if backend != "mp":
         return None
     from dovetail.executor.multiproc import MultiprocExecutor
 
-    return MultiprocExecutor(world_size, model_path, platform_name)
+    return MultiprocExecutor(world_size, model_path)
 
 
 def create_executor(spec: WorkerSpec, platform: Platform, started: Executor | None = None) -> Executor:
@@ -39,8 +38,7 @@ def create_executor(spec: WorkerSpec, platform: Platform, started: Executor | No
     if backend == "mp":
         from dovetail.executor.multiproc import MultiprocExecutor
 
-        executor = started or MultiprocExecutor(parallel.tensor_parallel_size, spec.model_path,
-                                                spec.config.device.device)
+        executor = started or MultiprocExecutor(parallel.tensor_parallel_size, spec.model_path)
         executor.build(spec)
         return executor
     from dovetail.executor.ray_executor import RayExecutor

@@ -1,8 +1,8 @@
 """The ``mp`` executor: one worker process per device on this host (the default with several ranks).
 
-Workers are started with ``spawn`` as the engine begins, so that their imports, their device and process
-group, the all-reduce's set-up and the reading of the model's configuration overlap the engine's own
-configuration; they then get their spec and build their part of the model. They talk to the engine over one pipe each:
+Workers are started with ``spawn`` as the engine begins, so that their imports and the reading of the
+model's configuration overlap the engine's own configuration; they then get their spec and build their
+part of the model. They talk to the engine over one pipe each:
 a call is pickled once and written to every rank's pipe; rank 0 answers the
 steps, every rank answers the collective calls. While it waits, the engine
 watches every pipe and every process, so a rank that raises (its error comes
@@ -30,7 +30,7 @@ import weakref
 from typing import Any
 
 from dovetail.engine.step import StepDescription, StepOutput
-from dovetail.engine.worker import Worker, WorkerSpec, PhaseTimer, connect_rank
+from dovetail.engine.worker import Worker, WorkerSpec
 from dovetail.errors import DovetailError, WorkerError
 from dovetail.executor.base import RemoteExecutor
 
@@ -81,26 +81,19 @@ def _exit_with_parent(parent_pid: int) -> None:
 
 
 def _worker_main(rank: int, world_size: int, init_method: str, conn, parent_pid: int, log_level: int,
-                 started_at: float, model_path: str, platform_name: str) -> None:
+                 started_at: float, model_path: str) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the engine's to handle
     _exit_with_parent(parent_pid)
     logging.basicConfig(level=log_level, format=f"%(levelname)s rank {rank} %(name)s: %(message)s")
     worker = None
     try:
-        phases = {"process_start_s": max(0.0, time.time() - started_at)}
-        # The model's configuration is read (transformers' imports) while the device and the group come up.
-        reader = threading.Thread(target=_read_model_config, args=(model_path,), name="dovetail-config-read",
-                                  daemon=True)
-        reader.start()
-        laps = PhaseTimer(phases)
-        connection = connect_rank(platform_name, rank, world_size, init_method, laps=laps)
-        reader.join()
-        laps.mark("config_read_s")
+        _read_model_config(model_path)
+        ready = time.time()
         spec = pickle.loads(conn.recv_bytes())
         if not isinstance(spec, WorkerSpec):  # stopped before it was given work
             return
-        laps.mark("spec_wait_s")
-        worker = Worker(spec, rank, world_size, init_method, startup_phases=laps.seconds, connection=connection)
+        phases = {"process_start_s": max(0.0, ready - started_at), "spec_wait_s": time.time() - ready}
+        worker = Worker(spec, rank, world_size, init_method, startup_phases=phases)
         conn.send((True, None, 0))
         while True:
             call, method, args, reply = pickle.loads(conn.recv_bytes())
@@ -202,7 +195,7 @@ class MultiprocExecutor(RemoteExecutor):
 
     name = "mp"
 
-    def __init__(self, world_size: int, model_path: str, platform_name: str):
+    def __init__(self, world_size: int, model_path: str):
         self.world_size = world_size
         ctx = multiprocessing.get_context("spawn")
         init_method = f"tcp://127.0.0.1:{free_port()}"
@@ -217,7 +210,7 @@ class MultiprocExecutor(RemoteExecutor):
                 parent_end, child_end = ctx.Pipe()
                 proc = ctx.Process(target=_worker_main, name=f"dovetail-worker-{rank}", daemon=True,
                                    args=(rank, world_size, init_method, child_end, os.getpid(), log_level,
-                                         time.time(), model_path, platform_name))
+                                         time.time(), model_path))
                 proc.start()
                 child_end.close()
                 self._processes.append(proc)
