@@ -121,12 +121,12 @@ def gemm_candidates(block_m: int, gated: bool) -> list[GemmConfig]:
             return [GemmConfig(128, 64, 8, 4, 4), GemmConfig(64, 64, 8, 4, 4), GemmConfig(64, 128, 8, 4, 3),
                     GemmConfig(256, 64, 8, 8, 3)]
         return [GemmConfig(128, 64, 8, 4, 4), GemmConfig(64, 64, 8, 4, 4), GemmConfig(128, 128, 8, 8, 3),
-                GemmConfig(256, 64, 8, 8, 3)]
+                GemmConfig(256, 64, 8, 8, 3), GemmConfig(128, 64, 1, 4, 3)]
     if gated:
         return [GemmConfig(128, 64, 8, 8, 4), GemmConfig(128, 64, 8, 4, 3), GemmConfig(256, 64, 8, 8, 2),
-                GemmConfig(64, 64, 8, 4, 4)]
+                GemmConfig(64, 64, 8, 4, 4), GemmConfig(128, 64, 1, 8, 3), GemmConfig(128, 64, 1, 8, 4)]
     return [GemmConfig(128, 64, 8, 8, 4), GemmConfig(128, 64, 8, 4, 3), GemmConfig(256, 64, 8, 8, 3),
-            GemmConfig(64, 64, 8, 4, 4)]
+            GemmConfig(64, 64, 8, 4, 4), GemmConfig(128, 64, 1, 4, 3)]
 
 
 def default_config(tokens: int, shape: LayerShape) -> MoeConfig:
