@@ -203,7 +203,8 @@ def main() -> None:
     p.add_argument("--blas", action="store_true", help="also F.linear under cuBLAS and under cuBLASLt")
     p.add_argument("--tunable", action="store_true", help="also F.linear under torch's TunableOp (cuBLASLt, tuned)")
     p.add_argument("--configs", action="store_true", help="also grids of Triton GEMV configurations (FP8, 16-bit)")
-    p.add_argument("--best", type=int, default=0, help="print only the N fastest 16-bit and N fastest FP8 paths of each product")
+    p.add_argument("--best", type=int, default=0,
+                   help="print only the N fastest 16-bit and N fastest FP8 paths of each product")
     p.add_argument("--json", default=None)
     args = p.parse_args()
 
