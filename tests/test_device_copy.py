@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from dovetail.device_copy import copy_to_device, to_device
+from dovetail.device_copy import copy_to_device, to_device, values_to_device
 
 
 def _count_pinning(monkeypatch) -> list[torch.Tensor]:
@@ -28,6 +28,8 @@ def test_an_accelerator_copy_is_staged_in_pinned_memory(monkeypatch):
     dst = torch.empty(7, dtype=host.dtype, device="meta")
     copy_to_device(dst, host)
     assert len(pinned) == 2 and all(p is host for p in pinned)
+    listed = values_to_device([3, 1, 2], torch.int32, "meta")
+    assert listed.device.type == "meta" and listed.dtype == torch.int32 and listed.shape == (3,) and len(pinned) == 3
 
 
 def test_a_cpu_copy_needs_no_pinning(monkeypatch):
@@ -37,3 +39,4 @@ def test_a_cpu_copy_needs_no_pinning(monkeypatch):
     dst = torch.zeros(5)
     copy_to_device(dst, host)
     assert torch.equal(dst, host) and not pinned
+    assert torch.equal(values_to_device([3, 1, 2], torch.long, "cpu"), torch.tensor([3, 1, 2])) and not pinned

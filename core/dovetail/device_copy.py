@@ -26,3 +26,8 @@ def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
 def copy_to_device(dst: torch.Tensor, host: torch.Tensor) -> torch.Tensor:
     """``dst.copy_(host)``, the copy queued without waiting (see :func:`to_device`)."""
     return dst.copy_(_pinned(host, dst.device), non_blocking=True)
+
+
+def values_to_device(values, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """``torch.tensor(values, dtype=dtype)`` on ``device``, the copy queued without waiting (see :func:`to_device`)."""
+    return to_device(torch.tensor(values, dtype=dtype), device)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dovetail.device_copy import to_device
+from dovetail.device_copy import to_device, values_to_device
 
 
 @dataclass
@@ -85,6 +85,6 @@ class AttentionBatch:
             query_start_loc=to_device(qsl_cpu, device),
             seq_lens=to_device(seq_cpu, device),
             block_table=to_device(table, device),
-            slot_mapping=to_device(torch.tensor(slots, dtype=torch.long), device),
+            slot_mapping=values_to_device(slots, torch.long, device),
             query_start_loc_cpu=qsl_cpu, seq_lens_cpu=seq_cpu, block_size=block_size, block_table_cpu=table,
         )

@@ -26,7 +26,7 @@ import torch
 
 from dovetail.attention.backend import AttentionBackend
 from dovetail.attention.batch import AttentionBatch
-from dovetail.device_copy import copy_to_device, to_device
+from dovetail.device_copy import copy_to_device, to_device, values_to_device
 from dovetail.engine.scheduler import ScheduledBatch
 from dovetail.engine.sharded_logits import ShardedLogits
 from dovetail.forward_context import set_forward_context
@@ -94,8 +94,8 @@ def fill_pending(input_ids: torch.Tensor, rows: tuple[list[int], list[int]], pre
         return
     if prev_tokens is None:
         raise RuntimeError("a sequence waits for a token of a step that is not in flight")
-    index = to_device(torch.tensor(dst, dtype=torch.long), input_ids.device)
-    source = to_device(torch.tensor(src, dtype=torch.long), prev_tokens.device)
+    index = values_to_device(dst, torch.long, input_ids.device)
+    source = values_to_device(src, torch.long, prev_tokens.device)
     input_ids.index_copy_(0, index, prev_tokens.index_select(0, source))
 
 
@@ -214,7 +214,7 @@ class ModelRunner:
             query_start_loc=to_device(qsl32, dev), seq_lens=to_device(seq32, dev),
             block_table=to_device(table, dev), slot_mapping=to_device(slots, dev), query_start_loc_cpu=qsl32,
             seq_lens_cpu=seq32, block_size=bs, block_table_cpu=table)
-        return to_device(torch.tensor(input_ids, dtype=torch.long), dev), to_device(positions, dev), attn
+        return values_to_device(input_ids, torch.long, dev), to_device(positions, dev), attn
 
     # -- the step ------------------------------------------------------------------------
 
@@ -263,7 +263,7 @@ class ModelRunner:
     def _rows(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
         if rows == list(range(rows[0], rows[0] + len(rows))):
             return hidden[rows[0]:rows[0] + len(rows)]
-        return hidden.index_select(0, to_device(torch.tensor(rows, dtype=torch.long), hidden.device))
+        return hidden.index_select(0, values_to_device(rows, torch.long, hidden.device))
 
     # -- profiling ---------------------------------------------------------------------------
 

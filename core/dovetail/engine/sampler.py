@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dovetail.device_copy import to_device
+from dovetail.device_copy import values_to_device
 from dovetail.engine.sharded_logits import ShardedLogits
 
 if TYPE_CHECKING:
@@ -38,10 +38,6 @@ class SampleResult:
     token_ids: list[int]
     # Per row: (sampled logprob, sampled rank, [(token, logprob), ...] top-k) or None.
     logprobs: list[tuple[float, int, list[tuple[int, float]]] | None]
-
-
-def _host_to(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return to_device(torch.tensor(values, dtype=dtype), device)
 
 
 # -- counter-based noise for seeded requests -------------------------------------------------
@@ -98,10 +94,10 @@ def _bias_and_bans(logits: torch.Tensor, requests: list[RequestState]) -> None:
             ban_tokens += banned
     dev = logits.device
     if rows:
-        index = (_host_to(rows, torch.long, dev), _host_to(tokens, torch.long, dev))
-        logits.index_put_(index, _host_to(values, logits.dtype, dev), accumulate=True)
+        index = (values_to_device(rows, torch.long, dev), values_to_device(tokens, torch.long, dev))
+        logits.index_put_(index, values_to_device(values, logits.dtype, dev), accumulate=True)
     if ban_rows:
-        index = (_host_to(ban_rows, torch.long, dev), _host_to(ban_tokens, torch.long, dev))
+        index = (values_to_device(ban_rows, torch.long, dev), values_to_device(ban_tokens, torch.long, dev))
         logits.index_put_(index, torch.full((1,), float("-inf"), dtype=logits.dtype, device=dev))
 
 
@@ -125,25 +121,25 @@ def _penalties(logits: torch.Tensor, requests: list[RequestState]) -> None:
             out_tokens += output
     if rep_rows:
         seen = torch.zeros(rows_n, vocab, dtype=torch.bool, device=dev)
-        seen.index_put_((_host_to(rep_rows, torch.long, dev), _host_to(rep_tokens, torch.long, dev)),
+        seen.index_put_((values_to_device(rep_rows, torch.long, dev), values_to_device(rep_tokens, torch.long, dev)),
                         torch.ones(1, dtype=torch.bool, device=dev))
-        penalty = _host_to(repetition, logits.dtype, dev).unsqueeze(1)
+        penalty = values_to_device(repetition, logits.dtype, dev).unsqueeze(1)
         penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
         logits.copy_(torch.where(seen, penalised, logits))
     if out_rows:
         counts = torch.zeros(rows_n, vocab, dtype=logits.dtype, device=dev)
-        counts.index_put_((_host_to(out_rows, torch.long, dev), _host_to(out_tokens, torch.long, dev)),
+        counts.index_put_((values_to_device(out_rows, torch.long, dev), values_to_device(out_tokens, torch.long, dev)),
                           torch.ones(1, dtype=logits.dtype, device=dev), accumulate=True)
-        logits -= (_host_to(frequency, logits.dtype, dev).unsqueeze(1) * counts
-                   + _host_to(presence, logits.dtype, dev).unsqueeze(1) * (counts > 0).to(logits.dtype))
+        logits -= (values_to_device(frequency, logits.dtype, dev).unsqueeze(1) * counts
+                   + values_to_device(presence, logits.dtype, dev).unsqueeze(1) * (counts > 0).to(logits.dtype))
 
 
 def _filter(logits: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float]) -> torch.Tensor:
     """Mask tokens outside top-k, top-p and min-p (per-row values; 0 / 1 / 0 disable them)."""
     vocab, dev = logits.shape[1], logits.device
     if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
-        top_k_t = _host_to([min(k, vocab) if k > 0 else vocab for k in top_k], torch.long, dev)
-        top_p_t = _host_to(top_p, torch.float32, dev)
+        top_k_t = values_to_device([min(k, vocab) if k > 0 else vocab for k in top_k], torch.long, dev)
+        top_p_t = values_to_device(top_p, torch.float32, dev)
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         keep = torch.arange(vocab, device=dev).unsqueeze(0) < top_k_t.unsqueeze(1)
         probs = sorted_logits.masked_fill(~keep, float("-inf")).softmax(dim=-1)
@@ -154,7 +150,7 @@ def _filter(logits: torch.Tensor, top_k: list[int], top_p: list[float], min_p: l
         logits = logits.masked_fill(~mask, float("-inf"))
     if any(m > 0 for m in min_p):
         probs = logits.softmax(dim=-1)
-        threshold = probs.max(dim=-1, keepdim=True).values * _host_to(min_p, torch.float32, dev).unsqueeze(1)
+        threshold = probs.max(dim=-1, keepdim=True).values * values_to_device(min_p, torch.float32, dev).unsqueeze(1)
         logits = logits.masked_fill(probs < threshold, float("-inf"))
     return logits
 
@@ -166,8 +162,9 @@ def _sample_random(logits: torch.Tensor, sampled: torch.Tensor, requests: list[R
         return
     dev = logits.device
     params = [requests[i].params for i in random_rows]
-    index = _host_to(random_rows, torch.long, dev)
-    sub = logits.index_select(0, index) / _host_to([p.temperature for p in params], torch.float32, dev).unsqueeze(1)
+    index = values_to_device(random_rows, torch.long, dev)
+    temperature = values_to_device([p.temperature for p in params], torch.float32, dev)
+    sub = logits.index_select(0, index) / temperature.unsqueeze(1)
     sub = _filter(sub, [max(p.top_k, 0) for p in params], [p.top_p for p in params], [p.min_p for p in params])
     probs = sub.softmax(dim=-1)
     seeded = [j for j, p in enumerate(params) if p.seed is not None]
@@ -176,19 +173,19 @@ def _sample_random(logits: torch.Tensor, sampled: torch.Tensor, requests: list[R
     else:
         noise = torch.empty_like(probs).exponential_()
     if seeded:
-        seeds = _host_to([_signed64(params[j].seed) for j in seeded], torch.long, dev)
-        steps = _host_to([requests[random_rows[j]].num_output_tokens for j in seeded], torch.long, dev)
+        seeds = values_to_device([_signed64(params[j].seed) for j in seeded], torch.long, dev)
+        steps = values_to_device([requests[random_rows[j]].num_output_tokens for j in seeded], torch.long, dev)
         seeded_noise = seeded_exponential(seeds, steps, probs.shape[1])
         if len(seeded) == len(params):
             noise = seeded_noise
         else:
-            noise.index_copy_(0, _host_to(seeded, torch.long, dev), seeded_noise)
+            noise.index_copy_(0, values_to_device(seeded, torch.long, dev), seeded_noise)
     sampled.index_copy_(0, index, (probs / noise).argmax(dim=-1))
 
 
 def _top_logprobs(logprobs: torch.Tensor, sampled: torch.Tensor, rows: list[int], k_max: int):
     """Device tensors for the rows that asked: the sampled logprob, its rank, and the top ``k_max``."""
-    index = _host_to(rows, torch.long, logprobs.device)
+    index = values_to_device(rows, torch.long, logprobs.device)
     lp = logprobs.index_select(0, index)
     chosen_lp = lp.gather(1, sampled.index_select(0, index).unsqueeze(1)).squeeze(1)
     ranks = (lp > chosen_lp.unsqueeze(1)).sum(dim=1) + 1

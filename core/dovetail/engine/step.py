@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from dovetail.device_copy import to_device
+from dovetail.device_copy import to_device, values_to_device
 from dovetail.sampling_params import SamplingParams
 
 #: Per sampled row: (the sampled token's logprob, its rank, the top ``logprobs`` as ``(token, logprob)``).
@@ -103,5 +103,5 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Optio
         xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab_size, backend=backend)
         return
     full = torch.empty((logits.shape[0], bitmask.shape[1]), dtype=bitmask.dtype, device=logits.device)
-    full.index_copy_(0, to_device(torch.tensor(rows, dtype=torch.long), logits.device), bitmask)
+    full.index_copy_(0, values_to_device(rows, torch.long, logits.device), bitmask)
     xgr.apply_token_bitmask_inplace(logits, full, vocab_size=vocab_size, indices=rows, backend=backend)

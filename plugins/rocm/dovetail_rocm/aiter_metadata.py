@@ -24,7 +24,7 @@ import torch
 
 from dovetail.attention.backend import AttentionMetadataBuilder
 from dovetail.attention.batch import AttentionBatch
-from dovetail.device_copy import to_device
+from dovetail.device_copy import values_to_device
 
 
 #: Tokens per partition of ``paged_attention_v1``'s split-K reduction (the value vLLM and AITER's tests use).
@@ -67,10 +67,6 @@ class AiterAttentionMetadata:
     prefill: AiterPrefillMetadata | None
     k_scale: torch.Tensor  # float32 [1] = 1.0: the cache is not quantized
     v_scale: torch.Tensor
-
-
-def _int32(values: list[int], device) -> torch.Tensor:
-    return to_device(torch.tensor(values, dtype=torch.int32), device)
 
 
 def _cumulative(lengths: list[int]) -> list[int]:
@@ -121,8 +117,8 @@ class AiterMetadataBuilder(AttentionMetadataBuilder):
         kv_slots = self._context_slots(batch, seqs, k_lens) if has_context else None
         return AiterPrefillMetadata(
             token_start=qsl[nd], token_end=qsl[batch.num_seqs],
-            cu_seqlens_q=_int32(_cumulative(q_lens), self.device),
-            cu_seqlens_k=_int32(_cumulative(k_lens if has_context else q_lens), self.device),
+            cu_seqlens_q=values_to_device(_cumulative(q_lens), torch.int32, self.device),
+            cu_seqlens_k=values_to_device(_cumulative(k_lens if has_context else q_lens), torch.int32, self.device),
             max_seqlen_q=max(q_lens), max_seqlen_k=max(k_lens), min_seqlen_q=min(q_lens), kv_slots=kv_slots)
 
     def _context_slots(self, batch: AttentionBatch, seqs: list[int], k_lens: list[int]) -> torch.Tensor:
