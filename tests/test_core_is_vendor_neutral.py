@@ -108,6 +108,7 @@ def test_the_triton_kernels_ask_the_platform_of_the_device(monkeypatch):
     import dovetail.triton
     from dovetail import selection
     from dovetail.triton import paged_attention, pdl
+    from dovetail.triton import multiprocessors as unit_counts
 
     monkeypatch.setattr(dovetail.triton, "interpreter_active", lambda: False)
     monkeypatch.setattr(pdl, "_triton_supports_pdl", lambda: True)
@@ -117,10 +118,10 @@ def test_the_triton_kernels_ask_the_platform_of_the_device(monkeypatch):
     for multiprocessors, answer in ((4, True), (132, False)):
         fake = _FakeGpu(multiprocessors, answer)
         monkeypatch.setitem(selection._DEVICE_PLATFORMS, "meta", fake)
-        monkeypatch.setattr(paged_attention, "_SM_COUNT", {})
+        monkeypatch.setattr(unit_counts, "_SM_COUNT", {})
         pdl._use_pdl_on.cache_clear()
         assert pdl.use_pdl(meta) is answer
-        assert paged_attention.multiprocessor_count(meta) == multiprocessors
+        assert unit_counts.multiprocessor_count(meta) == multiprocessors
         splits[multiprocessors] = paged_attention.default_num_splits(1, 2, meta)
         assert ("supports_pdl", None) in fake.asked and ("multiprocessor_count", None) in fake.asked
     pdl._use_pdl_on.cache_clear()

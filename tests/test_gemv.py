@@ -115,6 +115,24 @@ def test_the_default_tiles_of_many_rows_take_blocks_of_rows():
     assert_close(gemv(*on(x, w)), x.float() @ w.float().t(), torch.bfloat16)
 
 
+def test_one_token_tiles_follow_the_weights_shape_and_the_devices_size():
+    """16-bit weights at one token: a K step that divides K (unmasked loads), 8 weight rows a program while the
+    launch fits one wave and 4 past it, so a device with fewer multiprocessors gets the narrower block sooner."""
+    def tile(n, k, multiprocessors=132):
+        cfg = default_config(1, n, k, 2, multiprocessors)
+        assert not cfg.dot and cfg.split_k == 1
+        return cfg.block_n, cfg.block_k
+
+    assert tile(4096, 2048) == (8, 1024)  # llama-3.1-8b TP=2 o_proj: 512 programs, one wave
+    assert tile(5120, 5120) == (4, 1024)  # qwen3-32b TP=2 qkv: 640 programs of 8 rows would spill past it
+    assert tile(25600, 5120) == (4, 1024)
+    assert tile(5120, 12800) == (8, 512)  # 12,800 is no multiple of 1,024; at 512 of K the wave is twice as wide
+    assert tile(4096, 2048, multiprocessors=66) == (4, 1024)
+    assert tile(40, 72) == (8, 1024)  # no step of 256 or more divides 72: the plain step, masked
+    assert default_config(2, 5120, 12800, 2).block_k == 512
+    assert default_config(4, 5120, 12800, 2).block_k == 256
+
+
 def test_every_finite_e4m3_value_converts_exactly():
     """All 254 finite bytes as weights (subnormals too), K = 1 and unit scales: each output is one product."""
     codes = torch.arange(256, dtype=torch.uint8).view(FP8)

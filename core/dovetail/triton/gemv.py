@@ -43,6 +43,7 @@ import triton
 import triton.language as tl
 
 from dovetail.triton import next_power_of_2
+from dovetail.triton.multiprocessors import multiprocessor_count
 from dovetail.triton.pdl import launch_kwargs, pdl_launch_dependents, pdl_wait, use_pdl
 
 
@@ -146,6 +147,13 @@ class GemvConfig(NamedTuple):
     block_m: int = 16
 
 
+def register_sum_wave(block_k: int, multiprocessors: int) -> int:
+    """Programs of 8 weight rows by ``block_k`` that the register-sum GEMV runs in one wave: 32K weight elements in
+    flight a multiprocessor (4 programs at 1,024 of K). Fitted to H100 timings, not derived from a
+    resource count: 8-row blocks won on 512 programs and lost on 640 at 1,024 of K, and won on 640 at 512."""
+    return multiprocessors * (32768 // (8 * block_k))
+
+
 #: Split K until a launch has at least this many programs (about three per multiprocessor of a Hopper GPU).
 MIN_PROGRAMS = 384
 
@@ -163,12 +171,15 @@ def split_k_for(n: int, k: int, block_n: int, block_k: int, m: int = 1, block_m:
 
 
 @functools.lru_cache(maxsize=None)
-def default_config(m: int, n: int, k: int, weight_bytes: int = 1) -> GemvConfig:
-    """The launch parameters for ``x [m, k] @ weight[n, k].T``: the heuristic to retune.
+def default_config(m: int, n: int, k: int, weight_bytes: int = 1, multiprocessors: int = 132) -> GemvConfig:
+    """The launch parameters for ``x [m, k] @ weight[n, k].T`` on a device of ``multiprocessors``: the heuristic to
+    retune.
 
-    16-bit weights (``weight_bytes=2``) at up to 4 rows: register sums over 8 weight rows and 1,024
-    of K per step, unsplit (of a dozen configurations at one token, the fastest or near it on the layer
-    linears of llama-3.1-8b and qwen3-0.6b).
+    16-bit weights (``weight_bytes=2``) at up to 4 rows: register sums, unsplit, 3 stages, 1,024 of K per step at
+    one row (halved per doubling of the rows, and halved again, down to 256, while it does not divide K: masked
+    loads were slower), over 8 weight rows a program while the launch fits :func:`register_sum_wave` and 4 past it (the
+    smaller programs even out the last wave). On an H100 that was the fastest or within 1% of it on every layer
+    linear of a TP=2 rank of llama-3.1-8b and qwen3-32b (benchmarks/RESULTS.md, Kernels).
 
     Otherwise the tensor-core dot over 64 weight rows and up to 64 rows of x (more rows read the weight once per
     block of rows, from L2 after the first), K split until there are ``MIN_PROGRAMS`` programs.
@@ -178,7 +189,12 @@ def default_config(m: int, n: int, k: int, weight_bytes: int = 1) -> GemvConfig:
     linears). ``benchmarks/kernels_linear.py --configs`` retunes it; benchmarks/RESULTS.md, Kernels.
     """
     if weight_bytes == 2 and m <= 4:
-        return GemvConfig(8, 1024 // next_power_of_2(m), num_warps=4, num_stages=3)
+        block_k = 1024 // next_power_of_2(m)
+        while k % block_k and block_k > 256:
+            block_k //= 2
+        block_k = block_k if k % block_k == 0 else 1024 // next_power_of_2(m)
+        block_n = 8 if triton.cdiv(n, 8) <= register_sum_wave(block_k, multiprocessors) else 4
+        return GemvConfig(block_n, block_k, num_warps=4, num_stages=3)
     block_m = min(64, max(16, next_power_of_2(m)))
     if k >= 4096:
         return GemvConfig(64, 256, num_warps=4, num_stages=3, split_k=split_k_for(n, k, 64, 256, m, block_m),
@@ -226,7 +242,7 @@ def _gemv(x, weight, scale, bias, config):
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out.reshape(*x.shape[:-1], n)
-    cfg = config or default_config(m, n, k, weight.element_size())
+    cfg = config or default_config(m, n, k, weight.element_size(), multiprocessor_count(x.device))
     bias_arg = bias.contiguous() if bias is not None else (scale if scale is not None else out)
     block_m = max(16, cfg.block_m) if cfg.dot else min(16, next_power_of_2(m))
     k_chunk = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k

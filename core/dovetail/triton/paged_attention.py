@@ -34,8 +34,6 @@ batches too small to fill it (batch 1 has only ``num_kv_heads`` programs otherwi
 
 from __future__ import annotations
 
-import logging
-import os
 from dataclasses import dataclass
 
 import torch
@@ -45,11 +43,11 @@ import triton.language as tl
 from dovetail.attention.backend import RotaryInputs
 from dovetail.triton import interpreter_active, next_power_of_2, unaligned
 from dovetail.triton.kv_quant import from_cache, to_cache
+from dovetail.triton.multiprocessors import multiprocessor_count
 from dovetail.triton.pdl import launch_kwargs, pdl_prologue, use_pdl
 from dovetail.triton import rotary as rotary_kernel
 from dovetail.triton.rotary import normalised
 
-logger = logging.getLogger("dovetail")
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -369,29 +367,6 @@ def default_config(head_size: int, queries_per_kv: int, decode: bool, dtype: tor
     if wide:
         return LaunchConfig(block_m=max(32, group), tile_n=32, num_warps=4, num_stages=2)
     return LaunchConfig(block_m=max(64, group), tile_n=32, num_warps=4, num_stages=2)
-
-
-_SM_COUNT: dict[torch.device, int] = {}
-
-
-def multiprocessor_count(device: torch.device) -> int:
-    """The compute units a launch on ``device`` spreads over, as its platform says (``Platform.multiprocessor_count``;
-    the CPU's cores for triton's interpreter); 64 where unknown. Asked once per device."""
-    if device not in _SM_COUNT:
-        count = 0
-        if device.type == "cpu":  # the interpreter
-            count = os.cpu_count() or 1
-        else:
-            from dovetail.selection import platform_for_device
-
-            platform = platform_for_device(device.type)
-            try:
-                count = platform.multiprocessor_count(device.index) if platform is not None else 0
-            except Exception:
-                logger.warning("the %s platform could not count the multiprocessors of %s; assuming 64",
-                               device.type, device, exc_info=True)
-        _SM_COUNT[device] = count or 64
-    return _SM_COUNT[device]
 
 
 def default_num_splits(num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
