@@ -117,7 +117,7 @@ def test_the_default_tiles_of_many_rows_take_blocks_of_rows():
 
 def test_one_token_tiles_follow_the_weights_shape_and_the_devices_size():
     """16-bit weights at one token: a K step that divides K (unmasked loads), 8 weight rows a program while the
-    launch fits one wave and 4 past it, so a device with fewer multiprocessors gets the narrower block sooner."""
+    launch fits one wave and has more programs than multiprocessors, else 4; so the device's size counts."""
     def tile(n, k, multiprocessors=132):
         cfg = default_config(1, n, k, 2, multiprocessors)
         assert not cfg.dot and cfg.split_k == 1
@@ -128,7 +128,9 @@ def test_one_token_tiles_follow_the_weights_shape_and_the_devices_size():
     assert tile(25600, 5120) == (4, 1024)
     assert tile(5120, 12800) == (8, 512)  # 12,800 is no multiple of 1,024; at 512 of K the wave is twice as wide
     assert tile(4096, 2048, multiprocessors=66) == (4, 1024)
-    assert tile(40, 72) == (8, 1024)  # no step of 256 or more divides 72: the plain step, masked
+    assert tile(1024, 3072) == (4, 1024)  # qwen3-0.6b down_proj: 128 programs of 8 rows leave multiprocessors idle
+    assert tile(1024, 3072, multiprocessors=64) == (8, 1024)
+    assert tile(40, 72, multiprocessors=4) == (8, 1024)  # no step of 256 or more divides 72: the plain step, masked
     assert default_config(2, 5120, 12800, 2).block_k == 512
     assert default_config(4, 5120, 12800, 2).block_k == 256
 

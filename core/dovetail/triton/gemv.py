@@ -177,9 +177,10 @@ def default_config(m: int, n: int, k: int, weight_bytes: int = 1, multiprocessor
 
     16-bit weights (``weight_bytes=2``) at up to 4 rows: register sums, unsplit, 3 stages, 1,024 of K per step at
     one row (halved per doubling of the rows, and halved again, down to 256, while it does not divide K: masked
-    loads were slower), over 8 weight rows a program while the launch fits :func:`register_sum_wave` and 4 past it (the
-    smaller programs even out the last wave). On an H100 that was the fastest or within 1% of it on every layer
-    linear of a TP=2 rank of llama-3.1-8b and qwen3-32b (benchmarks/RESULTS.md, Kernels).
+    loads were slower), over 8 weight rows a program while the launch fits :func:`register_sum_wave` with more
+    programs than multiprocessors, else over 4 (twice the programs: every multiprocessor busy, or the last wave
+    evened out). On an H100 that was the fastest or within 1% of it on every layer linear and LM head of
+    qwen3-0.6b, llama-3.1-8b, and a TP=2 rank of llama-3.1-8b and qwen3-32b (benchmarks/RESULTS.md, Kernels).
 
     Otherwise the tensor-core dot over 64 weight rows and up to 64 rows of x (more rows read the weight once per
     block of rows, from L2 after the first), K split until there are ``MIN_PROGRAMS`` programs.
@@ -193,7 +194,7 @@ def default_config(m: int, n: int, k: int, weight_bytes: int = 1, multiprocessor
         while k % block_k and block_k > 256:
             block_k //= 2
         block_k = block_k if k % block_k == 0 else 1024 // next_power_of_2(m)
-        block_n = 8 if triton.cdiv(n, 8) <= register_sum_wave(block_k, multiprocessors) else 4
+        block_n = 8 if multiprocessors < triton.cdiv(n, 8) <= register_sum_wave(block_k, multiprocessors) else 4
         return GemvConfig(block_n, block_k, num_warps=4, num_stages=3)
     block_m = min(64, max(16, next_power_of_2(m)))
     if k >= 4096:
