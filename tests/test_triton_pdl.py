@@ -78,7 +78,7 @@ def test_a_chain_of_pdl_kernels_matches_torch_eagerly_and_in_a_graph():
 
 def test_linear_routing_to_the_triton_gemv():
     """Few 16-bit tokens on a Hopper GPU go to the GEMV; anything else (CPU, float32, many tokens) to F.linear."""
-    from dovetail.triton.fused_ops import GEMV_MAX_N, GEMV_MAX_ROWS, TritonFusedOps, gemv_applies
+    from dovetail.triton.fused_ops import GEMV_MAX_ROWS, TritonFusedOps, gemv_applies
 
     w = torch.randn(8, 16, dtype=torch.bfloat16)
     assert not gemv_applies(torch.randn(1, 16, dtype=torch.bfloat16), w, None)  # a CPU tensor
@@ -90,8 +90,8 @@ def test_linear_routing_to_the_triton_gemv():
         w = w.cuda()
         assert gemv_applies(torch.randn(GEMV_MAX_ROWS, 16, device="cuda", dtype=torch.bfloat16), w, None)
         assert not gemv_applies(torch.randn(GEMV_MAX_ROWS + 1, 16, device="cuda", dtype=torch.bfloat16), w, None)
-        assert not gemv_applies(torch.randn(1, 16, device="cuda", dtype=torch.bfloat16),
-                                torch.randn(GEMV_MAX_N + 1, 16, device="cuda", dtype=torch.bfloat16), None)
+        assert gemv_applies(torch.randn(1, 16, device="cuda", dtype=torch.bfloat16),  # a vocabulary-sized LM head
+                            torch.randn(151936, 16, device="cuda", dtype=torch.bfloat16), None)
         assert not gemv_applies(torch.randn(1, 16, device="cuda"), w.float(), None)
         assert not gemv_applies(torch.randn(0, 16, device="cuda", dtype=torch.bfloat16), w, None)
 

@@ -16,22 +16,19 @@ from dovetail.ops import FusedOps
 from dovetail.triton import activation, argmax, fused_moe, gemv, moe_routing, norm, rotary
 
 #: Most tokens for which a 16-bit unquantized linear runs the Triton GEMV where a platform turns it on
-#: (the cuda platform on Hopper), and most output features (vocabulary-sized LM heads stay on cuBLAS). At
-#: one token the GEMV beat cuBLAS on nearly every layer linear of llama-3.1-8b and qwen3-0.6b; at 2 and 4
-#: tokens cuBLAS was faster on most, and on the LM heads at any count (benchmarks/RESULTS.md, Kernels).
+#: (the cuda platform on Hopper). At one token the GEMV beat cuBLAS on nearly every layer linear of
+#: llama-3.1-8b and qwen3-0.6b, and on their LM heads by 10-12% with register sums over 4 weight rows; at 2
+#: and 4 tokens cuBLAS was faster on most (benchmarks/RESULTS.md, Kernels).
 GEMV_MAX_ROWS = 1
-GEMV_MAX_N = 65536
 
 
 def gemv_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                  max_rows: int = GEMV_MAX_ROWS) -> bool:
     """Whether the Triton GEMV takes ``F.linear(x, weight, bias)``: at most ``max_rows`` 16-bit tokens on a
-    GPU (not the CPU, where triton only interprets), a weight of x's dtype and at most :data:`GEMV_MAX_N`
-    outputs."""
+    GPU (not the CPU, where triton only interprets) and a weight of x's dtype."""
     return (x.device.type != "cpu" and weight.dim() == 2
             and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
             and x.shape[-1] == weight.shape[1] and 0 < x.numel() <= max_rows * x.shape[-1]
-            and weight.shape[0] <= GEMV_MAX_N
             and (bias is None or bias.dtype == x.dtype))
 
 
