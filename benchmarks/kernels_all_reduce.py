@@ -19,7 +19,10 @@ residual and a norm weight (what follows each attention and MLP block of a Llama
 
 - ``steps``: ``engine`` then the Triton residual add and RMSNorm (two kernels);
 - ``fused``: FlashInfer's all-reduce fused with them (:mod:`dovetail_cuda.flashinfer_all_reduce`, its
-  workspace sized here for the largest message; the engine's stops at ``FUSED_MAX_BYTES``).
+  workspace sized here for the largest message; the engine's stops at ``FUSED_MAX_BYTES``), one-shot or
+  two-shot as FlashInfer chooses by size (the engine's way);
+- ``fused_one_shot``, ``fused_two_shot``: the same kernel with that algorithm forced (two-shot needs more rows
+  than ranks).
 
 Each result is first checked against NCCL's on random inputs. Prints µs per all-reduce and the algorithm
 bandwidth (message bytes / time) from rank 0; the median of ``kernels_linear.REPLAYS`` replays, the ranks meeting
@@ -80,6 +83,9 @@ def _rank(rank: int, world_size: int, port: int, sizes: list[int], hidden: int, 
     fused = None
     if fused_kernels_on_every_rank(group) is None:
         fused = FlashInferFusedAllReduce(group, device, engine, max_bytes=max(sizes))
+        forced = {f"fused_{kind}": FlashInferFusedAllReduce(group, device, engine, max_bytes=max(sizes),
+                                                            one_shot=kind == "one_shot")
+                  for kind in ("one_shot", "two_shot")}
     ops = TritonFusedOps()
     weight = (1 + 0.1 * torch.randn(hidden, device=device)).to(torch.bfloat16)
     rows = []
@@ -106,14 +112,18 @@ def _rank(rank: int, world_size: int, port: int, sizes: list[int], hidden: int, 
                 return ops.add_rms_norm(t, residual, weight, 1e-6)
 
             want = steps(rows_of.clone())
-            got = fused.add_rms_norm(rows_of.clone(), residual, weight, 1e-6)
-            for name, a, b in (("normed", got[0], want[0]), ("summed", got[1], want[1])):
-                error = float((a.float() - b.float()).abs().max())
-                if error > 0.05 * float(b.float().abs().max()):
-                    raise AssertionError(f"fused {name} at {size} bytes differs from the steps by {error}")
             work = rows_of.clone()
             row["steps"] = time_graph(lambda i: steps(work), dist.barrier)
-            row["fused"] = time_graph(lambda i: fused.add_rms_norm(work, residual, weight, 1e-6), dist.barrier)
+            for method, kernel in {"fused": fused, **forced}.items():
+                got = kernel.add_rms_norm(rows_of.clone(), residual, weight, 1e-6)
+                if got is None:  # the kernel does not take this message
+                    continue
+                for part, a, b in (("normed", got[0], want[0]), ("summed", got[1], want[1])):
+                    error = float((a.float() - b.float()).abs().max())
+                    if error > 0.05 * float(b.float().abs().max()):
+                        raise AssertionError(f"{method} {part} at {size} bytes differs from the steps by {error}")
+                row[method] = time_graph(lambda i, kernel=kernel: kernel.add_rms_norm(work, residual, weight, 1e-6),
+                                         dist.barrier)
         rows.append(row)
     if rank == 0:
         results["rows"] = rows

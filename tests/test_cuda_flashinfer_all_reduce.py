@@ -4,6 +4,8 @@ and the engine's greedy tokens with it (GPU)."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -16,6 +18,8 @@ pytestmark = [pytest.mark.gpu,
 
 #: (tokens, hidden): one decode token, a few, a full decode batch, Qwen3-32B's width, and one past the limit.
 SHAPES = ((1, 4096), (7, 4096), (256, 4096), (3, 5120), (2048, 4096))
+#: FlashInfer's choice of algorithm, and each forced.
+ONE_SHOT = (None, True, False)
 
 
 def _reference(x, residual, weight, eps):
@@ -31,9 +35,11 @@ def _rank(rank: int, port: int, results) -> None:
     from dovetail_cuda.flashinfer_all_reduce import FlashInferFusedAllReduce
 
     with cuda_tensor_parallel_rank(rank, 2, port) as device:
-        kernel = FlashInferFusedAllReduce(distributed.tp_group(), device)
+        kernels = {one_shot: FlashInferFusedAllReduce(distributed.tp_group(), device, one_shot=one_shot)
+                   for one_shot in ONE_SHOT}
+        kernel = kernels[None]
         out = {}
-        for tokens, hidden in SHAPES:
+        for (tokens, hidden), one_shot in itertools.product(SHAPES, ONE_SHOT):
             gen = torch.Generator().manual_seed(rank * 1000 + tokens)
             x = torch.randn(tokens, hidden, generator=gen).to(device, torch.bfloat16)
             residual = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(tokens)).to(
@@ -43,11 +49,11 @@ def _rank(rank: int, port: int, results) -> None:
             summed_x = x.clone()
             dist.all_reduce(summed_x)
             want_normed, want_summed = _reference(summed_x, residual, weight, 1e-6)
-            got = kernel.add_rms_norm(x.clone(), residual.clone(), weight, 1e-6)
+            got = kernels[one_shot].add_rms_norm(x.clone(), residual.clone(), weight, 1e-6)
             if got is None:
-                out[(tokens, hidden)] = None
+                out[(tokens, hidden), one_shot] = None
                 continue
-            out[(tokens, hidden)] = (float((got[0].float() - want_normed.float()).abs().max()),
+            out[(tokens, hidden), one_shot] = (float((got[0].float() - want_normed.float()).abs().max()),
                                      float((got[1].float() - want_summed.float()).abs().max()),
                                      float(want_normed.float().abs().max()))
         x = torch.zeros(4, 4096, device=device, dtype=torch.bfloat16)
@@ -70,13 +76,17 @@ def test_fused_all_reduce_add_rms_norm_matches_the_steps_and_replays_in_a_graph(
     mp.start_processes(_rank, args=(free_port(), results), nprocs=2, start_method="spawn")
     for rank in range(2):
         out = results[rank]
-        for shape in SHAPES[:-1]:
-            assert out[shape] is not None, f"{shape} fits the fused kernel"
-            normed_diff, summed_diff, scale = out[shape]
+        for shape, one_shot in itertools.product(SHAPES[:-1], ONE_SHOT):
+            if one_shot is False and shape[0] <= 2:
+                assert out[shape, one_shot] is None, f"{shape}: two-shot needs more rows than ranks"
+                continue
+            assert out[shape, one_shot] is not None, f"{shape} fits the fused kernel (one_shot={one_shot})"
+            normed_diff, summed_diff, scale = out[shape, one_shot]
             # One bfloat16 rounding apart at most (the sum may be rounded once more or less on either side).
-            assert summed_diff <= 2 ** -7 * 8, f"{shape}: the residual sum differs by {summed_diff}"
-            assert normed_diff <= 2 ** -7 * scale * 2, f"{shape}: the normed output differs by {normed_diff}"
-        assert out[SHAPES[-1]] is None, "a message past the limit is left to the two steps"
+            assert summed_diff <= 2 ** -7 * 8, f"{shape}, one_shot={one_shot}: the sum differs by {summed_diff}"
+            assert normed_diff <= 2 ** -7 * scale * 2, f"{shape}, one_shot={one_shot}: normed differs by {normed_diff}"
+        assert all(out[SHAPES[-1], one_shot] is None for one_shot in ONE_SHOT), \
+            "a message past the limit is left to the two steps"
         # Replayed: the inputs sum to 1 + 2 = 3, plus the residual 1; the norm of a constant row is 1.
         assert out["graph"] == (4.0, 4.0, 1.0, 1.0)
 

@@ -67,11 +67,13 @@ class FlashInferFusedAllReduce:
     the two steps).
 
     Building it is a collective (the buffers' rendezvous); every rank of ``group`` must build one. The first
-    build compiles FlashInfer's kernels (cached on disk afterwards).
+    build compiles FlashInfer's kernels (cached on disk afterwards). ``one_shot``: True or False forces FlashInfer's
+    one-shot (each rank pushes its whole message to every peer) or two-shot (reduce-scatter, then all-gather)
+    kernel; None, the default, lets FlashInfer choose by size (``benchmarks/kernels_all_reduce.py`` times both).
     """
 
     def __init__(self, group, device: torch.device, plain: SymmMemAllReduce | None = None,
-                 max_bytes: int = FUSED_MAX_BYTES):
+                 max_bytes: int = FUSED_MAX_BYTES, one_shot: bool | None = None):
         import torch.distributed as dist
         from flashinfer.comm import AllReduceFusionPattern, trtllm_allreduce_fusion
         from flashinfer.comm import trtllm_create_ipc_workspace_for_all_reduce_fusion as create_workspace
@@ -79,7 +81,7 @@ class FlashInferFusedAllReduce:
         from dovetail.triton.pdl import use_pdl
 
         self.plain = plain if plain is not None else SymmMemAllReduce(group, device)
-        self.device, self.max_bytes = device, max_bytes
+        self.device, self.max_bytes, self.one_shot = device, max_bytes, one_shot
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self._fuse = trtllm_allreduce_fusion
         self._pattern = AllReduceFusionPattern.kARResidualRMSNorm
@@ -98,7 +100,8 @@ class FlashInferFusedAllReduce:
         return (x.dim() == 2 and x.dtype == torch.bfloat16 and residual.dtype == x.dtype and weight.dtype == x.dtype
                 and residual.shape == x.shape and x.is_contiguous() and residual.is_contiguous()
                 and weight.is_contiguous() and x.device == self.device and x.shape[1] % 8 == 0
-                and 0 < x.numel() * 2 <= self.max_bytes)
+                and 0 < x.numel() * 2 <= self.max_bytes
+                and (self.one_shot is not False or x.shape[0] > self.world_size))  # two-shot splits the rows
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
         if not self.takes(x, residual, weight):
@@ -107,7 +110,7 @@ class FlashInferFusedAllReduce:
         normed, summed = torch.empty_like(x), torch.empty_like(residual)
         self._fuse(allreduce_in=x, world_size=self.world_size, world_rank=self.rank, token_num=tokens,
                    hidden_dim=hidden, workspace_ptrs=self._pointers, launch_with_pdl=self._pdl,
-                   trigger_completion_at_end=True, fp32_acc=True, pattern_code=self._pattern, use_oneshot=None,
+                   trigger_completion_at_end=True, fp32_acc=True, pattern_code=self._pattern, use_oneshot=self.one_shot,
                    allreduce_out=None, residual_in=residual, residual_out=summed, norm_out=normed, quant_out=None,
                    scale_out=None, rms_gamma=weight, rms_eps=float(eps), scale_factor=None, layout_code=None)
         return normed, summed
