@@ -10,7 +10,6 @@ from __future__ import annotations
 import time
 
 from fastapi import Request, Response
-from fastapi.responses import JSONResponse
 
 from dovetail.engine.async_engine import NewRequest
 from dovetail.outputs import CompletionOutput, RequestOutput
@@ -19,7 +18,7 @@ from dovetail.server.logprobs import chat_logprobs
 from dovetail.server.metrics import RequestTracker
 from dovetail.server.protocol import ChatCompletionRequest
 from dovetail.server.state import ServerState
-from dovetail.server.streaming import ClientDisconnected, collect, event_stream, sse, start
+from dovetail.server.streaming import respond, sse
 from dovetail.server.structured import structured_outputs_of
 from dovetail.server.tools import (check_tool_choice, output_tool_parser, template_messages, template_tools,
                                    tools_constraint)
@@ -77,7 +76,8 @@ class _Chat:
         return {"index": c.index, "message": message, "logprobs": self.logprobs(c.token_ids, c.logprobs or []),
                 "finish_reason": finish_reason, "stop_reason": c.stop_reason}
 
-    def response(self, out: RequestOutput) -> dict:
+    def response(self, finals: dict[str, RequestOutput]) -> dict:
+        out = finals[self.id]
         return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
                 "choices": [self.choice(c) for c in out.outputs], "usage": self.usage(out),
                 "system_fingerprint": None}
@@ -123,19 +123,4 @@ class _Chat:
 
 
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
-    state: ServerState = request.app.state.server
-    tracker = RequestTracker(state.metrics, time.monotonic())
-    chat: list[_Chat] = []
-
-    def prepare():
-        chat.append(_Chat(state, body))
-        return chat[0].engine_requests()
-
-    stream = await start(state, tracker, prepare)
-    if body.stream:
-        return event_stream(stream, tracker, chat[0].events(stream, tracker))
-    try:
-        finals = await collect(stream, tracker, request)
-    except ClientDisconnected:
-        return Response(status_code=499)
-    return JSONResponse(chat[0].response(finals[chat[0].id]))
+    return await respond(request, body, _Chat)

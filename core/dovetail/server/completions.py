@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from typing import Optional
 
 from fastapi import Request, Response
-from fastapi.responses import JSONResponse
 
 from dovetail.engine.async_engine import NewRequest
 from dovetail.errors import RequestError
@@ -20,7 +19,7 @@ from dovetail.server.logprobs import completion_logprobs
 from dovetail.server.metrics import RequestTracker
 from dovetail.server.protocol import CompletionRequest
 from dovetail.server.state import ServerState
-from dovetail.server.streaming import ClientDisconnected, collect, event_stream, sse, start
+from dovetail.server.streaming import respond, sse
 from dovetail.server.structured import structured_outputs_of
 
 
@@ -162,19 +161,4 @@ class _Completion:
 
 
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
-    state: ServerState = request.app.state.server
-    tracker = RequestTracker(state.metrics, time.monotonic())
-    completion: list[_Completion] = []
-
-    def prepare():
-        completion.append(_Completion(state, body))
-        return completion[0].engine_requests()
-
-    stream = await start(state, tracker, prepare)
-    if body.stream:
-        return event_stream(stream, tracker, completion[0].events(stream, tracker))
-    try:
-        finals = await collect(stream, tracker, request)
-    except ClientDisconnected:
-        return Response(status_code=499)
-    return JSONResponse(completion[0].response(finals))
+    return await respond(request, body, _Completion)

@@ -9,10 +9,11 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-from typing import AsyncIterator, Callable
+import time
+from typing import Any, AsyncIterator, Callable
 
-from fastapi import Request
-from fastapi.responses import StreamingResponse
+from fastapi import Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from dovetail.engine.async_engine import NewRequest, RequestStream
 from dovetail.outputs import RequestOutput
@@ -114,3 +115,25 @@ def event_stream(stream: RequestStream, tracker: RequestTracker, events: AsyncIt
 
     return StreamingResponse(guarded(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def respond(request: Request, body: Any, build: Callable[[ServerState, Any], Any]) -> Response:
+    """Run one API request to its end: ``build(state, body)``, called off the event loop, makes its handler
+    (``engine_requests()``, ``events(stream, tracker)``, ``response(finals)``); server-sent events when
+    ``body.stream``, else one JSON response; 499 when the client goes away first."""
+    state: ServerState = request.app.state.server
+    tracker = RequestTracker(state.metrics, time.monotonic())
+    handler: list = []
+
+    def prepare():
+        handler.append(build(state, body))
+        return handler[0].engine_requests()
+
+    stream = await start(state, tracker, prepare)
+    if body.stream:
+        return event_stream(stream, tracker, handler[0].events(stream, tracker))
+    try:
+        finals = await collect(stream, tracker, request)
+    except ClientDisconnected:
+        return Response(status_code=499)
+    return JSONResponse(handler[0].response(finals))
