@@ -16,32 +16,16 @@ class Shape:
     description: str
 
     def config(self):
-        from transformers import LlamaConfig, Qwen3Config, Qwen3MoeConfig
+        from transformers import LlamaConfig, Qwen3MoeConfig
 
         if self.name == "qwen3-0.6b":
-            return Qwen3Config(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
-                               head_dim=128, intermediate_size=3072, vocab_size=151936, tie_word_embeddings=True,
-                               max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
-                               architectures=["Qwen3ForCausalLM"])
-        if self.name == "llama-3.1-8b":
-            return LlamaConfig(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                               intermediate_size=14336, vocab_size=128256, rope_theta=500000.0,
-                               max_position_embeddings=131072, rms_norm_eps=1e-5,
-                               rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-                               architectures=["LlamaForCausalLM"])
+            return _qwen3(hidden=1024, layers=28, heads=16, intermediate=3072, tied=True)
         if self.name == "qwen3-32b":
-            return Qwen3Config(hidden_size=5120, num_hidden_layers=64, num_attention_heads=64, num_key_value_heads=8,
-                               head_dim=128, intermediate_size=25600, vocab_size=151936, tie_word_embeddings=False,
-                               max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
-                               architectures=["Qwen3ForCausalLM"])
+            return _qwen3(hidden=5120, layers=64, heads=64, intermediate=25600, tied=False)
+        if self.name == "llama-3.1-8b":
+            return _llama3(hidden=4096, layers=32, heads=32, intermediate=14336)
         if self.name == "llama-3.1-70b":
-            return LlamaConfig(hidden_size=8192, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
-                               intermediate_size=28672, vocab_size=128256, rope_theta=500000.0,
-                               max_position_embeddings=131072, rms_norm_eps=1e-5,
-                               rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-                               architectures=["LlamaForCausalLM"])
+            return _llama3(hidden=8192, layers=80, heads=64, intermediate=28672)
         if self.name in ("qwen3-moe-15b-a3b", "qwen3-30b-a3b"):
             # Qwen3-30B-A3B's layer; the 15B shape keeps half of its 48 layers.
             return Qwen3MoeConfig(hidden_size=2048, num_hidden_layers=24 if self.name == "qwen3-moe-15b-a3b" else 48,
@@ -55,6 +39,28 @@ class Shape:
                                intermediate_size=1376, vocab_size=32000, max_position_embeddings=2048,
                                rms_norm_eps=1e-6, architectures=["LlamaForCausalLM"])
         raise KeyError(self.name)
+
+
+def _qwen3(hidden: int, layers: int, heads: int, intermediate: int, tied: bool):
+    """A dense Qwen3 of 8 KV heads of 128 and Qwen3's vocabulary, RoPE and norm."""
+    from transformers import Qwen3Config
+
+    return Qwen3Config(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=8,
+                       head_dim=128, intermediate_size=intermediate, vocab_size=151936, tie_word_embeddings=tied,
+                       max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                       architectures=["Qwen3ForCausalLM"])
+
+
+def _llama3(hidden: int, layers: int, heads: int, intermediate: int):
+    """A Llama 3.1 of 8 KV heads, with its vocabulary and its scaled RoPE over 131,072 positions."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=8,
+                       intermediate_size=intermediate, vocab_size=128256, rope_theta=500000.0,
+                       max_position_embeddings=131072, rms_norm_eps=1e-5,
+                       rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+                       architectures=["LlamaForCausalLM"])
 
 
 SHAPES = {
