@@ -21,6 +21,7 @@ import torch
 
 from dovetail.config import EngineArgs, EngineConfig
 from dovetail.engine.kv_cache_manager import KVCacheManager
+from dovetail.engine.laps import Laps
 from dovetail.engine.output_processor import OutputProcessor
 from dovetail.engine.profiler import profiler_dir
 from dovetail.engine.prompt_tokenizer import PromptTokenizer
@@ -71,7 +72,7 @@ class LLMEngine:
     """The synchronous engine behind :class:`dovetail.LLM` and the server."""
 
     def __init__(self, config: EngineConfig, usage: str = "llm"):
-        t0 = time.monotonic()
+        laps = Laps()
         self.config = config
         #: ``"llm"`` (offline) or ``"server"``: which of the platform's default batch limits apply.
         self.usage = usage
@@ -93,18 +94,18 @@ class LLMEngine:
         started = start_processes_early(self.executor_name, self.world_size, str(self.model_path))
         try:
             spec = self._configure(manager)
-            marks = [time.monotonic()]
+            laps.mark("config_s")
             self.executor = create_executor(spec, self.platform, started)
         except BaseException:
             if started is not None:
                 started.shutdown()
             raise
-        marks.append(time.monotonic())
+        laps.mark("workers_and_weights_s")
         try:
             self.num_blocks = self.executor.determine_num_blocks()
-            marks.append(time.monotonic())
+            laps.mark("memory_profile_s")
             self.executor.initialize_cache(self.num_blocks)
-            marks.append(time.monotonic())
+            laps.mark("kv_cache_and_graphs_s")
             #: Each rank's own start-up phases (:attr:`dovetail.engine.worker.Worker.startup_phases`), by rank.
             self.worker_startup_phases: list[dict[str, float]] = self.executor.collective_rpc("startup_report")
         except BaseException:
@@ -112,9 +113,8 @@ class LLMEngine:
             raise
         #: Seconds of the start-up's phases: the configuration and selections, the workers with their weights,
         #: the memory-profiling pass, the KV cache with the device graphs.
-        self.startup_phases = {"config_s": marks[0] - t0, "workers_and_weights_s": marks[1] - marks[0],
-                               "memory_profile_s": marks[2] - marks[1], "kv_cache_and_graphs_s": marks[3] - marks[2]}
-        self._init_scheduling_and_outputs(config, platform_name, t0)
+        self.startup_phases = laps.seconds
+        self._init_scheduling_and_outputs(config, platform_name, laps.started)
 
     def _configure(self, manager) -> WorkerSpec:
         """The model's configuration, dtype, lengths and limits, the model class, attention backend,

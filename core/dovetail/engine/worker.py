@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -23,6 +22,7 @@ import torch
 from dovetail import distributed, model_loader, selection
 from dovetail.attention.backend import AttentionRequirements
 from dovetail.config import EngineConfig
+from dovetail.engine.laps import Laps
 from dovetail.engine.model_runner import ModelRunner
 from dovetail.engine.profiler import StepProfiler
 from dovetail.engine.request_state import RequestState
@@ -77,19 +77,6 @@ def check_heads_divide(shape, world_size: int) -> None:
                           f"tensor_parallel_size={world_size} ranks (nor replicated evenly)")
 
 
-class _Laps:
-    """Seconds between successive marks, by the name given at each mark."""
-
-    def __init__(self, earlier: dict[str, float] | None = None):
-        self.seconds: dict[str, float] = dict(earlier or {})
-        self._last = time.monotonic()
-
-    def mark(self, name: str) -> None:
-        now = time.monotonic()
-        self.seconds[name] = now - self._last
-        self._last = now
-
-
 @dataclass
 class _Launched:
     """A step whose sampling is queued on the device: its rows and its prompt logprobs."""
@@ -105,7 +92,7 @@ class Worker:
     def __init__(self, spec: WorkerSpec, rank: int = 0, world_size: int = 1,
                  distributed_init_method: str | None = None, local_rank: int | None = None,
                  platform: Platform | None = None, startup_phases: dict[str, float] | None = None):
-        laps = _Laps(startup_phases)
+        laps = Laps(startup_phases)
         self.spec, self.rank, self.world_size = spec, rank, world_size
         config = spec.config
         manager = get_plugin_manager()
@@ -156,7 +143,7 @@ class Worker:
         #: model, its weights (loaded or drawn, then processed), the model runner.
         self.startup_phases = laps.seconds
 
-    def _build_model(self, path, laps: "_Laps"):
+    def _build_model(self, path, laps: Laps):
         ctx = ModelContext(dtype=self.spec.dtype, device=self.device, quant=self.quant_method,
                            attention_backend=self.attention_backend, ops=self.ops,
                            quant_kernels=self.platform.quant_kernels())
