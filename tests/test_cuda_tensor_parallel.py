@@ -37,9 +37,11 @@ def _release_gpu_memory():
     torch.cuda.empty_cache()
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["whole", "micro-batches"])
 @pytest.mark.parametrize("tp", [2, 4], ids=["tp2", "tp4"])
 @pytest.mark.parametrize("name", sorted(MODELS))
-def test_tp_greedy_matches_hf_and_one_gpu_with_graphs(name, tp, tmp_path):
+def test_tp_greedy_matches_hf_and_one_gpu_with_graphs(name, tp, split, tmp_path):
+    """With ``micro-batches`` the prefill step runs as two parts on two streams (dual-batch overlap)."""
     if torch.cuda.device_count() < tp:
         pytest.skip(f"needs {tp} NVIDIA GPUs")
     path = save_checkpoint(tmp_path, MODELS[name]())
@@ -53,7 +55,8 @@ def test_tp_greedy_matches_hf_and_one_gpu_with_graphs(name, tp, tmp_path):
     del one
     gc.collect()
     torch.cuda.empty_cache()
-    llm = LLM(str(path), tensor_parallel_size=tp, **ENGINE)
+    dbo = dict(enable_dbo=True, dbo_prefill_token_threshold=16) if split else dict(enable_dbo=False)
+    llm = LLM(str(path), tensor_parallel_size=tp, **dbo, **ENGINE)
     try:
         info = llm.llm_engine.executor.collective_rpc("describe")
         assert [i["device"] for i in info] == [f"cuda:{rank}" for rank in range(tp)]
@@ -64,6 +67,8 @@ def test_tp_greedy_matches_hf_and_one_gpu_with_graphs(name, tp, tmp_path):
             assert_greedy_matches(out.outputs[0].token_ids, mine, logprobs)
         digests = llm.llm_engine.executor.collective_rpc("token_digest")
         assert all(digest == digests[0] for digest in digests[1:])
+        steps = [i["micro_batched_steps"] for i in llm.llm_engine.executor.collective_rpc("describe")]
+        assert all(steps) if split else not any(steps)
     finally:
         llm.llm_engine.shutdown()
 

@@ -210,6 +210,19 @@ def test_async_scheduling_across_processes(tiny_llama_dir, caplog):
     llm.llm_engine.shutdown()
 
 
+def test_dual_batch_overlap_across_processes(tiny_llama_dir):
+    """Steps split into two micro-batches at TP=2, with overlapped scheduling (decode rows read their last token
+    from the device): both ranks issue the parts' collectives in one order, and the tokens are one rank's."""
+    kwargs = dict(COMMON, max_num_batched_tokens=32, async_scheduling=True)
+    prompts = [list(range(3, 13)), list(range(50, 62)), [7, 8, 9] * 5, PROMPTS[0]]  # 10 + 12 + 10 of 15, ...
+    one = _greedy(LLM(str(tiny_llama_dir), **kwargs), prompts, max_tokens=12)
+    llm = LLM(str(tiny_llama_dir), tensor_parallel_size=2, enable_dbo=True, dbo_prefill_token_threshold=8, **kwargs)
+    assert _greedy(llm, prompts, max_tokens=12) == one
+    assert all(info["micro_batched_steps"] > 0 for info in llm.llm_engine.executor.collective_rpc("describe"))
+    assert_ranks_agree(llm)
+    llm.llm_engine.shutdown()
+
+
 def test_worker_processes_report_their_pids(feature_pair):
     _, two = feature_pair
     pids = two.llm_engine.executor.pids

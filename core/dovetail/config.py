@@ -98,6 +98,11 @@ class ParallelConfig(_Section):
     #: ``uni`` (in process; one rank), ``mp`` (a process per device on this host) or ``ray`` (Ray actors,
     #: across machines); None: ``uni`` for one rank, ``mp`` for more.
     distributed_executor_backend: Optional[Literal["uni", "mp", "ray"]] = None
+    #: Dual-batch overlap: a step of at least ``dbo_prefill_token_threshold`` tokens runs as two micro-batches
+    #: whose collectives overlap each other's compute (see ``dovetail.engine.micro_batches``); None: on with
+    #: several ranks on an accelerator.
+    enable_dbo: Optional[bool] = None
+    dbo_prefill_token_threshold: int = Field(default=8192, ge=2)
 
     @field_validator("distributed_executor_backend")
     @classmethod

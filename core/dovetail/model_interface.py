@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Generator, Iterable
 
 import torch
 from torch import nn
@@ -38,6 +38,15 @@ class ModelContext:
     quant_kernels: "QuantKernels | None" = None
 
 
+def run_to_end(steps: Generator[None, None, torch.Tensor]) -> torch.Tensor:
+    """What a ``forward_steps`` generator returns, run without pausing."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as finished:
+            return finished.value
+
+
 @dataclass(frozen=True)
 class AttentionShape:
     """A model's attention geometry and features, used to validate backends."""
@@ -56,7 +65,14 @@ class DovetailModel(nn.Module):
     :meth:`compute_logits` and :meth:`load_weights`, and override
     :meth:`attention_shape` when the HF config's standard fields do not
     describe their attention.
+
+    Optionally ``forward_steps(input_ids, positions)``: :meth:`forward` as a generator that pauses (yields)
+    right after each collective it issues and returns the hidden states (:func:`run_to_end` runs one). With
+    it, a large step under tensor parallelism may run as two micro-batches whose collectives overlap each
+    other's compute (:mod:`dovetail.engine.micro_batches`); without it (None) steps stay whole.
     """
+
+    forward_steps = None
 
     def __init__(self, hf_config, prefix: str = "", *, ctx: ModelContext):
         super().__init__()

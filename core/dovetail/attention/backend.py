@@ -69,7 +69,13 @@ class AttentionMetadataBuilder:
     The default passes the :class:`AttentionBatch` through unchanged. Backends
     that plan (FlashInfer) or reorder override :meth:`build`; the result is
     handed to every layer's :meth:`AttentionImpl.forward` in that step.
+
+    ``independent_builds``: two builds' results can be in use at once (each build makes its own tensors), so
+    the runner may split a step into micro-batches (:mod:`dovetail.engine.micro_batches`); a builder that
+    plans into buffers it keeps sets it False.
     """
+
+    independent_builds: bool = True
 
     def __init__(self, backend: type["AttentionBackend"], layer_specs: list[AttentionLayerSpec],
                  block_size: int, device: "torch.device", dtype: "torch.dtype"):

@@ -59,6 +59,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser, model_positional: bool
                    help="how ranks run: uni (in process, one rank), mp (a process per device on this host), "
                         "ray (Ray actors, across machines; pip install 'dovetail[ray]'); default: uni for one "
                         "rank, mp for more")
+    g.add_argument("--enable-dbo", type=_bool, nargs="?", const=True, default=None, metavar="BOOL",
+                   help="dual-batch overlap: run large steps as two micro-batches whose all-reduces overlap each "
+                        "other's compute (default: on with several ranks on an accelerator)")
+    g.add_argument("--no-enable-dbo", dest="enable_dbo", action="store_false")
+    g.add_argument("--dbo-prefill-token-threshold", type=int, default=None, metavar="N",
+                   help="smallest step split into micro-batches, in tokens (default 8192)")
     g.add_argument("--reasoning-parser", default=None, choices=reasoning_parser_names(),
                    help="how the model's reasoning is delimited: qwen3, deepseek_r1 (structured outputs apply "
                         "after it; the server returns it as reasoning_content)")
@@ -70,7 +76,7 @@ ENGINE_KEYS = (
     "enable_prefix_caching", "enable_chunked_prefill", "max_num_seqs", "max_num_batched_tokens",
     "scheduling_policy", "async_scheduling", "seed", "load_format", "enforce_eager",
     "cudagraph_capture_sizes", "max_cudagraph_capture_size", "cpu_threads", "tensor_parallel_size",
-    "distributed_executor_backend", "reasoning_parser",
+    "distributed_executor_backend", "enable_dbo", "dbo_prefill_token_threshold", "reasoning_parser",
 )
 
 

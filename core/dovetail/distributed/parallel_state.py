@@ -8,7 +8,8 @@ are identities, so single-device code pays nothing.
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+import contextlib
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -61,6 +62,20 @@ def set_all_reduce_kernel(kernel: Optional[Callable[[torch.Tensor], bool]]) -> N
     global _all_reduce_kernel, _fused_add_rms_norm
     _all_reduce_kernel = kernel
     _fused_add_rms_norm = getattr(kernel, "add_rms_norm", None)
+
+
+@contextlib.contextmanager
+def backend_collectives() -> Iterator[None]:
+    """Every all-reduce through the backend while this is open: the platform's kernel (see
+    :func:`set_all_reduce_kernel`) keeps one buffer between calls, so two all-reduces in flight on different
+    streams (:mod:`dovetail.engine.micro_batches`) must not both use it."""
+    global _all_reduce_kernel, _fused_add_rms_norm
+    saved = _all_reduce_kernel, _fused_add_rms_norm
+    _all_reduce_kernel = _fused_add_rms_norm = None
+    try:
+        yield
+    finally:
+        _all_reduce_kernel, _fused_add_rms_norm = saved
 
 
 def is_initialized() -> bool:

@@ -27,6 +27,8 @@ import torch
 from dovetail.attention.backend import AttentionBackend
 from dovetail.attention.batch import AttentionBatch
 from dovetail.device_copy import copy_to_device, to_device, values_to_device
+from dovetail.distributed import backend_collectives, tp_rank
+from dovetail.engine.micro_batches import run_interleaved, split_point
 from dovetail.engine.scheduler import ScheduledBatch
 from dovetail.engine.sharded_logits import ShardedLogits
 from dovetail.forward_context import set_forward_context
@@ -123,7 +125,8 @@ class ModelRunner:
     def __init__(self, model, platform: Platform, backend: type[AttentionBackend], block_size: int,
                  dtype: torch.dtype, kv_cache_dtype: str, device: torch.device, *, max_num_seqs: int = 256,
                  max_model_len: int | None = None, enforce_eager: bool = False,
-                 cudagraph_capture_sizes: list[int] | None = None, max_cudagraph_capture_size: int | None = None):
+                 cudagraph_capture_sizes: list[int] | None = None, max_cudagraph_capture_size: int | None = None,
+                 micro_batch_tokens: int | None = None):
         self.model = model
         #: The LM head whose vocabulary shards greedy steps sample from (None: whole logits).
         self.sharded_head = model.sharded_lm_head()
@@ -150,6 +153,26 @@ class ModelRunner:
                            and backend.supports_graph_capture and max_model_len is not None)
         self.graph_sizes = graph_batch_sizes(max_num_seqs, cudagraph_capture_sizes, max_cudagraph_capture_size)
         self.graphs: DecodeGraphs | None = None
+        #: Steps of at least this many tokens run as two overlapped micro-batches (None: every step whole).
+        self.micro_batch_tokens = self._micro_batch_tokens(micro_batch_tokens)
+        self._side_stream = (torch.Stream(device=device) if self.micro_batch_tokens and platform.is_accelerator
+                             else None)
+        self.micro_batched_steps = 0
+
+    def _micro_batch_tokens(self, tokens: int | None) -> int | None:
+        if tokens is None:
+            return None
+        reason = None
+        if getattr(self.model, "forward_steps", None) is None:
+            reason = f"{type(self.model).__name__} has no forward_steps"
+        elif not self.metadata_builder.independent_builds:
+            reason = f"the {self.backend.name} attention backend plans one step at a time"
+        if reason is not None:
+            logger.info("dual-batch overlap off: %s", reason)
+            return None
+        if tp_rank() == 0:
+            logger.info("dual-batch overlap: steps of %d tokens or more run as two micro-batches", tokens)
+        return tokens
 
     # -- KV cache ------------------------------------------------------------------------
 
@@ -230,9 +253,13 @@ class ModelRunner:
         sequences with a pending last token read their input from."""
         if self.graphs is not None and self.graphs.can_run(batch):
             return StepLogits(self.graphs.run(batch, block_tables, prev_tokens), list(batch.requests), {})
-        input_ids, positions, attn = self.prepare(batch, block_tables)
-        fill_pending(input_ids, pending_inputs(batch), prev_tokens)
-        hidden = self.run_model(input_ids, positions, attn)
+        split = split_point(batch.num_new_tokens, self.micro_batch_tokens) if self.micro_batch_tokens else None
+        if split is None:
+            input_ids, positions, attn = self.prepare(batch, block_tables)
+            fill_pending(input_ids, pending_inputs(batch), prev_tokens)
+            hidden = self.run_model(input_ids, positions, attn)
+        else:
+            hidden = self.run_micro_batches(batch, block_tables, prev_tokens, split)
         sample_rows, sample_requests = [], []
         prompt_rows: dict[str, tuple[list[int], list[int]]] = {}
         offset = 0
@@ -253,6 +280,21 @@ class ModelRunner:
         for request_id, (rows, predicted) in prompt_rows.items():
             prompt_logits[request_id] = (self.model.compute_logits(self._rows(hidden, rows)), predicted)
         return StepLogits(sample_logits, sample_requests, prompt_logits)
+
+    def run_micro_batches(self, batch: ScheduledBatch, block_tables: list[list[int]], prev_tokens: torch.Tensor | None,
+                          split: int) -> torch.Tensor:
+        """The hidden states of ``batch`` computed as two micro-batches, its requests before ``split`` and from
+        it on, overlapped (:mod:`dovetail.engine.micro_batches`)."""
+        parts = []
+        for rows in (slice(0, split), slice(split, None)):
+            part = ScheduledBatch(batch.requests[rows], batch.num_new_tokens[rows])
+            input_ids, positions, attn = self.prepare(part, block_tables[rows])
+            fill_pending(input_ids, pending_inputs(part), prev_tokens)
+            parts.append((input_ids, positions, self.metadata_builder.build(attn)))
+        with backend_collectives():
+            hidden = run_interleaved(self.model.forward_steps, parts, self._side_stream)
+        self.micro_batched_steps += 1
+        return torch.cat(hidden)
 
     def sample_logits(self, hidden: torch.Tensor) -> torch.Tensor | ShardedLogits:
         """The logits of the rows a token is sampled from: whole, or this rank's vocabulary shard of them."""

@@ -63,6 +63,16 @@ def attention_requirements(spec: WorkerSpec, platform: Platform, shape) -> Atten
         uses_sliding_window=shape.uses_sliding_window, uses_logit_softcap=shape.uses_logit_softcap)
 
 
+def micro_batch_tokens(parallel, world_size: int, platform: Platform) -> int | None:
+    """The smallest step the runner splits into two overlapped micro-batches, None for none: dual-batch
+    overlap is on where asked, and by default with several ranks on an accelerator (on a CPU there is
+    nothing to overlap: its collectives and compute share the cores)."""
+    enabled = parallel.enable_dbo
+    if enabled is None:
+        enabled = world_size > 1 and platform.is_accelerator
+    return parallel.dbo_prefill_token_threshold if enabled else None
+
+
 def check_heads_divide(shape, world_size: int) -> None:
     """Refuse a model whose attention heads cannot be divided among ``world_size`` ranks (KV heads may be
     fewer than the ranks, and are then replicated, when the ranks divide evenly among them)."""
@@ -130,7 +140,8 @@ class Worker:
                                   max_num_seqs=config.scheduler.max_num_seqs, max_model_len=spec.max_model_len,
                                   enforce_eager=config.device.enforce_eager,
                                   cudagraph_capture_sizes=config.device.cudagraph_capture_sizes,
-                                  max_cudagraph_capture_size=config.device.max_cudagraph_capture_size)
+                                  max_cudagraph_capture_size=config.device.max_cudagraph_capture_size,
+                                  micro_batch_tokens=micro_batch_tokens(config.parallel, world_size, platform))
         self.requests: dict[str, RequestState] = {}
         self._launched: collections.deque[_Launched] = collections.deque()
         self._last_tokens: torch.Tensor | None = None
@@ -280,10 +291,12 @@ class Worker:
         return {name: round(seconds, 2) for name, seconds in self.startup_phases.items()}
 
     def describe(self) -> dict:
-        """This rank's device, captured graph sizes and parameter shapes (for logs and tests)."""
+        """This rank's device, captured graph sizes, steps run as micro-batches and parameter shapes (for logs
+        and tests)."""
         graphs = self.runner.graphs
         return {"rank": self.rank, "world_size": self.world_size, "device": str(self.device),
                 "graph_sizes": list(graphs.sizes) if graphs is not None else None,
+                "micro_batched_steps": self.runner.micro_batched_steps,
                 "parameters": {name: tuple(p.shape) for name, p in self.model.named_parameters()}}
 
     def start_profile(self, directory: str) -> None:

@@ -95,6 +95,8 @@ class PageTable:
 class FlashInferMetadataBuilder(AttentionMetadataBuilder):
     """Plans FlashInfer's decode and prefill wrappers once per step, for every layer group."""
 
+    independent_builds = False  # the wrappers hold one plan each
+
     def __init__(self, backend, layer_specs, block_size, device, dtype):
         super().__init__(backend, layer_specs, block_size, device, dtype)
         import flashinfer

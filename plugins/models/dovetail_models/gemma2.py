@@ -13,7 +13,7 @@ from __future__ import annotations
 from torch import nn
 
 from dovetail.layers.norm import RMSNorm
-from dovetail.model_interface import ModelContext
+from dovetail.model_interface import ModelContext, run_to_end
 from dovetail_models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, LlamaModel, window_from_layer_types
 
 
@@ -47,14 +47,21 @@ class Gemma2DecoderLayer(nn.Module):
                               logit_softcap=self.attn_logit_softcap(config))
 
     def forward(self, positions, hidden_states, residual):
+        return run_to_end(self.forward_steps(positions, hidden_states, residual))
+
+    def forward_steps(self, positions, hidden_states, residual):
+        """:meth:`forward`, pausing after each block (whose row-parallel output layer all-reduces)."""
         if residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
         hidden_states = self.post_attention_layernorm(self.self_attn(positions, hidden_states))
+        yield
         hidden_states, residual = self.pre_feedforward_layernorm(hidden_states, residual)
-        return self.post_feedforward_layernorm(self.mlp(hidden_states)), residual
+        hidden_states = self.post_feedforward_layernorm(self.mlp(hidden_states))
+        yield
+        return hidden_states, residual
 
 
 class Gemma2Model(LlamaModel):

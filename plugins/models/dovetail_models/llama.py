@@ -22,7 +22,7 @@ from dovetail.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowP
 from dovetail.layers.norm import RMSNorm
 from dovetail.layers.rotary import RotaryEmbedding, rope_parameters
 from dovetail.layers.weights import WeightMapper
-from dovetail.model_interface import AttentionShape, DovetailModel, ModelContext
+from dovetail.model_interface import AttentionShape, DovetailModel, ModelContext, run_to_end
 
 
 def head_dim(config) -> int:
@@ -160,13 +160,19 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm.all_reduce_input = input_is_unreduced
 
     def forward(self, positions, hidden_states, residual):
+        return run_to_end(self.forward_steps(positions, hidden_states, residual))
+
+    def forward_steps(self, positions, hidden_states, residual):
+        """:meth:`forward`, pausing after each norm: the all-reduce of the block before it is issued by then."""
         if residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        yield
         hidden_states = self.self_attn(positions, hidden_states)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        yield
         return self.mlp(hidden_states), residual
 
 
@@ -202,9 +208,20 @@ class LlamaModel(nn.Module):
         return None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return run_to_end(self.forward_steps(input_ids, positions))
+
+    def forward_steps(self, input_ids: torch.Tensor, positions: torch.Tensor):
+        """:meth:`forward`, pausing after each collective (see :class:`~dovetail.model_interface.DovetailModel`);
+        a layer without ``forward_steps`` pauses once, after it."""
         hidden_states, residual = self.embed_tokens(input_ids), None
+        yield
         for layer in self.layers:
-            hidden_states, residual = layer(positions, hidden_states, residual)
+            steps = getattr(layer, "forward_steps", None)
+            if steps is None:
+                hidden_states, residual = layer(positions, hidden_states, residual)
+                yield
+            else:
+                hidden_states, residual = yield from steps(positions, hidden_states, residual)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
@@ -251,6 +268,9 @@ class LlamaForCausalLM(DovetailModel):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
+
+    def forward_steps(self, input_ids: torch.Tensor, positions: torch.Tensor):
+        return (yield from self.model.forward_steps(input_ids, positions))
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden_states)
