@@ -359,3 +359,22 @@ def test_hopper_runs_linears_of_up_to_dovetail_gemv_max_rows_tokens_on_the_trito
     monkeypatch.setattr(CudaPlatform, "capability", lambda self, index=0: (8, 0))
     monkeypatch.setenv("DOVETAIL_GEMV_MAX_ROWS", "256")
     assert CudaPlatform().fused_ops().gemv_max_rows == 0, "cuBLAS before Hopper"
+
+
+def test_micro_batches_run_their_products_on_cublas_and_restore_the_library(monkeypatch):
+    """cuBLASLt's Hopper kernels hold every multiprocessor, so two overlapped micro-batches use cuBLAS; the
+    library the engine chose comes back afterwards, also after an error."""
+    chosen = ["cublaslt"]
+
+    def preferred_blas_library(library=None):
+        if library is not None:
+            chosen.append(library)
+        return chosen[-1]
+
+    monkeypatch.setattr(torch.backends.cuda, "preferred_blas_library", preferred_blas_library)
+    with CudaPlatform().micro_batches_context():
+        assert chosen[-1] == "cublas"
+    assert chosen == ["cublaslt", "cublas", "cublaslt"]
+    with pytest.raises(ValueError), CudaPlatform().micro_batches_context():
+        raise ValueError("a failed step")
+    assert chosen[-1] == "cublaslt"

@@ -4,12 +4,16 @@ two-rank run is in test_tp_engine.py)."""
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 import torch
 
 from dovetail import LLM, SamplingParams
+from dovetail.cli.engine_args import add_engine_arguments, engine_kwargs
 from dovetail.distributed import parallel_state
 from dovetail.engine.micro_batches import run_interleaved, split_point
+from dovetail.errors import ConfigError
 from dovetail.forward_context import get_forward_context
 from test_models_vs_hf import CASES, save_checkpoint
 from tiny_models import assert_greedy_matches, hf_greedy, load_hf
@@ -96,7 +100,15 @@ def test_steps_split_into_micro_batches_give_hfs_tokens(case, tmp_path):
         assert mine == unsplit
 
 
-def test_dual_batch_overlap_is_off_by_default_on_one_cpu_rank(tiny_llama_dir):
+def test_dual_batch_overlap_is_off_by_default_and_the_flags_turn_it_on(tiny_llama_dir):
     llm = LLM(str(tiny_llama_dir), device="cpu", attention_backend="REFERENCE", dtype="float32",
               max_model_len=64)
+    assert llm.llm_engine.config.parallel.enable_dbo is False
     assert llm.llm_engine.executor.worker.runner.micro_batch_tokens is None
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    assert engine_kwargs(parser.parse_args(["--enable-dbo", "--dbo-prefill-token-threshold", "4096"])) == {
+        "enable_dbo": True, "dbo_prefill_token_threshold": 4096}
+    assert engine_kwargs(parser.parse_args(["--enable-dbo", "false"])) == {"enable_dbo": False}
+    with pytest.raises(ConfigError, match="dbo_prefill_token_threshold"):
+        LLM(str(tiny_llama_dir), device="cpu", dbo_prefill_token_threshold=1)

@@ -99,9 +99,9 @@ class ParallelConfig(_Section):
     #: across machines); None: ``uni`` for one rank, ``mp`` for more.
     distributed_executor_backend: Optional[Literal["uni", "mp", "ray"]] = None
     #: Dual-batch overlap: a step of at least ``dbo_prefill_token_threshold`` tokens runs as two micro-batches
-    #: whose collectives overlap each other's compute (see ``dovetail.engine.micro_batches``); None: on with
-    #: several ranks on an accelerator.
-    enable_dbo: Optional[bool] = None
+    #: whose collectives overlap each other's compute (see ``dovetail.engine.micro_batches``). Off by default,
+    #: as in vLLM: on two H100s joined by NVLink it measured level with whole steps (benchmarks/RESULTS.md).
+    enable_dbo: bool = False
     dbo_prefill_token_threshold: int = Field(default=8192, ge=2)
 
     @field_validator("distributed_executor_backend")

@@ -9,6 +9,7 @@ vendor.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -249,6 +250,13 @@ class Platform(ABC):
         (:func:`dovetail.distributed.all_reduce_add_rms_norm`).
         """
         return None
+
+    def micro_batches_context(self) -> contextlib.AbstractContextManager:
+        """Entered while a step runs as two overlapped micro-batches (dual-batch overlap,
+        :mod:`dovetail.engine.micro_batches`): a platform whose fastest matrix-product kernels hold every
+        compute unit until they finish switches to kernels that leave room for the other part's collectives.
+        The default changes nothing."""
+        return contextlib.nullcontext()
 
     # -- engine integration ------------------------------------------------------------
 

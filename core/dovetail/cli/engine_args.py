@@ -61,8 +61,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser, model_positional: bool
                         "rank, mp for more")
     g.add_argument("--enable-dbo", type=_bool, nargs="?", const=True, default=None, metavar="BOOL",
                    help="dual-batch overlap: run large steps as two micro-batches whose all-reduces overlap each "
-                        "other's compute (default: on with several ranks on an accelerator)")
-    g.add_argument("--no-enable-dbo", dest="enable_dbo", action="store_false")
+                        "other's compute (default: off)")
     g.add_argument("--dbo-prefill-token-threshold", type=int, default=None, metavar="N",
                    help="smallest step split into micro-batches, in tokens (default 8192)")
     g.add_argument("--reasoning-parser", default=None, choices=reasoning_parser_names(),

@@ -291,7 +291,7 @@ class ModelRunner:
             input_ids, positions, attn = self.prepare(part, block_tables[rows])
             fill_pending(input_ids, pending_inputs(part), prev_tokens)
             parts.append((input_ids, positions, self.metadata_builder.build(attn)))
-        with backend_collectives():
+        with backend_collectives(), self.platform.micro_batches_context():
             hidden = run_interleaved(self.model.forward_steps, parts, self._side_stream)
         self.micro_batched_steps += 1
         return torch.cat(hidden)

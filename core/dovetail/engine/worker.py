@@ -63,16 +63,6 @@ def attention_requirements(spec: WorkerSpec, platform: Platform, shape) -> Atten
         uses_sliding_window=shape.uses_sliding_window, uses_logit_softcap=shape.uses_logit_softcap)
 
 
-def micro_batch_tokens(parallel, world_size: int, platform: Platform) -> int | None:
-    """The smallest step the runner splits into two overlapped micro-batches, None for none: dual-batch
-    overlap is on where asked, and by default with several ranks on an accelerator (on a CPU there is
-    nothing to overlap: its collectives and compute share the cores)."""
-    enabled = parallel.enable_dbo
-    if enabled is None:
-        enabled = world_size > 1 and platform.is_accelerator
-    return parallel.dbo_prefill_token_threshold if enabled else None
-
-
 def check_heads_divide(shape, world_size: int) -> None:
     """Refuse a model whose attention heads cannot be divided among ``world_size`` ranks (KV heads may be
     fewer than the ranks, and are then replicated, when the ranks divide evenly among them)."""
@@ -141,7 +131,8 @@ class Worker:
                                   enforce_eager=config.device.enforce_eager,
                                   cudagraph_capture_sizes=config.device.cudagraph_capture_sizes,
                                   max_cudagraph_capture_size=config.device.max_cudagraph_capture_size,
-                                  micro_batch_tokens=micro_batch_tokens(config.parallel, world_size, platform))
+                                  micro_batch_tokens=(config.parallel.dbo_prefill_token_threshold
+                                                      if config.parallel.enable_dbo else None))
         self.requests: dict[str, RequestState] = {}
         self._launched: collections.deque[_Launched] = collections.deque()
         self._last_tokens: torch.Tensor | None = None

@@ -10,6 +10,7 @@ cuBLASLt (``DOVETAIL_CUDA_BLAS``: :func:`blas_library`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 
@@ -112,6 +113,18 @@ class CudaPlatform(TorchDevicePlatform):
         library = blas_library()
         super().set_device(index)
         torch.backends.cuda.preferred_blas_library(library)
+
+    @contextlib.contextmanager
+    def micro_batches_context(self):
+        """cuBLAS instead of cuBLASLt for the two parts' products: cuBLASLt's Hopper kernels hold every
+        multiprocessor until they finish, so the other part's NCCL all-reduce waits for them, and split steps
+        ran slower than whole ones (benchmarks/RESULTS.md, dual-batch overlap)."""
+        library = torch.backends.cuda.preferred_blas_library()
+        torch.backends.cuda.preferred_blas_library("cublas")
+        try:
+            yield
+        finally:
+            torch.backends.cuda.preferred_blas_library(library)
 
     def capability(self, index: int | None = None) -> tuple[int, int]:
         """The compute capability of device ``index`` (None: the current one), e.g. ``(9, 0)`` on Hopper."""
