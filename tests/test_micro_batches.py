@@ -12,7 +12,7 @@ import torch
 from dovetail import LLM, SamplingParams
 from dovetail.cli.engine_args import add_engine_arguments, engine_kwargs
 from dovetail.distributed import parallel_state
-from dovetail.engine.micro_batches import run_interleaved, split_point
+from dovetail.engine.micro_batches import parts_share_blocks, run_interleaved, split_point
 from dovetail.errors import ConfigError
 from dovetail.forward_context import get_forward_context
 from test_models_vs_hf import CASES, save_checkpoint
@@ -30,6 +30,16 @@ from tiny_models import assert_greedy_matches, hf_greedy, load_hf
 ])
 def test_a_step_splits_at_the_request_boundary_nearest_half_its_tokens(tokens, expected):
     assert split_point(tokens, min_tokens=100) == expected
+
+
+def test_parts_that_read_a_block_the_other_part_writes_are_found():
+    # request 0 computes its first 16 tokens (blocks 0, 1); request 1 starts at token 16 on them (a prefix hit)
+    assert parts_share_blocks([0, 16], [16, 8], [[0, 1], [0, 1, 5]], block_size=8, split=1)
+    # the other way round: the first part's decode reads block 4, which the second part's prompt writes
+    assert parts_share_blocks([9, 0], [1, 16], [[4, 4], [3, 4]], block_size=8, split=1)
+    # separate blocks; a decode and a chunked prompt reading only their own blocks
+    assert not parts_share_blocks([0, 0], [16, 16], [[0, 1], [2, 3]], block_size=8, split=1)
+    assert not parts_share_blocks([20, 8, 0], [1, 8, 10], [[6, 7, 8], [2, 3], [0, 1]], block_size=8, split=2)
 
 
 def test_the_parts_take_turns_from_pause_to_pause_each_under_its_own_metadata():
@@ -98,6 +108,22 @@ def test_steps_split_into_micro_batches_give_hfs_tokens(case, tmp_path):
         tokens, logprobs = hf_greedy(hf, prompt, 8)
         assert_greedy_matches(mine, tokens, logprobs)
         assert mine == unsplit
+
+
+def test_a_step_whose_prompts_share_a_prefix_computed_in_it_runs_whole(tiny_llama_dir):
+    """The second prompt's prefix-cache hit is on blocks the first prompt writes in the same step: split, the
+    second part could read them before the first part's stream has written them."""
+    common = dict(device="cpu", attention_backend="REFERENCE", dtype="float32", max_model_len=128, block_size=8,
+                  enable_dbo=True, dbo_prefill_token_threshold=8)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    shared = list(range(10, 42))
+    for prompts, split in (([shared + [1, 2, 3], shared + list(range(100, 116))], False),
+                           ([shared + [1, 2, 3], list(range(60, 94))], True)):
+        llm = LLM(str(tiny_llama_dir), **common)
+        llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        assert (llm.llm_engine.executor.worker.runner.micro_batched_steps > 0) == split
+        if not split:
+            assert llm.llm_engine.kv_manager.prefix_hits > 0
 
 
 def test_dual_batch_overlap_is_off_by_default_and_the_flags_turn_it_on(tiny_llama_dir):

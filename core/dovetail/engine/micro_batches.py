@@ -5,7 +5,9 @@ MiB over NVLink), and the device's compute units idle while it crosses. Split at
 parts of about equal tokens, the step runs each part's forward on its own stream and alternates between them
 at every collective (a model's ``forward_steps`` pauses right after issuing one): the collectives are issued
 A1 B1 A2 B2 ... on every rank, one order as NCCL requires, and while one part's sum crosses the link the
-other part's matrix products run. The parts share no sequence, so neither reads the other's KV cache.
+other part's matrix products run. The parts share no sequence; a step whose second part would read a block
+of the KV cache that the first part writes (a prefix-cache hit on a prompt computed in the same step) stays
+whole, as the parts' streams do not order one's cache writes before the other's reads.
 
 While the parts are in flight every collective goes through the backend: a platform's own all-reduce kernels
 keep one buffer between calls (:func:`dovetail.distributed.backend_collectives`). The two streams are the
@@ -44,6 +46,22 @@ def split_point(num_new_tokens: Sequence[int], min_tokens: int) -> int | None:
     if min(first, total - first) * 4 < total:
         return None
     return best
+
+
+def parts_share_blocks(starts: Sequence[int], num_new_tokens: Sequence[int], block_tables: Sequence[Sequence[int]],
+                       block_size: int, split: int) -> bool:
+    """Whether either part of a step split at ``split`` reads a KV-cache block the other part writes: request
+    ``i`` reads its blocks up to its last new token and writes those from ``starts[i]`` (its computed
+    tokens) on."""
+    def blocks(rows: range, written: bool) -> set[int]:
+        found: set[int] = set()
+        for i in rows:
+            last = (starts[i] + num_new_tokens[i] - 1) // block_size
+            found.update(block_tables[i][starts[i] // block_size if written else 0:last + 1])
+        return found
+
+    first, second = range(split), range(split, len(starts))
+    return bool(blocks(first, True) & blocks(second, False) or blocks(second, True) & blocks(first, False))
 
 
 @contextlib.contextmanager

@@ -28,7 +28,7 @@ from dovetail.attention.backend import AttentionBackend
 from dovetail.attention.batch import AttentionBatch
 from dovetail.device_copy import copy_to_device, to_device, values_to_device
 from dovetail.distributed import backend_collectives, tp_rank
-from dovetail.engine.micro_batches import run_interleaved, split_point
+from dovetail.engine.micro_batches import parts_share_blocks, run_interleaved, split_point
 from dovetail.engine.scheduler import ScheduledBatch
 from dovetail.engine.sharded_logits import ShardedLogits
 from dovetail.forward_context import set_forward_context
@@ -253,7 +253,7 @@ class ModelRunner:
         sequences with a pending last token read their input from."""
         if self.graphs is not None and self.graphs.can_run(batch):
             return StepLogits(self.graphs.run(batch, block_tables, prev_tokens), list(batch.requests), {})
-        split = split_point(batch.num_new_tokens, self.micro_batch_tokens) if self.micro_batch_tokens else None
+        split = self._micro_batch_split(batch, block_tables)
         if split is None:
             input_ids, positions, attn = self.prepare(batch, block_tables)
             fill_pending(input_ids, pending_inputs(batch), prev_tokens)
@@ -280,6 +280,16 @@ class ModelRunner:
         for request_id, (rows, predicted) in prompt_rows.items():
             prompt_logits[request_id] = (self.model.compute_logits(self._rows(hidden, rows)), predicted)
         return StepLogits(sample_logits, sample_requests, prompt_logits)
+
+    def _micro_batch_split(self, batch: ScheduledBatch, block_tables: list[list[int]]) -> int | None:
+        """Where this step splits into two micro-batches; None: it runs whole."""
+        if not self.micro_batch_tokens:
+            return None
+        split = split_point(batch.num_new_tokens, self.micro_batch_tokens)
+        if split is not None and parts_share_blocks([r.num_computed_tokens for r in batch.requests],
+                                                    batch.num_new_tokens, block_tables, self.block_size, split):
+            return None
+        return split
 
     def run_micro_batches(self, batch: ScheduledBatch, block_tables: list[list[int]], prev_tokens: torch.Tensor | None,
                           split: int) -> torch.Tensor:
