@@ -126,6 +126,26 @@ def test_a_step_whose_prompts_share_a_prefix_computed_in_it_runs_whole(tiny_llam
             assert llm.llm_engine.kv_manager.prefix_hits > 0
 
 
+@pytest.mark.parametrize("why", ["planning backend", "model without pauses"])
+def test_steps_stay_whole_where_the_backend_or_the_model_cannot_split_them(why, tiny_llama_dir, monkeypatch, caplog):
+    from dovetail.attention.backend import AttentionMetadataBuilder
+    from dovetail_models.llama import LlamaForCausalLM
+
+    if why == "planning backend":
+        monkeypatch.setattr(AttentionMetadataBuilder, "independent_builds", False)
+    else:
+        monkeypatch.setattr(LlamaForCausalLM, "forward_steps", None)
+    with caplog.at_level("INFO", logger="dovetail"):
+        llm = LLM(str(tiny_llama_dir), device="cpu", attention_backend="REFERENCE", dtype="float32",
+                  max_model_len=64, enable_dbo=True, dbo_prefill_token_threshold=8)
+    assert llm.llm_engine.executor.worker.runner.micro_batch_tokens is None
+    assert "dual-batch overlap off: " + ("the REFERENCE attention backend plans" if why == "planning backend"
+                                         else "LlamaForCausalLM has no forward_steps") in caplog.text
+    prompts = [{"prompt_token_ids": list(range(3, 20))}, {"prompt_token_ids": list(range(30, 47))}]
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+    assert llm.llm_engine.executor.worker.runner.micro_batched_steps == 0
+
+
 def test_dual_batch_overlap_is_off_by_default_and_the_flags_turn_it_on(tiny_llama_dir):
     llm = LLM(str(tiny_llama_dir), device="cpu", attention_backend="REFERENCE", dtype="float32",
               max_model_len=64)
