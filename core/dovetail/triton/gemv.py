@@ -190,10 +190,11 @@ def default_config(m: int, n: int, k: int, weight_bytes: int = 1, multiprocessor
     linears). ``benchmarks/kernels_linear.py --configs`` retunes it; benchmarks/RESULTS.md, Kernels.
     """
     if weight_bytes == 2 and m <= 4:
-        block_k = 1024 // next_power_of_2(m)
+        widest = 1024 // next_power_of_2(m)
+        block_k = widest
         while k % block_k and block_k > 256:
             block_k //= 2
-        block_k = block_k if k % block_k == 0 else 1024 // next_power_of_2(m)
+        block_k = block_k if k % block_k == 0 else widest
         block_n = 8 if multiprocessors < triton.cdiv(n, 8) <= register_sum_wave(block_k, multiprocessors) else 4
         return GemvConfig(block_n, block_k, num_warps=4, num_stages=3)
     block_m = min(64, max(16, next_power_of_2(m)))
