@@ -1,7 +1,7 @@
 """The mixture-of-experts layer on a GPU, alone, against its bandwidth and compute bounds, batch size by batch size.
 
     python benchmarks/kernels_moe.py [--model qwen3-moe-15b-a3b] [--ms 1,2,4,...,512,2048,8192] [--fp8 block|channel]
-        [--vllm] [--sweep-tiles [--persistent 1,2]] [--json results.json]
+        [--vllm] [--sweep-tiles] [--json results.json]
 
 For the MoE layer of a named shape (experts, top-k, hidden and expert width from its config) and M tokens it
 times, from CUDA graphs (how the engine runs decode), the platform's routing and fused experts
@@ -25,7 +25,6 @@ layers summed over the model's layers.
 ``--sweep-tiles`` times instead each grouped GEMM (gate/up, down) alone over a grid of tiles wider than the
 tuner's candidates (``dovetail.triton.moe_configs``), for each ``block_m`` the tuner would try at each M:
 the five fastest, the fastest of the tuner's candidates, and the expert weights read per second (bf16).
-``--persistent 1,2`` adds each tile of that grid as a persistent launch of 1 and 2 programs per multiprocessor.
 """
 
 from __future__ import annotations
@@ -134,7 +133,7 @@ def bench(config, ms: list[int], ops, fp8_mode: str | None, with_vllm: bool, ban
 SWEEP_BLOCK_N, SWEEP_BLOCK_K, SWEEP_STAGES = (32, 64, 128), (64, 128, 256), (3, 4, 5)
 
 
-def sweep_tiles(config, ms: list[int], persistent: list[int]) -> list[dict]:
+def sweep_tiles(config, ms: list[int]) -> list[dict]:
     from dovetail.triton.moe_align import align_pairs
     from dovetail.triton.moe_configs import LayerShape, block_m_candidates, gemm_candidates
     from dovetail.triton.moe_gemm import GemmConfig, grouped_gemm
@@ -158,9 +157,8 @@ def sweep_tiles(config, ms: list[int], persistent: list[int]) -> list[dict]:
             aligned = [align_pairs(i, experts, block_m) for i in ids]
             for gated in (True, False):
                 candidates = gemm_candidates(block_m, gated)
-                grid = [GemmConfig(n, k, 1, warps, stages, programs) for n in SWEEP_BLOCK_N for k in SWEEP_BLOCK_K
+                grid = [GemmConfig(n, k, 1, warps, stages) for n in SWEEP_BLOCK_N for k in SWEEP_BLOCK_K
                         for stages in SWEEP_STAGES for warps in ((4, 8) if n == 128 else (4,))
-                        for programs in [0, *persistent]
                         if stages * (block_m + (2 if gated else 1) * n) * k * 2 <= SHARED_MEMORY]
                 timed = []
                 for c in grid + [c for c in candidates if c not in grid]:
@@ -207,8 +205,6 @@ def main() -> None:
     p.add_argument("--vllm", action="store_true", help="also vLLM's fused_experts, when vLLM is installed")
     p.add_argument("--peak-tflops", type=float, default=None, help="the bf16 peak (default: measured)")
     p.add_argument("--sweep-tiles", action="store_true", help="time each grouped GEMM over a grid of tiles instead")
-    p.add_argument("--persistent", default="", help="with --sweep-tiles: also each tile as a persistent launch of "
-                   "these many programs per multiprocessor (comma-separated)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
 
@@ -220,8 +216,7 @@ def main() -> None:
     ops = platform.fused_ops()
     config = shapes.SHAPES[args.model].config()
     if args.sweep_tiles:
-        rows = sweep_tiles(config, [int(v) for v in args.ms.split(",")],
-                           [int(v) for v in args.persistent.split(",") if v])
+        rows = sweep_tiles(config, [int(v) for v in args.ms.split(",")])
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"model": args.model, "gpu": torch.cuda.get_device_name(), "sweep_tiles": rows}, f, indent=1)

@@ -197,22 +197,17 @@ def test_fused_moe_in_16_bits(dtype, activation):
 @pytest.mark.parametrize("config", [
     MoeConfig(16, GemmConfig(16, 16), GemmConfig(16, 32)),  # several tiles over N and K, K a multiple of BLOCK_K
     MoeConfig(32, GemmConfig(32, 64, group_m=4), GemmConfig(64, 16, group_m=2)),  # grouped order of the programs
-    # persistent programs, each walking several tiles (the interpreter's grid is a few programs per CPU core)
-    MoeConfig(16, GemmConfig(16, 16, persistent=1), GemmConfig(16, 32, persistent=2)),
-    MoeConfig(32, GemmConfig(32, 64, group_m=4, persistent=1), GemmConfig(64, 16, group_m=2, persistent=3)),
-], ids=["many-tiles", "grouped", "persistent", "persistent-grouped"])
+], ids=["many-tiles", "grouped"])
 def test_fused_moe_tiles_over_n_and_k(config):
     x, w13, w2, weights, ids = moe_inputs(40, 4, 2, hidden=48, inter=40, seed=7)
     assert_moe_close(fused_moe(x, w13, w2, weights, ids, config=config), moe_reference(x, w13, w2, weights, ids))
 
 
-@pytest.mark.parametrize("persistent", [0, 1])
-def test_every_token_on_one_expert_and_experts_without_tokens(persistent):
+def test_every_token_on_one_expert_and_experts_without_tokens():
     x, w13, w2, weights, _ = moe_inputs(33, 8, 2, seed=11)
     ids = torch.tensor([[5, 2]] * 33, device=DEVICE)  # experts 5 and 2 take every token; six take none
     weights = torch.rand(33, 2, generator=torch.Generator().manual_seed(1)).to(DEVICE)
-    config = MoeConfig(16, GemmConfig(16, 32, persistent=persistent), GemmConfig(32, 16, persistent=persistent))
-    assert_moe_close(fused_moe(x, w13, w2, weights, ids, config=config), moe_reference(x, w13, w2, weights, ids))
+    assert_moe_close(fused_moe(x, w13, w2, weights, ids), moe_reference(x, w13, w2, weights, ids))
 
 
 def test_long_batches_run_in_passes(monkeypatch):
@@ -311,17 +306,6 @@ def test_fp8_experts_match_the_dequantized_reference(block, dtype, tokens):
         err = (got.float() - expected.float()).abs()
         scale = expected.float().abs().max()
         assert err.max() <= 0.03 * scale and err.mean() <= 0.003 * scale, (err.max(), err.mean(), scale)
-
-
-@pytest.mark.skipif(DEVICE != "cpu", reason="the interpreter's arithmetic is the reference's")
-@pytest.mark.parametrize("block", [None, (16, 32)], ids=["per-channel", "block16x32"])
-def test_fp8_experts_in_persistent_programs(block):
-    x, w13, w2, weights, ids = moe_inputs(19, 4, 2, hidden=64, inter=32, dtype=torch.bfloat16, seed=29)
-    (q13, s13), (q2, s2) = quantize_experts(w13, block), quantize_experts(w2, block)
-    fp8 = Fp8ExpertScales(s13, s2, block)
-    config = MoeConfig(16, GemmConfig(16, 32, persistent=1), GemmConfig(32, 16, persistent=2))
-    assert_moe_close(fused_moe(x, q13, q2, weights, ids, fp8=fp8, config=config),
-                     moe_reference(x, q13, q2, weights, ids, fp8=fp8))
 
 
 # -- the platform seam, and no host synchronisation ----------------------------------------------------------

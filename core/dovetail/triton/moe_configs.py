@@ -49,11 +49,9 @@ class MoeConfig(NamedTuple):
     down: GemmConfig
 
     def describe(self) -> str:
-        """``block_m 16, up 64x128 g1 w4 s4, down ... p2``: the tiles (N x K), program grouping, warps, stages and
-        persistent programs per multiprocessor."""
+        """``block_m 16, up 64x128 g1 w4 s4, down ...``: the tiles (N x K), program grouping, warps and stages."""
         def gemm(c: GemmConfig) -> str:
-            persistent = f" p{c.persistent}" if c.persistent else ""
-            return f"{c.block_n}x{c.block_k} g{c.group_m} w{c.num_warps} s{c.num_stages}{persistent}"
+            return f"{c.block_n}x{c.block_k} g{c.group_m} w{c.num_warps} s{c.num_stages}"
 
         return f"block_m {self.block_m}, up {gemm(self.up)}, down {gemm(self.down)}"
 
@@ -112,12 +110,12 @@ def gemm_candidates(block_m: int, gated: bool) -> list[GemmConfig]:
     """GEMM tiles worth timing with ``block_m`` (the first is the default). Each fits the 227 KiB of shared memory
     a Hopper multiprocessor gives one program, its software pipeline included (checked by compiling for sm_90)."""
     if block_m <= 16:
-        return _with_persistent([GemmConfig(64, 128, 1, 4, 4), GemmConfig(32, 128, 1, 4, 4),
-                                 GemmConfig(32, 256, 1, 4, 3), GemmConfig(64, 64, 1, 4, 5), GemmConfig(128, 64, 1, 4, 4),
-                                 GemmConfig(128, 128, 1, 8, 3), GemmConfig(16, 256, 1, 4, 4)])
+        return [GemmConfig(64, 128, 1, 4, 4), GemmConfig(32, 128, 1, 4, 4), GemmConfig(32, 256, 1, 4, 3),
+                GemmConfig(64, 64, 1, 4, 5), GemmConfig(128, 64, 1, 4, 4), GemmConfig(128, 128, 1, 8, 3),
+                GemmConfig(16, 256, 1, 4, 4)]
     if block_m <= 32:
-        return _with_persistent([GemmConfig(64, 128, 8, 4, 3), GemmConfig(64, 64, 8, 4, 4), GemmConfig(128, 64, 8, 4, 4),
-                                 GemmConfig(128, 128, 8, 8, 3)])
+        return [GemmConfig(64, 128, 8, 4, 3), GemmConfig(64, 64, 8, 4, 4), GemmConfig(128, 64, 8, 4, 4),
+                GemmConfig(128, 128, 8, 8, 3)]
     if block_m <= 64:
         if gated:  # two weight tiles per stage
             return [GemmConfig(128, 64, 8, 4, 4), GemmConfig(64, 64, 8, 4, 4), GemmConfig(64, 128, 8, 4, 3),
@@ -129,12 +127,6 @@ def gemm_candidates(block_m: int, gated: bool) -> list[GemmConfig]:
                 GemmConfig(64, 64, 8, 4, 4), GemmConfig(128, 64, 1, 8, 3), GemmConfig(128, 64, 1, 8, 4)]
     return [GemmConfig(128, 64, 8, 8, 4), GemmConfig(128, 64, 8, 4, 3), GemmConfig(256, 64, 8, 8, 3),
             GemmConfig(64, 64, 8, 4, 4), GemmConfig(128, 64, 1, 4, 3)]
-
-
-def _with_persistent(tiles: list[GemmConfig]) -> list[GemmConfig]:
-    """``tiles``, then each as a persistent launch of one and of two programs per multiprocessor (decode sizes,
-    where a program's tile is a few K steps of weights and its start would otherwise stall the stream)."""
-    return tiles + [tile._replace(persistent=programs) for programs in (1, 2) for tile in tiles]
 
 
 def default_config(tokens: int, shape: LayerShape) -> MoeConfig:

@@ -10,8 +10,6 @@ gate/up result; each writes row ``pair`` of its output.
 
 - ``gated``: the weight holds ``2 * N`` rows (gate, then up); the program keeps two
   accumulators and stores ``act(gate) * up``, so SiLU-and-mul costs no pass of its own.
-- ``persistent`` (:class:`GemmConfig`): a grid of a few programs per multiprocessor, each taking every
-  so-many-th tile of the layout in use, its K loops run as one (triton's ``flatten``).
 - FP8 (``a`` and the weight ``float8_e4m3fn``): per-row ``a`` scales with per-channel
   weight scales are applied once after the K loop; block scales per ``BLOCK_K`` step
   (``BLOCK_K`` divides the block's ``bk``).
@@ -32,24 +30,17 @@ import triton.language as tl
 
 from dovetail.triton import interpreter_active, next_power_of_2
 from dovetail.triton.moe_align import AlignedPairs
-from dovetail.triton.multiprocessors import multiprocessor_count
 from dovetail.triton.pdl import launch_kwargs, pdl_prologue, use_pdl
 
 
 class GemmConfig(NamedTuple):
-    """Tile sizes and launch options of one grouped GEMM (``BLOCK_M`` is the alignment's ``block_m``).
-
-    ``persistent`` > 0 launches that many programs per multiprocessor, each walking the tiles in use in turn
-    (so its software pipeline loads the next tile's first weights while it finishes one), instead of one
-    program per tile of the largest layout, most of which return at once.
-    """
+    """Tile sizes and launch options of one grouped GEMM (``BLOCK_M`` is the alignment's ``block_m``)."""
 
     block_n: int
     block_k: int
     group_m: int = 1
     num_warps: int = 4
     num_stages: int = 3
-    persistent: int = 0
 
     def as_dict(self) -> dict:
         return self._asdict()
@@ -63,25 +54,36 @@ def _act(gate, GELU_TANH: tl.constexpr):
     return gate / (1.0 + tl.exp(-gate))
 
 
-@triton.jit
-def _tile_coords(tile, num_n, num_blocks, GROUP_M: tl.constexpr):
-    """Block row and output tile of program ``tile``: ``GROUP_M`` block rows side by side, output tile by output
-    tile, so that programs running together share weight tiles in L2."""
+@triton.jit(do_not_specialize=["num_pairs", "max_blocks"])
+def _moe_gemm_kernel(
+    a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr,
+    N, K, num_pairs, max_blocks,
+    stride_am, stride_be, stride_bn, stride_cm, stride_asm, stride_bse, stride_bsn, stride_bsk,
+    A_ROW_DIV: tl.constexpr, PAIR_PER_BLOCK: tl.constexpr, HAS_MAP: tl.constexpr, GATED: tl.constexpr, GELU_TANH: tl.constexpr, QUANT: tl.constexpr,
+    GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    pdl_prologue(USE_PDL)
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BLOCK_N)
     per_group = GROUP_M * num_n
-    first_m = (tile // per_group) * GROUP_M
-    group_rows = tl.minimum(num_blocks - first_m, GROUP_M)
-    return first_m + (tile % per_group) % group_rows, (tile % per_group) // group_rows
-
-
-@triton.jit
-def _gemm_tile(a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, expert, pairs, pid_n, N, K, num_pairs,
-               stride_am, stride_be, stride_bn, stride_cm, stride_asm, stride_bse, stride_bsn, stride_bsk,
-               A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, GELU_TANH: tl.constexpr, QUANT: tl.constexpr,
-               GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-               EVEN_N: tl.constexpr):
-    """Rows ``pairs`` (``[BLOCK_M]``; ``num_pairs`` marks padding) times ``expert``'s weight, outputs
-    ``pid_n * BLOCK_N ...``: the K loop and the store of one program's tile."""
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(max_blocks - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+    if PAIR_PER_BLOCK:  # block pid_m is pair pid_m alone; sorted_ptr holds topk_ids, block_expert_ptr the map
+        expert = tl.load(sorted_ptr + pid_m).to(tl.int64)
+        if HAS_MAP:
+            expert = tl.load(block_expert_ptr + expert).to(tl.int64)
+        if expert < 0:
+            return
+        pairs = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, num_pairs)
+    else:
+        if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+            return
+        expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+        pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     row_ok = pairs < num_pairs
     a_rows = (pairs // A_ROW_DIV).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -151,48 +153,6 @@ def _gemm_tile(a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, expert, pairs, pid
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
-@triton.jit(do_not_specialize=["num_pairs", "max_blocks"])
-def _moe_gemm_kernel(
-    a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr,
-    N, K, num_pairs, max_blocks,
-    stride_am, stride_be, stride_bn, stride_cm, stride_asm, stride_bse, stride_bsn, stride_bsk,
-    A_ROW_DIV: tl.constexpr, PAIR_PER_BLOCK: tl.constexpr, HAS_MAP: tl.constexpr, GATED: tl.constexpr,
-    GELU_TANH: tl.constexpr, QUANT: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, IEEE: tl.constexpr,
-    UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, PERSISTENT: tl.constexpr, USE_PDL: tl.constexpr,
-):
-    pdl_prologue(USE_PDL)
-    num_n = tl.cdiv(N, BLOCK_N)
-    if PERSISTENT:  # a fixed grid walking the tiles in use, so each program's loads run on from tile to tile
-        num_blocks = tl.load(num_padded_ptr) // BLOCK_M
-        for tile in tl.range(tl.program_id(0), num_blocks * num_n, tl.num_programs(0), flatten=True):
-            pid_m, pid_n = _tile_coords(tile, num_n, num_blocks, GROUP_M)
-            expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-            pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-            _gemm_tile(a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, expert, pairs, pid_n, N, K, num_pairs,
-                       stride_am, stride_be, stride_bn, stride_cm, stride_asm, stride_bse, stride_bsn, stride_bsk,
-                       A_ROW_DIV, GATED, GELU_TANH, QUANT, GROUP_N, GROUP_K, IEEE, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K,
-                       EVEN_K, EVEN_N)
-    else:
-        pid_m, pid_n = _tile_coords(tl.program_id(0), num_n, max_blocks, GROUP_M)
-        if PAIR_PER_BLOCK:  # block pid_m is pair pid_m alone; sorted_ptr holds topk_ids, block_expert_ptr the map
-            expert = tl.load(sorted_ptr + pid_m).to(tl.int64)
-            if HAS_MAP:
-                expert = tl.load(block_expert_ptr + expert).to(tl.int64)
-            if expert < 0:
-                return
-            pairs = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, num_pairs)
-        else:
-            if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
-                return
-            expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-            pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-        _gemm_tile(a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, expert, pairs, pid_n, N, K, num_pairs,
-                   stride_am, stride_be, stride_bn, stride_cm, stride_asm, stride_bse, stride_bsn, stride_bsk,
-                   A_ROW_DIV, GATED, GELU_TANH, QUANT, GROUP_N, GROUP_K, IEEE, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K,
-                   EVEN_K, EVEN_N)
-
-
 def grouped_gemm(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, aligned: AlignedPairs, config: GemmConfig,
                  a_row_div: int, gated: bool = False, gelu_tanh: bool = False, a_scale: torch.Tensor | None = None,
                  w_scale: torch.Tensor | None = None, block_size: tuple[int, int] | None = None) -> torch.Tensor:
@@ -212,22 +172,19 @@ def grouped_gemm(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, align
             raise ValueError(f"FP8 block scales of {block_size} need BLOCK_K dividing {group_k} and gate/up "
                              f"halves of whole blocks (N={n_out})")
     block_n = min(config.block_n, max(16, next_power_of_2(n_out)))
-    tiles = aligned.max_blocks * triton.cdiv(n_out, block_n)
-    persistent = config.persistent > 0 and not aligned.pair_per_block
-    if persistent:
-        tiles = min(tiles, config.persistent * multiprocessor_count(a.device))
+    grid = (aligned.max_blocks * triton.cdiv(n_out, block_n),)
     scale_strides = (0, 0, 0, 0)
     if quant:
         scale_strides = (a_scale.stride(0), w_scale.stride(0), w_scale.stride(1),
                          w_scale.stride(2) if w_scale.dim() == 3 else 0)
-    _moe_gemm_kernel[(tiles,)](
+    _moe_gemm_kernel[grid](
         a, weight, out, a_scale if quant else a, w_scale if quant else a,
         aligned.sorted_pairs, aligned.block_expert, aligned.num_padded,
         n_out, k, aligned.num_pairs, aligned.max_blocks,
         a.stride(0), weight.stride(0), weight.stride(1), out.stride(0), *scale_strides,
         A_ROW_DIV=a_row_div, PAIR_PER_BLOCK=aligned.pair_per_block, HAS_MAP=aligned.has_map, GATED=gated, GELU_TANH=gelu_tanh, QUANT=quant, GROUP_N=group_n, GROUP_K=group_k,
         IEEE=a.dtype == torch.float32, UPCAST=_upcast(a), BLOCK_M=aligned.block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        GROUP_M=config.group_m, EVEN_K=k % block_k == 0, EVEN_N=n_out % block_n == 0, PERSISTENT=persistent,
+        GROUP_M=config.group_m, EVEN_K=k % block_k == 0, EVEN_N=n_out % block_n == 0,
         num_warps=config.num_warps, num_stages=config.num_stages, **launch_kwargs(use_pdl(a.device)))
     return out
 
