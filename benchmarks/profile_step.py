@@ -16,7 +16,8 @@ time.
 ``--trace FILE`` reads a trace that ``dovetail bench ... --profile`` wrote (one per rank, under
 ``DOVETAIL_TORCH_PROFILER_DIR``; a whole B1 as the engine runs it, graphs included) instead of running a model:
 the device's busy share of the span, each kernel's summed time and the groups', the idle time by the
-length of the gap it fell in, and the short gaps' idle time by the kernels on either side. With programmatic
+length of the gap it fell in, the short gaps' idle time by the kernels on either side, and the longest gaps
+with the kernels on either side and the host's longest calls meanwhile. With programmatic
 dependent launch a kernel starts before its predecessor ends and waits, so a short kernel's time there
 includes some of the one before it.
 
@@ -193,8 +194,11 @@ def trace_summary(path: str) -> dict:
     import gzip
 
     with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
-        events = [e for e in json.load(f)["traceEvents"]
-                  if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+        trace_events = json.load(f)["traceEvents"]
+    events = [e for e in trace_events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    host_events = sorted((e for e in trace_events if e.get("ph") == "X" and e.get("cat") in HOST_CATEGORIES),
+                         key=lambda e: e["ts"])
+    host_starts = [e["ts"] for e in host_events]
     if not events:
         raise SystemExit(f"{path}: no device events (was the trace recorded with the device's activity?)")
     events.sort(key=lambda e: e["ts"])
@@ -202,12 +206,15 @@ def trace_summary(path: str) -> dict:
     end = max(e["ts"] + e["dur"] for e in events)
     busy, covered, last, idle = 0.0, None, None, collections.Counter()
     idle_between = collections.Counter()  # (kernel that ended, kernel that started) -> idle µs of gaps under 20 µs
+    long_gaps = []  # (gap µs, start, kernel that ended, kernel that started)
     for e in events:
         if covered is not None and e["ts"] > covered:
             gap = e["ts"] - covered
             idle[next(limit for limit in GAP_CLASSES if gap < limit)] += gap
             if gap < 20:
                 idle_between[(last, e["name"])] += gap
+            elif gap >= 100:
+                long_gaps.append((gap, covered, last, e["name"]))
         if covered is None or e["ts"] > covered:
             busy += e["dur"]
         else:
@@ -226,7 +233,29 @@ def trace_summary(path: str) -> dict:
             "groups_s": dict(groups), "idle_s_by_gap_us": {f"<{limit:g}": idle[limit] / 1e6 for limit in GAP_CLASSES},
             "kernels": [{"name": name, "s": t / 1e6, "calls": calls[name]} for name, t in by_name.most_common()],
             "short_idle_between": [{"after": a, "before": b, "s": t / 1e6}
-                                   for (a, b), t in idle_between.most_common(15)]}
+                                   for (a, b), t in idle_between.most_common(15)],
+            "longest_gaps": [{"us": gap, "at_s": (at - start) / 1e6, "after": a, "before": b,
+                              "host": _host_calls_during(host_events, host_starts, at, at + gap)}
+                             for gap, at, a, b in sorted(long_gaps, reverse=True)[:15]]}
+
+
+#: Trace categories of the host's side: the operators, the runtime's calls and the engine's annotations.
+HOST_CATEGORIES = ("cpu_op", "cuda_runtime", "cuda_driver", "user_annotation")
+
+
+def _host_calls_during(host_events: list, starts: list, begin: float, end: float, most: int = 4) -> list[str]:
+    """The host's calls that took most of ``[begin, end)`` µs, what it did while the device waited (calls that
+    span far more than the gap, such as the whole step, left out)."""
+    import bisect
+
+    first = bisect.bisect_left(starts, begin - 1e5)  # calls up to 0.1 s long that began before the gap
+    limit = 10 * (end - begin)
+    inside = [(min(e["ts"] + e["dur"], end) - max(e["ts"], begin), e["name"]) for e in host_events[first:]
+              if e["ts"] < end and e["ts"] + e["dur"] > begin and e["dur"] <= limit]
+    if not inside:
+        return []
+    inside.sort(reverse=True)
+    return [f"{name[:50]} {overlap:.0f}us" for overlap, name in inside[:most]]
 
 
 def print_trace_summary(summary: dict) -> None:
@@ -242,6 +271,10 @@ def print_trace_summary(summary: dict) -> None:
     print("  idle in gaps under 20 µs, by the kernels on either side:")
     for pair in summary["short_idle_between"]:
         print(f"{pair['s'] * 1e3:8.1f} ms  {pair['after'][:60]}  ->  {pair['before'][:60]}")
+    print("  the longest gaps: µs, when (s into the span), the kernels on either side, the host's longest calls then:")
+    for gap in summary["longest_gaps"]:
+        print(f"{gap['us']:8.0f} us at {gap['at_s']:7.3f} s  {gap['after'][:40]}  ->  {gap['before'][:40]}  | "
+              + "; ".join(gap["host"]))
 
 
 def main() -> int:

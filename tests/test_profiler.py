@@ -100,7 +100,7 @@ def test_bench_profiles_its_timed_run(tiny_llama_dir, tmp_path, monkeypatch):
 def test_the_trace_summary_adds_busy_time_once_and_classes_the_idle_gaps(tmp_path):
     """``benchmarks/profile_step.py --trace``: overlapping kernels (programmatic dependent launch) count once
     towards the busy time, each gap counts in its length class and a short one towards the kernels on either
-    side of it, and host events are left out."""
+    side of it, host events are left out of the device's time, and the longest gaps name the host's calls then."""
     import importlib.util
     from pathlib import Path
 
@@ -115,7 +115,9 @@ def test_the_trace_summary_adds_busy_time_once_and_classes_the_idle_gaps(tmp_pat
     events = [kernel("_paged_attention_kernel", 0, 100), kernel("_rms_norm_kernel", 90, 20),  # overlap of 10
               kernel("nvjet_gemm", 113, 50),  # a 3 µs gap
               kernel("_paged_attention_kernel", 1663, 40),  # a 1,500 µs gap
-              {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5000}]
+              {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5000},
+              {"ph": "X", "cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": 170, "dur": 1400},
+              {"ph": "X", "cat": "user_annotation", "name": "the whole step", "ts": 0, "dur": 20000}]
     path = tmp_path / "rank0.1.pt.trace.json.gz"
     with gzip.open(path, "wt") as f:
         json.dump({"traceEvents": events}, f)
@@ -131,3 +133,8 @@ def test_the_trace_summary_adds_busy_time_once_and_classes_the_idle_gaps(tmp_pat
     assert summary["short_idle_between"] == [
         {"after": "_rms_norm_kernel", "before": "nvjet_gemm", "s": pytest.approx(3e-6)}], \
         "the short gap is the norm's (which ended last), before the GEMM; the long one is not counted"
+    (gap,) = summary["longest_gaps"]
+    assert (gap["us"], gap["at_s"], gap["after"], gap["before"]) == (1500, pytest.approx(163e-6), "nvjet_gemm",
+                                                                     "_paged_attention_kernel")
+    assert gap["host"] == ["aten::mm 1500us", "cudaStreamSynchronize 1400us"], \
+        "the host's calls by their time within the gap, the one spanning far more than the gap left out"
