@@ -146,6 +146,31 @@ def test_steps_stay_whole_where_the_backend_or_the_model_cannot_split_them(why, 
     assert llm.llm_engine.executor.worker.runner.micro_batched_steps == 0
 
 
+def test_a_plugins_decoder_layer_without_pauses_runs_whole_between_the_parts_turns(tiny_llama_dir, monkeypatch):
+    """``LlamaModel.forward_steps`` over a layer class that has no ``forward_steps`` of its own (a plugin's):
+    the layer runs whole, then the parts change turns; the tokens are those of whole steps."""
+    from dovetail.model_interface import run_to_end
+    from dovetail_models.llama import LlamaDecoderLayer, LlamaModel
+
+    class LayerWithoutPauses(LlamaDecoderLayer):
+        forward_steps = None
+
+        def forward(self, positions, hidden_states, residual):
+            return run_to_end(LlamaDecoderLayer.forward_steps(self, positions, hidden_states, residual))
+
+    monkeypatch.setattr(LlamaModel, "layer_cls", LayerWithoutPauses)
+    common = dict(device="cpu", attention_backend="REFERENCE", dtype="float32", max_model_len=128,
+                  max_num_batched_tokens=48, enable_chunked_prefill=True)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    split = LLM(str(tiny_llama_dir), enable_dbo=True, dbo_prefill_token_threshold=16, **common)
+    assert all(type(layer) is LayerWithoutPauses for layer in split.llm_engine.executor.worker.runner.model.model.layers)
+    ours = [o.outputs[0].token_ids for o in split.generate(prompts, params, use_tqdm=False)]
+    assert split.llm_engine.executor.worker.runner.micro_batched_steps > 0
+    whole = LLM(str(tiny_llama_dir), enable_dbo=False, **common)
+    assert ours == [o.outputs[0].token_ids for o in whole.generate(prompts, params, use_tqdm=False)]
+
+
 def test_dual_batch_overlap_is_off_by_default_and_the_flags_turn_it_on(tiny_llama_dir):
     llm = LLM(str(tiny_llama_dir), device="cpu", attention_backend="REFERENCE", dtype="float32",
               max_model_len=64)
