@@ -31,6 +31,7 @@ Prints a table; writes JSON to ``--json`` if given.
 from __future__ import annotations
 
 import argparse
+import bisect
 import collections
 import functools
 import json
@@ -187,6 +188,8 @@ def host_stages(llm, num: int) -> dict:
 
 #: Upper ends of the idle-gap classes of ``--trace`` (µs).
 GAP_CLASSES = (5, 20, 100, 1000, float("inf"))
+#: Trace categories of the host's side: the operators, the runtime's calls and the engine's annotations.
+HOST_CATEGORIES = ("cpu_op", "cuda_runtime", "cuda_driver", "user_annotation")
 
 
 def trace_summary(path: str) -> dict:
@@ -239,15 +242,9 @@ def trace_summary(path: str) -> dict:
                              for gap, at, a, b in sorted(long_gaps, reverse=True)[:15]]}
 
 
-#: Trace categories of the host's side: the operators, the runtime's calls and the engine's annotations.
-HOST_CATEGORIES = ("cpu_op", "cuda_runtime", "cuda_driver", "user_annotation")
-
-
 def _host_calls_during(host_events: list, starts: list, begin: float, end: float, most: int = 4) -> list[str]:
     """The host's calls that took most of ``[begin, end)`` µs, what it did while the device waited (calls that
     span far more than the gap, such as the whole step, left out)."""
-    import bisect
-
     first = bisect.bisect_left(starts, begin - 1e5)  # calls up to 0.1 s long that began before the gap
     limit = 10 * (end - begin)
     inside = [(min(e["ts"] + e["dur"], end) - max(e["ts"], begin), e["name"]) for e in host_events[first:]

@@ -164,7 +164,8 @@ def test_a_plugins_decoder_layer_without_pauses_runs_whole_between_the_parts_tur
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
     split = LLM(str(tiny_llama_dir), enable_dbo=True, dbo_prefill_token_threshold=16, **common)
-    assert all(type(layer) is LayerWithoutPauses for layer in split.llm_engine.executor.worker.runner.model.model.layers)
+    layers = split.llm_engine.executor.worker.runner.model.model.layers
+    assert all(type(layer) is LayerWithoutPauses for layer in layers)
     ours = [o.outputs[0].token_ids for o in split.generate(prompts, params, use_tqdm=False)]
     assert split.llm_engine.executor.worker.runner.micro_batched_steps > 0
     whole = LLM(str(tiny_llama_dir), enable_dbo=False, **common)
