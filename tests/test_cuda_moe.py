@@ -105,6 +105,7 @@ def test_tuning_writes_a_table_that_the_next_run_reads(tmp_path, monkeypatch):
     from dovetail.triton.moe_configs import ConfigTable
 
     monkeypatch.setenv("DOVETAIL_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("DOVETAIL_MOE_TUNE", raising=False)  # on, whatever the run's environment says
     fm._table.cache_clear()
     x, w13, w2, weights, ids = real_layer(4, seed=5)
     expected = fused_experts(x, w13, w2, weights, ids)
