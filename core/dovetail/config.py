@@ -100,7 +100,7 @@ class ParallelConfig(_Section):
     distributed_executor_backend: Optional[Literal["uni", "mp", "ray"]] = None
     #: Dual-batch overlap: a step of at least ``dbo_prefill_token_threshold`` tokens runs as two micro-batches
     #: whose collectives overlap each other's compute (see ``dovetail.engine.micro_batches``). Off by default,
-    #: as in vLLM: on two H100s joined by NVLink it measured level with whole steps (benchmarks/RESULTS.md).
+    #: as in vLLM: on H100 pairs joined by NVLink it has not beaten whole steps reliably (benchmarks/RESULTS.md).
     enable_dbo: bool = False
     dbo_prefill_token_threshold: int = Field(default=8192, ge=2)
 
