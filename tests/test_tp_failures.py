@@ -18,6 +18,7 @@ from dovetail.engine.step import StepDescription
 from dovetail.errors import ConfigError, WorkerError
 from fake_plugins import install_fake_plugin
 from test_tp_engine import COMMON, assert_workers_gone
+from tiny_models import assert_greedy_matches, hf_greedy
 
 
 def _wait_gone(pids: list[int], seconds: float = 20.0) -> None:
@@ -154,6 +155,60 @@ def test_no_worker_outlives_ctrl_c_or_sigterm(tiny_llama_dir, tmp_path, how):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+CTRL_C_BETWEEN_RANKS = '''
+import signal
+import sys
+from multiprocessing.connection import Connection
+
+from dovetail import LLM, SamplingParams
+
+llm = LLM(sys.argv[1], device="cpu", attention_backend="REFERENCE", dtype="float32", tensor_parallel_size=2,
+          max_model_len=128)
+rank0 = llm.llm_engine.executor._conns[0]
+send_bytes = Connection.send_bytes
+armed = True
+
+
+def send_then_ctrl_c(self, buf, *args):
+    """Ctrl-C lands just after a step reached rank 0, before it reaches rank 1."""
+    global armed
+    send_bytes(self, buf, *args)
+    if armed and self is rank0 and b"execute_model" in bytes(buf):
+        armed = False
+        signal.raise_signal(signal.SIGINT)
+
+
+Connection.send_bytes = send_then_ctrl_c
+prompt, params = {"prompt_token_ids": [5, 6, 7]}, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+try:
+    llm.generate(prompt, params, use_tqdm=False)
+    print("NOT INTERRUPTED", flush=True)
+except KeyboardInterrupt:
+    pass
+print("TOKENS", *llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids, flush=True)
+'''
+
+
+def test_ctrl_c_between_two_ranks_writes_leaves_the_engine_working(tiny_llama_dir, tmp_path, tiny_llama_hf):
+    """A step reaches every rank or none: Ctrl-C after rank 0 was told to run one (rank 0 then waits in a
+    collective for rank 1) is held until rank 1 is told too, so the ranks can be reset and generate again."""
+    script = tmp_path / "ctrl_c_between_ranks.py"
+    script.write_text(textwrap.dedent(CTRL_C_BETWEEN_RANKS))
+    proc = subprocess.Popen([sys.executable, str(script), str(tiny_llama_dir)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=90)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail("the engine hung after Ctrl-C between two ranks' writes")
+    assert proc.returncode == 0, err
+    lines = out.splitlines()
+    assert lines[-1].startswith("TOKENS") and "NOT INTERRUPTED" not in out, out
+    expected, logprobs = hf_greedy(tiny_llama_hf, [5, 6, 7], 12)
+    assert_greedy_matches([int(t) for t in lines[-1].split()[1:]], expected, logprobs)
 
 
 def test_plugins_command_says_the_world_size_and_the_executor():
