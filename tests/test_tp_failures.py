@@ -211,6 +211,44 @@ def test_ctrl_c_between_two_ranks_writes_leaves_the_engine_working(tiny_llama_di
     assert_greedy_matches([int(t) for t in lines[-1].split()[1:]], expected, logprobs)
 
 
+def test_ctrl_c_held_delivers_it_once_the_block_is_done():
+    from dovetail.executor.base import ctrl_c_held
+
+    done = []
+    with pytest.raises(KeyboardInterrupt):
+        with ctrl_c_held():
+            signal.raise_signal(signal.SIGINT)
+            done.append("after the signal")
+        done.append("after the block")
+    assert done == ["after the signal"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    with ctrl_c_held():
+        pass  # no Ctrl-C: nothing is raised
+
+
+def test_the_ray_executor_submits_a_call_to_every_actor_even_when_ctrl_c_comes_between():
+    from dovetail.executor.ray_executor import RayExecutor
+
+    class Actor:
+        """Records the calls it is given; the first one submitted also presses Ctrl-C."""
+
+        def __init__(self, rank, calls):
+            self.rank, self.calls, self.call = rank, calls, self
+
+        def remote(self, method, *args):
+            self.calls.append((self.rank, method))
+            if len(self.calls) == 1:
+                signal.raise_signal(signal.SIGINT)
+            return (self.rank, method)
+
+    calls = []
+    executor = object.__new__(RayExecutor)
+    executor._actors = [Actor(0, calls), Actor(1, calls)]
+    with pytest.raises(KeyboardInterrupt):
+        executor._call_every_rank("execute_model", "step")
+    assert calls == [(0, "execute_model"), (1, "execute_model")]
+
+
 def test_plugins_command_says_the_world_size_and_the_executor():
     from dovetail.cli import plugins_cmd
 

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import signal
+import threading
 from abc import ABC, abstractmethod
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -14,7 +17,8 @@ from dovetail.errors import WorkerError
 class Executor(ABC):
     """Runs the engine's steps on ``world_size`` workers (one per rank) and returns the driver's output.
 
-    Every call goes to every rank in the same order, so the ranks stay in step:
+    Every call goes to every rank in the same order (or, when Ctrl-C comes first, to none: see
+    :func:`ctrl_c_held`), so the ranks stay in step:
     :meth:`execute_model` queues a step without waiting for it (and a step queued
     with ``sample_later`` samples once :meth:`sample_with_bitmask` follows),
     :meth:`take_output` waits for the oldest queued step and returns rank 0's tokens. A rank that
@@ -81,3 +85,25 @@ class RemoteExecutor(Executor):
     def _check_alive(self) -> None:
         if self._failure is not None:
             raise WorkerError(f"the engine stopped earlier: {self._failure}", self._failure.rank)
+
+
+@contextlib.contextmanager
+def ctrl_c_held() -> Iterator[None]:
+    """Hold Ctrl-C until the block is done, then deliver it.
+
+    A call sent to rank 0 but not to rank 1 would leave rank 0 in a collective that rank 1 never joins (and
+    the engine, resetting the ranks after the interrupt, waiting on rank 0 for ever); a message read in part
+    would garble its pipe. Signals reach Python on the main thread only, and a handler installed outside
+    Python cannot be put back, so elsewhere the block runs as it is.
+    """
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is None:
+        yield
+        return
+    held: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if held:
+            signal.raise_signal(signal.SIGINT)

@@ -32,7 +32,7 @@ from typing import Any
 from dovetail.engine.step import StepDescription, StepOutput
 from dovetail.engine.worker import Worker, WorkerSpec
 from dovetail.errors import DovetailError, WorkerError
-from dovetail.executor.base import RemoteExecutor
+from dovetail.executor.base import RemoteExecutor, ctrl_c_held
 
 logger = logging.getLogger("dovetail")
 
@@ -67,28 +67,6 @@ def _main_module_hidden():
     finally:
         for name, value in saved.items():
             setattr(main, name, value)
-
-
-@contextlib.contextmanager
-def _ctrl_c_held():
-    """Hold Ctrl-C until the block is done, then deliver it.
-
-    A call written to rank 0 but not to rank 1 would leave rank 0 in a collective that rank 1 never joins
-    (and the engine, resetting the ranks after the interrupt, waiting on rank 0 for ever); a message read in
-    part would garble its pipe. Signals reach Python on the main thread only, and a handler installed outside
-    Python cannot be put back, so elsewhere the block runs as it is.
-    """
-    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is None:
-        yield
-        return
-    held: list[int] = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-        if held:
-            signal.raise_signal(signal.SIGINT)
 
 
 def _exit_with_parent(parent_pid: int) -> None:
@@ -267,7 +245,7 @@ class MultiprocExecutor(RemoteExecutor):
     def _write_to_every_rank(self, payload: bytes, gone: str) -> None:
         """Write ``payload`` to every rank's pipe, or to none if Ctrl-C comes first; a closed pipe fails the
         executor with the rank and ``gone``."""
-        with _ctrl_c_held():
+        with ctrl_c_held():
             for rank, conn in enumerate(self._conns):
                 try:
                     conn.send_bytes(payload)
@@ -294,7 +272,7 @@ class MultiprocExecutor(RemoteExecutor):
                 if obj in by_conn:
                     rank = by_conn[obj]
                     try:
-                        with _ctrl_c_held():
+                        with ctrl_c_held():
                             ok, value, call = obj.recv()
                     except (EOFError, OSError):
                         raise self._fail(self._death(rank)) from None

@@ -20,7 +20,7 @@ from typing import Any
 from dovetail.engine.step import StepDescription, StepOutput
 from dovetail.engine.worker import Worker, WorkerSpec
 from dovetail.errors import ConfigError, DovetailError, WorkerError
-from dovetail.executor.base import RemoteExecutor
+from dovetail.executor.base import RemoteExecutor, ctrl_c_held
 from dovetail.platform import Platform
 
 logger = logging.getLogger("dovetail")
@@ -145,23 +145,27 @@ class RayExecutor(RemoteExecutor):
                         from None
         return results
 
+    def _call_every_rank(self, method: str, *args: Any) -> list:
+        """Submit ``method`` to every actor, or to none if Ctrl-C comes first; the refs in rank order."""
+        with ctrl_c_held():
+            return [a.call.remote(method, *args) for a in self._actors]
+
     def collective_rpc(self, method: str, *args: Any) -> list[Any]:
         self._check_alive()
-        return self._gather([a.call.remote(method, *args) for a in self._actors], range(self.world_size))
+        return self._gather(self._call_every_rank(method, *args), range(self.world_size))
 
     def execute_model(self, step: StepDescription) -> None:
         self._check_alive()
-        ref = self.ray.put(step)
-        self._launched += [a.call.remote("execute_model", ref) for a in self._actors]
+        self._launched += self._call_every_rank("execute_model", self.ray.put(step))
 
     def sample_with_bitmask(self, token_bitmask, bitmask_rows) -> None:
         self._check_alive()
-        self._launched += [a.call.remote("sample_with_bitmask", token_bitmask, bitmask_rows) for a in self._actors]
+        self._launched += self._call_every_rank("sample_with_bitmask", token_bitmask, bitmask_rows)
 
     def take_output(self) -> StepOutput:
         self._check_alive()
         launched, self._launched = self._launched, []
-        refs = [a.call.remote("take_output") for a in self._actors]
+        refs = self._call_every_rank("take_output")
         ranks = list(range(self.world_size))
         results = self._gather(launched + refs, (ranks if launched else []) + ranks)
         return results[len(launched)]
