@@ -3,7 +3,9 @@
 The interpreter runs kernels as Python and accepts code the compiler rejects (a
 module global that is not ``tl.constexpr``, a loop-carried value changing type).
 This compiles every kernel ahead of time for sm_90 (H100/H200) and gfx942
-(MI300) with triton's bundled compilers. It runs in a subprocess because
+(MI300) with triton's bundled compilers, twice: with no argument known to be aligned, and as a GPU compiles
+it for the usual call (:func:`aligned_attrs`), which takes other paths in the compiler (vectorised and
+asynchronous copies, software pipelining). It runs in a subprocess because
 ``TRITON_INTERPRET=1``, set for the interpreter tests, decides at triton's import
 how its own library is built. Run as a script, this file does the compiling:
 ``python tests/test_triton_compile.py cuda:90``.
@@ -202,8 +204,24 @@ def _variants():
     }
 
 
+def aligned_attrs(kernel, signature: dict[str, str]) -> dict:
+    """The specialisation triton's launcher gives a call whose tensors start 16-byte aligned and whose integer
+    arguments (strides, sizes) are multiples of 16: every argument but those the kernel keeps from it
+    (``do_not_specialize``, ``do_not_specialize_on_alignment``)."""
+    attrs = {}
+    for index, param in enumerate(kernel.params):
+        kind = signature[param.name]
+        if kind == "constexpr" or param.do_not_specialize or kind.startswith("fp"):
+            continue
+        if kind.startswith("*") and getattr(param, "do_not_specialize_on_alignment", False):
+            continue
+        attrs[(index,)] = [["tt.divisibility", 16]]
+    return attrs
+
+
 def compile_all(target_name: str) -> dict[str, str]:
-    """Compile every variant for ``cuda:<arch>`` or ``hip:<arch>``; name -> "ok" or the error."""
+    """Compile every variant for ``cuda:<arch>`` or ``hip:<arch>``, unaligned and aligned; name -> "ok" or the
+    error."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -213,12 +231,23 @@ def compile_all(target_name: str) -> dict[str, str]:
     results = {}
     for name, (kernel, types, constexprs, options) in variants(pdl=backend == "cuda").items():
         signature = {arg: "constexpr" if arg in constexprs else types.get(arg, "i32") for arg in kernel.arg_names}
-        try:
-            triton.compile(ASTSource(kernel, signature, constexprs), target=target, options=options)
-            results[name] = "ok"
-        except Exception as exc:  # reported back to the test, which names the variant
-            results[name] = f"{type(exc).__name__}: {exc}"
+        for label, attrs in ((name, None), (f"{name}, aligned", aligned_attrs(kernel, signature))):
+            try:
+                triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target, options=options)
+                results[label] = "ok"
+            except Exception as exc:  # reported back to the test, which names the variant
+                results[label] = f"{type(exc).__name__}: {exc}"
     return results
+
+
+def test_aligned_variants_specialise_what_the_launcher_would():
+    pytest.importorskip("triton")
+    kernel, types, constexprs, _ = attention_variant("bf16", 128, 4, True, split=True)
+    signature = {arg: "constexpr" if arg in constexprs else types.get(arg, "i32") for arg in kernel.arg_names}
+    specialised = {kernel.arg_names[index] for (index,) in aligned_attrs(kernel, signature)}
+    assert {"q_ptr", "key_cache_ptr", "stride_cache_block", "stride_qt"} <= specialised
+    # per-step pointers callers slice, integers the kernel keeps general, floats and constexprs are left alone
+    assert not specialised & {"block_table_ptr", "seq_lens_ptr", "num_seqs", "stride_table", "scale", "HEAD_SIZE"}
 
 
 @pytest.mark.parametrize("target", ["cuda:90", "hip:gfx942"])
