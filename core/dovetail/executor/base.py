@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
+import _signal
 import signal
 import threading
 from abc import ABC, abstractmethod
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 
@@ -87,23 +87,31 @@ class RemoteExecutor(Executor):
             raise WorkerError(f"the engine stopped earlier: {self._failure}", self._failure.rank)
 
 
-@contextlib.contextmanager
-def ctrl_c_held() -> Iterator[None]:
-    """Hold Ctrl-C until the block is done, then deliver it.
+_SIGINT = int(signal.SIGINT)
+
+
+class ctrl_c_held:
+    """``with ctrl_c_held():`` holds Ctrl-C until the block is done, then delivers it.
 
     A call sent to rank 0 but not to rank 1 would leave rank 0 in a collective that rank 1 never joins (and
     the engine, resetting the ranks after the interrupt, waiting on rank 0 for ever); a message read in part
     would garble its pipe. Signals reach Python on the main thread only, and a handler installed outside
-    Python cannot be put back, so elsewhere the block runs as it is.
+    Python cannot be put back, so elsewhere the block runs as it is. It wraps every call to the ranks, so it
+    uses ``_signal``, the C module under :mod:`signal`, whose wrappers (enum conversions) cost microseconds.
     """
-    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is None:
-        yield
-        return
-    held: list[int] = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-        if held:
-            signal.raise_signal(signal.SIGINT)
+
+    __slots__ = ("_previous", "_held")
+
+    def __enter__(self) -> None:
+        self._previous = self._held = None
+        if threading.current_thread() is threading.main_thread() and _signal.getsignal(_SIGINT) is not None:
+            self._previous = _signal.signal(_SIGINT, self._hold)
+
+    def _hold(self, signum, frame) -> None:
+        self._held = signum
+
+    def __exit__(self, *exc_info) -> None:
+        if self._previous is not None:
+            _signal.signal(_SIGINT, self._previous)
+            if self._held is not None:
+                signal.raise_signal(signal.SIGINT)
