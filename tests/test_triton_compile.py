@@ -3,10 +3,12 @@
 The interpreter runs kernels as Python and accepts code the compiler rejects (a
 module global that is not ``tl.constexpr``, a loop-carried value changing type).
 This compiles every kernel ahead of time for sm_90 (H100/H200) and gfx942
-(MI300) with triton's bundled compilers, twice: with no argument known to be aligned, and as a GPU compiles
-it for the usual call (:func:`aligned_attrs`), which takes other paths in the compiler (vectorised and
-asynchronous copies, software pipelining). In that usual call no kernel but the grouped MoE GEMMs (whose
-tiles a GPU picks among candidates) may spill registers on sm_90: ``default_config``'s tiles are chosen so. It runs in a subprocess because
+(MI300) with triton's bundled compilers, twice: with no argument known to be
+aligned, and as a GPU compiles it for the usual call (:func:`aligned_attrs`),
+which takes other paths in the compiler (vectorised and asynchronous copies,
+software pipelining). In that usual call no kernel but the grouped MoE GEMMs
+(whose tiles a GPU picks among candidates) may spill registers on sm_90:
+``default_config``'s tiles are chosen so. It runs in a subprocess because
 ``TRITON_INTERPRET=1``, set for the interpreter tests, decides at triton's import
 how its own library is built. Run as a script, this file does the compiling:
 ``python tests/test_triton_compile.py cuda:90``.

@@ -18,7 +18,7 @@ class Executor(ABC):
     """Runs the engine's steps on ``world_size`` workers (one per rank) and returns the driver's output.
 
     Every call goes to every rank in the same order (or, when Ctrl-C comes first, to none: see
-    :func:`ctrl_c_held`), so the ranks stay in step:
+    :class:`ctrl_c_held`), so the ranks stay in step:
     :meth:`execute_model` queues a step without waiting for it (and a step queued
     with ``sample_later`` samples once :meth:`sample_with_bitmask` follows),
     :meth:`take_output` waits for the oldest queued step and returns rank 0's tokens. A rank that
