@@ -402,12 +402,16 @@ def _rotary_inputs(case, rotary_dim, norm_dtype, seed):
     (torch.float32, 32, None), (torch.bfloat16, 32, None), (torch.float32, 16, None),
     (torch.bfloat16, 32, torch.float32), (torch.bfloat16, 32, torch.bfloat16), (torch.float16, 32, torch.float16)])
 def test_decode_launch_rotates_its_rows(dtype, rotary_dim, norm_dtype, split_launch, monkeypatch):
-    """``forward_rotary``: TRITON rotates the decodes' q and k in a split decode launch (partial rotary, q/k
-    norms with float32 or model-dtype weights); the other rows (all of them, unsplit) go through the rotary
-    kernel that also writes the cache (whole-head rotary) or through ``apply`` (partial). The base class
-    applies the rotary to every row first. Same output and cache, on a mixed batch with random (unrotated)
-    q and k."""
+    """``forward_rotary``: TRITON rotates the decodes' q and k in a split decode launch (four splits; partial
+    rotary, q/k norms with float32 or model-dtype weights); the other rows (all of them, unsplit) go through
+    the rotary kernel that also writes the cache (whole-head rotary) or through ``apply`` (partial). The base
+    class applies the rotary to every row first. Same output and cache, on a mixed batch with random
+    (unrotated) q and k."""
+    from dovetail.triton import paged_attention
+
     monkeypatch.setattr(TritonAttentionImpl, "_fuses_into_decode_launch", lambda self, n, q: split_launch and n > 0)
+    if split_launch:  # split as on a GPU (a machine of few cores would not split three decodes)
+        monkeypatch.setattr(paged_attention, "default_num_splits", lambda num_seqs, num_kv_heads, device: 4)
     case = make_case([1, 1, 1, 4, 3], [1, 23, 9, 7, 12], num_heads=4, num_kv_heads=2, dtype=dtype, seed=17)
     q, k, v, cache, batch = case
     spec = spec_for(case)
