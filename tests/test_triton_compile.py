@@ -207,6 +207,11 @@ def _variants():
     }
 
 
+def _signature(kernel, types: dict[str, str], constexprs: dict) -> dict[str, str]:
+    """Each argument's triton type: ``constexpr``, its entry in ``types``, else ``i32``."""
+    return {arg: "constexpr" if arg in constexprs else types.get(arg, "i32") for arg in kernel.arg_names}
+
+
 def aligned_attrs(kernel, signature: dict[str, str]) -> dict:
     """The specialisation triton's launcher gives a call whose tensors start 16-byte aligned and whose integer
     arguments (strides, sizes) are multiples of 16: every argument but those the kernel keeps from it
@@ -253,7 +258,7 @@ def compile_all(target_name: str) -> dict[str, dict]:
     target = GPUTarget(backend, int(arch) if backend == "cuda" else arch, 32 if backend == "cuda" else 64)
     errors, spills = {}, {}
     for name, (kernel, types, constexprs, options) in variants(pdl=backend == "cuda").items():
-        signature = {arg: "constexpr" if arg in constexprs else types.get(arg, "i32") for arg in kernel.arg_names}
+        signature = _signature(kernel, types, constexprs)
         for label, attrs in ((name, None), (f"{name}, aligned", aligned_attrs(kernel, signature))):
             try:
                 compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target,
@@ -270,8 +275,7 @@ def compile_all(target_name: str) -> dict[str, dict]:
 def specialised_attention_args() -> list[str]:
     """The arguments of a split decode attention launch that :func:`aligned_attrs` specialises."""
     kernel, types, constexprs, _ = attention_variant("bf16", 128, 4, True, split=True)
-    signature = {arg: "constexpr" if arg in constexprs else types.get(arg, "i32") for arg in kernel.arg_names}
-    return [kernel.arg_names[index] for (index,) in aligned_attrs(kernel, signature)]
+    return [kernel.arg_names[index] for (index,) in aligned_attrs(kernel, _signature(kernel, types, constexprs))]
 
 
 def _run_compiler_script(*args: str) -> subprocess.CompletedProcess:

@@ -36,13 +36,12 @@ def split_point(num_new_tokens: Sequence[int], min_tokens: int) -> int | None:
     total = sum(num_new_tokens)
     if total < min_tokens or len(num_new_tokens) < 2:
         return None
-    best, best_gap, before = None, total, 0
+    best, best_gap, first, before = None, total, 0, 0
     for index, tokens in enumerate(num_new_tokens[:-1], start=1):
         before += tokens
         gap = abs(2 * before - total)
         if gap < best_gap:
-            best, best_gap = index, gap
-    first = sum(num_new_tokens[:best])
+            best, best_gap, first = index, gap, before
     if min(first, total - first) * 4 < total:
         return None
     return best
