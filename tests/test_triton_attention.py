@@ -471,9 +471,9 @@ def test_kernel_modules_import_without_touching_a_device():
                                   "dovetail.triton.kv_cache_write", "dovetail.triton.fused_ops")
 
 
-def _rotary_inputs(case, rotary_dim, norm_dtype, seed):
-    """Positions of every row, a cos/sin table, and (with ``norm_dtype``) random per-head norm weights;
-    ``apply`` is the rotary kernel, whose arithmetic the decode launch repeats."""
+def _rotary_inputs(case, rotary_dim, norm_dtype, seed, max_positions=64):
+    """Positions of every row, a cos/sin table of ``max_positions``, and (with ``norm_dtype``) random per-head
+    norm weights; ``apply`` is the rotary kernel, whose arithmetic the decode launch repeats."""
     from dovetail.attention.backend import RotaryInputs
     from dovetail.layers.rotary import compute_cos_sin_cache
     from dovetail.triton.rotary import rotary_embedding
@@ -482,7 +482,8 @@ def _rotary_inputs(case, rotary_dim, norm_dtype, seed):
     head_size = q.shape[-1]
     gen = torch.Generator().manual_seed(seed)
     positions = testing.row_positions(batch, DEVICE)
-    table = compute_cos_sin_cache(rotary_dim, 64, {"rope_theta": 100.0, "rope_type": "default"}, 64).to(DEVICE)
+    table = compute_cos_sin_cache(rotary_dim, max_positions, {"rope_theta": 100.0, "rope_type": "default"},
+                                  max_positions).to(DEVICE)
     weights = {}
     if norm_dtype is not None:
         weights = {name: (1 + 0.5 * torch.randn(head_size, generator=gen)).to(DEVICE, norm_dtype)
@@ -521,6 +522,28 @@ def test_decode_launch_rotates_its_rows(dtype, rotary_dim, norm_dtype, split_lau
     torch.testing.assert_close(actual.float(), expected.float(), **TOLERANCE[dtype])
     unrotated = ReferenceAttentionImpl(spec).forward(q, k, v, cache.clone(), batch)
     assert not torch.allclose(unrotated[:3].float(), expected[:3].float(), atol=0.1)
+
+
+@pytest.mark.parametrize("dtype,rotary_dim,norm_dtype", [(torch.float32, 16, None),
+                                                       (torch.bfloat16, 32, torch.bfloat16)])
+def test_a_planned_decode_launch_rotates_its_rows(dtype, rotary_dim, norm_dtype, monkeypatch):
+    """As above, with the builder's plan (``DOVETAIL_DECODE_PLAN``): the parts of a cut decode each rotate its
+    q and k, and only the last stores its key and value."""
+    from dovetail.attention.triton_backend import TritonMetadataBuilder
+
+    monkeypatch.setenv("DOVETAIL_DECODE_PLAN", "4")
+    monkeypatch.setattr(TritonAttentionImpl, "_fuses_into_decode_launch", lambda self, n, q: n > 0)
+    case = make_case([1, 1, 1, 4, 3], [1, 200, 9, 7, 12], num_heads=4, num_kv_heads=2, dtype=dtype, seed=19)
+    q, k, v, cache, batch = case
+    spec = spec_for(case)
+    metadata = TritonMetadataBuilder(TritonBackend, [spec], 4, torch.device(DEVICE), dtype).build(batch)
+    assert metadata.decode_plan.firsts.cpu()[1, 1] > 1
+    rotary = _rotary_inputs(case, rotary_dim, norm_dtype, seed=20, max_positions=256)
+    ref_cache, tri_cache = cache.clone(), cache.clone()
+    expected = ReferenceAttentionImpl(spec).forward_rotary(q, k, v, ref_cache, batch, rotary)
+    actual = TritonAttentionImpl(spec).forward_rotary(q, k, v, tri_cache, metadata, rotary)
+    torch.testing.assert_close(tri_cache.float(), ref_cache.float(), **TOLERANCE[dtype])
+    torch.testing.assert_close(actual.float(), expected.float(), **TOLERANCE[dtype])
 
 
 def test_rotary_the_launch_cannot_apply_falls_back_to_the_platform_rotation():
