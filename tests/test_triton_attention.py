@@ -253,9 +253,9 @@ def test_planned_decode_launch_matches(dtype):
 
     case = make_case([1, 1, 1, 1], [70, 3, 33, 17], num_heads=4, num_kv_heads=2, dtype=dtype, seed=21)
     q, k, v, cache, batch = case
-    config = LaunchConfig(block_m=16, tile_n=8, num_warps=4, num_stages=1)
+    config = LaunchConfig(block_m=16, tile_n=16, num_warps=4, num_stages=1)
     for num_rows, window in ((4, None), (9, None), (12, 5)):
-        plan, rows = _plan([70, 3, 33, 17], 8, num_rows)
+        plan, rows = _plan([70, 3, 33, 17], 16, num_rows)
         assert num_rows == 4 or rows[:, 2].max() > 1
         spec = spec_for(case, sliding_window=window)
         ref_cache = cache.clone()
@@ -362,7 +362,16 @@ def test_decodes_taken_longest_first_give_the_same_output():
         assert all(torch.equal(out, outs[0]) for out in outs[1:])
 
 
-def test_the_builders_decode_plan_gives_the_same_output(monkeypatch):
+@pytest.fixture
+def sixteen_multiprocessors(monkeypatch):
+    """A device of 16 multiprocessors, so the builder plans these tests' few decodes on any CPU (the interpreter
+    counts the machine's cores)."""
+    import dovetail.triton.multiprocessors as multiprocessors
+
+    monkeypatch.setattr(multiprocessors, "multiprocessor_count", lambda device: 16)
+
+
+def test_the_builders_decode_plan_gives_the_same_output(monkeypatch, sixteen_multiprocessors):
     """With ``DOVETAIL_DECODE_PLAN`` the builder plans the decodes' parts (long ones cut, a prefill after them):
     the layer's output and cache are REFERENCE's, the cache write fused into the decode launch or not."""
     from dovetail.attention.triton_backend import TritonMetadataBuilder
@@ -379,7 +388,7 @@ def test_the_builders_decode_plan_gives_the_same_output(monkeypatch):
     check((q, k, v, cache, metadata), spec)
 
 
-def test_graph_plan_buffers_keep_their_address_and_take_each_steps_lengths(monkeypatch):
+def test_graph_plan_buffers_keep_their_address_and_take_each_steps_lengths(monkeypatch, sixteen_multiprocessors):
     from dovetail.attention.triton_backend import TritonMetadataBuilder
 
     monkeypatch.setenv("DOVETAIL_DECODE_PLAN", "2")
@@ -391,6 +400,21 @@ def test_graph_plan_buffers_keep_their_address_and_take_each_steps_lengths(monke
     second = builder.build_for_graph(batch, 3).decode_plan
     assert (second.rows.data_ptr(), second.firsts.data_ptr()) == before[:2]
     assert not torch.equal(second.rows.cpu(), before[2].cpu()) and second.firsts.cpu()[0, 1] > 1
+
+
+def test_the_builder_plans_only_decodes_with_fewer_programs_than_multiprocessors(monkeypatch):
+    """Beyond one program (decode x KV head) per multiprocessor the unsplit launch, longest first, is kept."""
+    import dovetail.triton.multiprocessors as multiprocessors
+    from dovetail.attention.triton_backend import TritonMetadataBuilder
+
+    monkeypatch.setenv("DOVETAIL_DECODE_PLAN", "4")
+    q, k, v, cache, batch = make_case([1, 1, 1], [5, 12, 8], num_heads=4, num_kv_heads=2, seed=14)
+    builder = TritonMetadataBuilder(TritonBackend, [spec_for((q, k))], 4, torch.device(DEVICE), torch.float32)
+    for count, planned in ((6, True), (5, False)):
+        monkeypatch.setattr(multiprocessors, "multiprocessor_count", lambda device: count)
+        for metadata in (builder.build(batch), builder.build_for_graph(batch, 3)):
+            assert (metadata.decode_plan is not None) == planned
+            assert (metadata.decode_order is None) == planned
 
 
 def test_graph_order_buffer_keeps_its_address_and_takes_each_steps_lengths():
@@ -526,7 +550,7 @@ def test_decode_launch_rotates_its_rows(dtype, rotary_dim, norm_dtype, split_lau
 
 @pytest.mark.parametrize("dtype,rotary_dim,norm_dtype", [(torch.float32, 16, None),
                                                        (torch.bfloat16, 32, torch.bfloat16)])
-def test_a_planned_decode_launch_rotates_its_rows(dtype, rotary_dim, norm_dtype, monkeypatch):
+def test_a_planned_decode_launch_rotates_its_rows(dtype, rotary_dim, norm_dtype, monkeypatch, sixteen_multiprocessors):
     """As above, with the builder's plan (``DOVETAIL_DECODE_PLAN``): the parts of a cut decode each rotate its
     q and k, and only the last stores its key and value."""
     from dovetail.attention.triton_backend import TritonMetadataBuilder

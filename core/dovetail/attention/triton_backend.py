@@ -68,13 +68,13 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
         if not batch.num_decodes:
             return TritonAttentionBatch.of(batch, None)
         order = _longest_first(batch.seq_lens_cpu[:batch.num_decodes])
-        if self.programs_per_multiprocessor:
+        if self._plans(batch):
             return TritonAttentionBatch.of(batch, None, self._plan(batch, order, None))
         return TritonAttentionBatch.of(batch, to_device(order, batch.seq_lens.device))
 
     def build_for_graph(self, batch: AttentionBatch, graph_size: int) -> TritonAttentionBatch:
         order = _longest_first(batch.seq_lens_cpu[:graph_size])
-        if self.programs_per_multiprocessor:
+        if self._plans(batch):
             return TritonAttentionBatch.of(batch, None, self._plan(batch, order, graph_size))
         buffer = self._graph_orders.get(graph_size)
         if buffer is None:
@@ -82,6 +82,15 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
                                                                   device=batch.seq_lens.device)
         copy_to_device(buffer, order)
         return TritonAttentionBatch.of(batch, buffer)
+
+    def _plans(self, batch: AttentionBatch) -> bool:
+        """Whether the decodes are planned: only while they have fewer programs than the device has
+        multiprocessors (where a uniform split count cuts short sequences as finely as long ones); beyond that
+        the unsplit launch read the cache faster (``kernels_attention.py --sweep-plan``)."""
+        from dovetail.triton.multiprocessors import multiprocessor_count
+
+        programs = batch.num_decodes * self.layer_specs[0].num_kv_heads
+        return bool(self.programs_per_multiprocessor) and programs <= multiprocessor_count(batch.seq_lens.device)
 
     def _plan(self, batch: AttentionBatch, order: torch.Tensor, graph_size: int | None):
         """The decodes' parts, on the device (for a graph size, in the buffers kept for it)."""
