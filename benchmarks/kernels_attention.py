@@ -23,20 +23,18 @@ kernel alone for a few scenarios and prints the fastest, to tune
 launches shaped like B1's (192 sequences, contexts 100-2048) for each model, with the bandwidth
 each configuration reaches, and only that; ``--sweep-prefill`` for prefill-only launches like B1's
 first steps (28 prompts of 100-1024 tokens), with TFLOP/s; ``--sweep-splits`` KV splits of decode batches of
-8-192 long sequences (B1's last steps); ``--sweep-order`` 256 B1-like decodes by the order of their programs;
-``--sweep-plan`` the engine's decode launch against planned parts (:mod:`dovetail.triton.decode_plan`).
+8-192 long sequences (B1's last steps); ``--sweep-order`` 256 B1-like decodes by the order of their programs.
 
 Usage::
 
     python benchmarks/kernels_attention.py [--models qwen3-0.6b,llama-3.1-8b,qwen3-moe-15b-a3b] [--dtype bfloat16]
-        [--iters 50] [--sweep] [--sweep-decode] [--sweep-prefill] [--sweep-splits] [--sweep-order] [--sweep-plan]
-        [--skip-fused] [--json results.json]
+        [--iters 50] [--sweep] [--sweep-decode] [--sweep-prefill] [--sweep-splits] [--sweep-order] [--skip-fused]
+        [--json results.json]
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import itertools
 import json
 import random
@@ -371,62 +369,6 @@ def sweep_splits(dtype, iters, models):
     return results
 
 
-def sweep_plan(dtype, iters, models):
-    """Decode-only launches of 8-256 sequences (contexts 100-2,048 as B1's, and 500-2,048 as its last steps),
-    each model: the engine's launch (``default_num_splits``, longest first) against planned parts
-    (:mod:`dovetail.triton.decode_plan`) with room for 2, 4 and 8 resident programs per multiprocessor, 64 and
-    128 keys a tile; each launch's KV bandwidth, and the plans' largest difference from the engine's output. The
-    plan is made on the host outside the timed call."""
-    import numpy as np
-
-    from dovetail.triton.decode_plan import DecodePlan, plan_parts, plan_rows
-    from dovetail.triton.multiprocessors import multiprocessor_count
-    from dovetail.triton.paged_attention import default_config, default_num_splits, paged_attention
-
-    sms = multiprocessor_count(torch.device(DEVICE))
-    results = []
-    for model, (num_heads, num_kv_heads, head_size) in shapes(models):
-        for low, batch_size in itertools.product((100, 500), (8, 16, 32, 64, 96, 128, 192, 256)):
-            rng = random.Random(batch_size + low)
-            seqs = [(rng.randint(low, 2048), 1) for _ in range(batch_size)]
-            q, k, v, cache, batch = make_inputs(seqs, num_heads, num_kv_heads, head_size, dtype)
-            out = torch.empty_like(q)
-            nbytes = kv_bytes(seqs, num_kv_heads, head_size, dtype)
-            lens = np.array([c + n for c, n in seqs])
-            order = np.argsort(-lens, kind="stable")
-            splits = default_num_splits(batch_size, num_kv_heads, q.device)
-            longest_first = torch.from_numpy(order.astype(np.int32)).to(DEVICE)
-
-            def engine():
-                paged_attention(q, cache[0], cache[1], out, batch.block_table, batch.seq_lens, batch.query_start_loc,
-                                batch.num_tokens, batch.num_seqs, head_size ** -0.5, decode=True, num_splits=splits,
-                                decode_order=longest_first)
-            timings = {"engine": time_ms(graphed(engine), iters, warmup=2)}
-            expected, worst = out[:batch_size].float().clone(), 0.0
-            for per_sm, tile_n in itertools.product((2, 4, 8), (64, 128)):
-                rows, firsts = plan_parts(lens, order, tile_n, plan_rows(batch_size, num_kv_heads, sms, per_sm))
-                plan = DecodePlan(torch.from_numpy(rows).to(DEVICE), torch.from_numpy(firsts).to(DEVICE))
-                cfg = dataclasses.replace(default_config(head_size, num_heads // num_kv_heads, True, dtype, 2),
-                                          tile_n=tile_n)
-
-                def planned():
-                    paged_attention(q, cache[0], cache[1], out, batch.block_table, batch.seq_lens,
-                                    batch.query_start_loc, batch.num_tokens, batch.num_seqs, head_size ** -0.5,
-                                    decode=True, config=cfg, plan=plan)
-                timings[f"plan {per_sm}/SM tile {tile_n}"] = time_ms(graphed(planned), iters, warmup=2)
-                worst = max(worst, float((out[:batch_size].float() - expected).abs().max()))
-            row = {"model": model, "batch": batch_size, "contexts": [low, 2048], "engine_splits": splits,
-                   "ms": timings, "TBps": {name: nbytes / ms / 1e9 for name, ms in timings.items()},
-                   "max_abs_diff_from_engine": worst}
-            results.append(row)
-            best = max(row["TBps"], key=row["TBps"].get)
-            print(f"sweep-plan {model:13} batch {batch_size:4} contexts {low}-2048 engine {row['TBps']['engine']:4.2f} "
-                  f"TB/s ({splits} splits), best {best} {row['TBps'][best]:4.2f} | "
-                  + " ".join(f"{n}: {t:.2f}" for n, t in row["TBps"].items() if n != "engine")
-                  + f" | max diff {worst:.2e}", flush=True)
-    return results
-
-
 def sweep_prefill(dtype, iters, models):
     """Prefill-only launches like B1's first steps (prompts of 100-1024 tokens, ~16k tokens), each model:
     every tile configuration, with the TFLOP/s each reaches."""
@@ -473,8 +415,6 @@ def main():
     parser.add_argument("--sweep-prefill", action="store_true", help="only sweep B1-like prefill launches")
     parser.add_argument("--sweep-splits", action="store_true", help="only sweep KV splits of mid-size decode batches")
     parser.add_argument("--sweep-order", action="store_true", help="only B1-like decode launches by program order")
-    parser.add_argument("--sweep-plan", action="store_true",
-                        help="only decode launches of 8-256 sequences, the engine's against planned parts")
     parser.add_argument("--skip-fused", action="store_true")
     parser.add_argument("--json", default=None, help="write all results to this file")
     args = parser.parse_args()
@@ -497,10 +437,8 @@ def main():
             "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
             "commit": commit, "dtype": args.dtype, "copy_bandwidth_TBps": bandwidth / 1e12}
     print(json.dumps(meta), flush=True)
-    if args.sweep_decode or args.sweep_prefill or args.sweep_splits or args.sweep_order or args.sweep_plan:
+    if args.sweep_decode or args.sweep_prefill or args.sweep_splits or args.sweep_order:
         results = {"meta": meta}
-        if args.sweep_plan:
-            results["sweep_plan"] = sweep_plan(dtype, max(10, args.iters // 5), models)
         if args.sweep_order:
             results["sweep_order"] = sweep_order(dtype, max(10, args.iters // 5), models)
         if args.sweep_splits:

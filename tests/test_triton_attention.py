@@ -235,73 +235,6 @@ def test_decode_split_path_matches():
         torch.testing.assert_close(out, expected, **TOLERANCE[torch.float32])
 
 
-def _plan(seq_lens, tile_n, num_rows):
-    import numpy as np
-
-    from dovetail.triton.decode_plan import DecodePlan, plan_parts
-
-    lens = np.array(seq_lens)
-    rows, firsts = plan_parts(lens, np.argsort(-lens, kind="stable"), tile_n, num_rows)
-    return DecodePlan(torch.from_numpy(rows).to(DEVICE), torch.from_numpy(firsts).to(DEVICE)), rows
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_planned_decode_launch_matches(dtype):
-    """Each sequence cut into the parts its length needs (one part, several, rows left unused), windowed or
-    not, its own key taken from ``new_kv`` or from the cache."""
-    from dovetail.triton.paged_attention import LaunchConfig, paged_attention
-
-    case = make_case([1, 1, 1, 1], [70, 3, 33, 17], num_heads=4, num_kv_heads=2, dtype=dtype, seed=21)
-    q, k, v, cache, batch = case
-    config = LaunchConfig(block_m=16, tile_n=16, num_warps=4, num_stages=1)
-    for num_rows, window in ((4, None), (9, None), (12, 5)):
-        plan, rows = _plan([70, 3, 33, 17], 16, num_rows)
-        assert num_rows == 4 or rows[:, 2].max() > 1
-        spec = spec_for(case, sliding_window=window)
-        ref_cache = cache.clone()
-        expected = ReferenceAttentionImpl(spec).forward(q, k, v, ref_cache, batch)
-        for new_kv in (False, True):
-            tri_cache = cache.clone()
-            if new_kv:
-                tri_cache.view(2, -1, *cache.shape[-2:])[:, batch.slot_mapping] = float("nan")
-            else:
-                tri_cache = ref_cache.clone()
-            out = torch.full_like(q, float("nan"))
-            paged_attention(q, tri_cache[0], tri_cache[1], out, batch.block_table, batch.seq_lens,
-                            batch.query_start_loc, num_tokens=4, num_seqs=4, scale=spec.scale, sliding_window=window,
-                            decode=True, config=config, new_kv=(k, v, batch.slot_mapping) if new_kv else None,
-                            plan=plan)
-            assert torch.equal(tri_cache, ref_cache)
-            torch.testing.assert_close(out.float(), expected.float(), **TOLERANCE[dtype])
-
-
-def test_a_plan_cuts_long_sequences_more_and_fits_its_rows():
-    import numpy as np
-
-    from dovetail.triton.decode_plan import MAX_PARTS, plan_parts, plan_rows
-
-    rng = np.random.default_rng(0)
-    for n, num_rows in ((1, 1), (1, 40), (5, 12), (64, 132), (200, 400), (30, 1000)):
-        lens = rng.integers(1, 4096, n)
-        order = np.argsort(-lens, kind="stable")
-        rows, firsts = plan_parts(lens, order, 64, num_rows)
-        parts = firsts[:, 1]
-        assert rows.shape == (num_rows, 3) and parts.sum() <= num_rows and (parts >= 1).all()
-        assert parts.max() <= MAX_PARTS and (parts <= -(-lens // 64)).all()
-        longer = lens[:, None] > lens[None, :]
-        assert not (longer & (parts[:, None] < parts[None, :])).any(), "a longer sequence got fewer parts"
-        used = rows[rows[:, 0] >= 0]
-        assert len(used) == parts.sum() and (rows[len(used):, 0] == -1).all()
-        assert used[:, 0].tolist() == np.repeat(order, parts[order]).tolist()  # longest first, parts together
-        for seq in range(n):
-            mine = used[used[:, 0] == seq]
-            assert mine[:, 1].tolist() == list(range(parts[seq])) and (mine[:, 2] == parts[seq]).all()
-            assert firsts[seq, 0] == np.flatnonzero(rows[:, 0] == seq)[0]
-    assert plan_rows(8, 4, 132) == 132 and plan_rows(192, 4, 132) == 384
-    with pytest.raises(ValueError, match="num_rows: a plan of 3 sequences needs at least 3 rows, got 2"):
-        plan_parts(np.array([5, 6, 7]), np.arange(3), 64, 2)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_launch_stores_and_attends_its_own_keys(dtype):
     """With ``new_kv`` the decode launch attends each decode's new key and value from ``k`` and ``v`` (the
@@ -360,61 +293,6 @@ def test_decodes_taken_longest_first_give_the_same_output():
             outs.append(out[:4])
         assert not outs[0].isnan().any()
         assert all(torch.equal(out, outs[0]) for out in outs[1:])
-
-
-@pytest.fixture
-def sixteen_multiprocessors(monkeypatch):
-    """A device of 16 multiprocessors, so the builder plans these tests' few decodes on any CPU (the interpreter
-    counts the machine's cores)."""
-    import dovetail.triton.multiprocessors as multiprocessors
-
-    monkeypatch.setattr(multiprocessors, "multiprocessor_count", lambda device: 16)
-
-
-def test_the_builders_decode_plan_gives_the_same_output(monkeypatch, sixteen_multiprocessors):
-    """With ``DOVETAIL_DECODE_PLAN`` the builder plans the decodes' parts (long ones cut, a prefill after them):
-    the layer's output and cache are REFERENCE's, the cache write fused into the decode launch or not."""
-    from dovetail.attention.triton_backend import TritonMetadataBuilder
-
-    monkeypatch.setenv("DOVETAIL_DECODE_PLAN", "4")
-    case = make_case([1, 1, 1, 1, 2], [9, 300, 17, 140, 6], num_heads=4, num_kv_heads=2, seed=17)
-    q, k, v, cache, batch = case
-    spec = spec_for(case)
-    builder = TritonMetadataBuilder(TritonBackend, [spec], 4, torch.device(DEVICE), torch.float32)
-    metadata = builder.build(batch)
-    assert metadata.decode_order is None and metadata.decode_plan is not None
-    rows = metadata.decode_plan.rows.cpu()
-    assert rows[0, 0] == 1 and rows[0, 2] > 1, "the longest decode comes first, cut in parts"
-    check((q, k, v, cache, metadata), spec)
-
-
-def test_graph_plan_buffers_keep_their_address_and_take_each_steps_lengths(monkeypatch, sixteen_multiprocessors):
-    from dovetail.attention.triton_backend import TritonMetadataBuilder
-
-    monkeypatch.setenv("DOVETAIL_DECODE_PLAN", "2")
-    q, k, v, cache, batch = make_case([1, 1, 1], [5, 12, 8], seed=14)
-    builder = TritonMetadataBuilder(TritonBackend, [spec_for((q, k))], 4, torch.device(DEVICE), torch.float32)
-    first = builder.build_for_graph(batch, 3).decode_plan
-    before = (first.rows.data_ptr(), first.firsts.data_ptr(), first.rows.clone())
-    batch.seq_lens_cpu = torch.tensor([300, 12, 8], dtype=torch.int32)
-    second = builder.build_for_graph(batch, 3).decode_plan
-    assert (second.rows.data_ptr(), second.firsts.data_ptr()) == before[:2]
-    assert not torch.equal(second.rows.cpu(), before[2].cpu()) and second.firsts.cpu()[0, 1] > 1
-
-
-def test_the_builder_plans_only_decodes_with_fewer_programs_than_multiprocessors(monkeypatch):
-    """Beyond one program (decode x KV head) per multiprocessor the unsplit launch, longest first, is kept."""
-    import dovetail.triton.multiprocessors as multiprocessors
-    from dovetail.attention.triton_backend import TritonMetadataBuilder
-
-    monkeypatch.setenv("DOVETAIL_DECODE_PLAN", "4")
-    q, k, v, cache, batch = make_case([1, 1, 1], [5, 12, 8], num_heads=4, num_kv_heads=2, seed=14)
-    builder = TritonMetadataBuilder(TritonBackend, [spec_for((q, k))], 4, torch.device(DEVICE), torch.float32)
-    for count, planned in ((6, True), (5, False)):
-        monkeypatch.setattr(multiprocessors, "multiprocessor_count", lambda device: count)
-        for metadata in (builder.build(batch), builder.build_for_graph(batch, 3)):
-            assert (metadata.decode_plan is not None) == planned
-            assert (metadata.decode_order is None) == planned
 
 
 def test_graph_order_buffer_keeps_its_address_and_takes_each_steps_lengths():
@@ -495,9 +373,9 @@ def test_kernel_modules_import_without_touching_a_device():
                                   "dovetail.triton.kv_cache_write", "dovetail.triton.fused_ops")
 
 
-def _rotary_inputs(case, rotary_dim, norm_dtype, seed, max_positions=64):
-    """Positions of every row, a cos/sin table of ``max_positions``, and (with ``norm_dtype``) random per-head
-    norm weights; ``apply`` is the rotary kernel, whose arithmetic the decode launch repeats."""
+def _rotary_inputs(case, rotary_dim, norm_dtype, seed):
+    """Positions of every row, a cos/sin table, and (with ``norm_dtype``) random per-head norm weights;
+    ``apply`` is the rotary kernel, whose arithmetic the decode launch repeats."""
     from dovetail.attention.backend import RotaryInputs
     from dovetail.layers.rotary import compute_cos_sin_cache
     from dovetail.triton.rotary import rotary_embedding
@@ -506,8 +384,7 @@ def _rotary_inputs(case, rotary_dim, norm_dtype, seed, max_positions=64):
     head_size = q.shape[-1]
     gen = torch.Generator().manual_seed(seed)
     positions = testing.row_positions(batch, DEVICE)
-    table = compute_cos_sin_cache(rotary_dim, max_positions, {"rope_theta": 100.0, "rope_type": "default"},
-                                  max_positions).to(DEVICE)
+    table = compute_cos_sin_cache(rotary_dim, 64, {"rope_theta": 100.0, "rope_type": "default"}, 64).to(DEVICE)
     weights = {}
     if norm_dtype is not None:
         weights = {name: (1 + 0.5 * torch.randn(head_size, generator=gen)).to(DEVICE, norm_dtype)
@@ -546,28 +423,6 @@ def test_decode_launch_rotates_its_rows(dtype, rotary_dim, norm_dtype, split_lau
     torch.testing.assert_close(actual.float(), expected.float(), **TOLERANCE[dtype])
     unrotated = ReferenceAttentionImpl(spec).forward(q, k, v, cache.clone(), batch)
     assert not torch.allclose(unrotated[:3].float(), expected[:3].float(), atol=0.1)
-
-
-@pytest.mark.parametrize("dtype,rotary_dim,norm_dtype", [(torch.float32, 16, None),
-                                                       (torch.bfloat16, 32, torch.bfloat16)])
-def test_a_planned_decode_launch_rotates_its_rows(dtype, rotary_dim, norm_dtype, monkeypatch, sixteen_multiprocessors):
-    """As above, with the builder's plan (``DOVETAIL_DECODE_PLAN``): the parts of a cut decode each rotate its
-    q and k, and only the last stores its key and value."""
-    from dovetail.attention.triton_backend import TritonMetadataBuilder
-
-    monkeypatch.setenv("DOVETAIL_DECODE_PLAN", "4")
-    monkeypatch.setattr(TritonAttentionImpl, "_fuses_into_decode_launch", lambda self, n, q: n > 0)
-    case = make_case([1, 1, 1, 4, 3], [1, 200, 9, 7, 12], num_heads=4, num_kv_heads=2, dtype=dtype, seed=19)
-    q, k, v, cache, batch = case
-    spec = spec_for(case)
-    metadata = TritonMetadataBuilder(TritonBackend, [spec], 4, torch.device(DEVICE), dtype).build(batch)
-    assert metadata.decode_plan.firsts.cpu()[1, 1] > 1
-    rotary = _rotary_inputs(case, rotary_dim, norm_dtype, seed=20, max_positions=256)
-    ref_cache, tri_cache = cache.clone(), cache.clone()
-    expected = ReferenceAttentionImpl(spec).forward_rotary(q, k, v, ref_cache, batch, rotary)
-    actual = TritonAttentionImpl(spec).forward_rotary(q, k, v, tri_cache, metadata, rotary)
-    torch.testing.assert_close(tri_cache.float(), ref_cache.float(), **TOLERANCE[dtype])
-    torch.testing.assert_close(actual.float(), expected.float(), **TOLERANCE[dtype])
 
 
 def test_rotary_the_launch_cannot_apply_falls_back_to_the_platform_rotation():

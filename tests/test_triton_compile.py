@@ -25,20 +25,19 @@ import pytest
 
 ATTENTION_TYPES = dict(
     split_out_ptr="*fp32", split_max_ptr="*fp32", split_sum_ptr="*fp32", block_table_ptr="*i32",
-    seq_lens_ptr="*i32", query_start_loc_ptr="*i32", decode_order_ptr="*i32", plan_ptr="*i32", num_seqs="i32",
-    scale="fp32",
+    seq_lens_ptr="*i32", query_start_loc_ptr="*i32", decode_order_ptr="*i32", num_seqs="i32", scale="fp32",
     softcap="fp32", window="i32")
 
 
 def attention_variant(dtype, head_size, group, decode, split=False, softcap=False, window=False, rotary=0,
-                      qk_norm=False, kv_fp8=False, planned=False):
+                      qk_norm=False, kv_fp8=False):
     from dovetail.triton import next_power_of_2
     from dovetail.triton.paged_attention import _paged_attention_kernel, default_config
 
     torch_dtype = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[dtype]
     import torch
 
-    cfg = default_config(head_size, group, decode, getattr(torch, torch_dtype), num_splits=2 if split or planned else 1)
+    cfg = default_config(head_size, group, decode, getattr(torch, torch_dtype), num_splits=2 if split else 1)
     ptr = "*" + dtype
     cache = "*fp8e4nv" if kv_fp8 else ptr
     types = dict(ATTENTION_TYPES, q_ptr=ptr, key_cache_ptr=cache, value_cache_ptr=cache, out_ptr=ptr, new_k_ptr=ptr,
@@ -49,8 +48,8 @@ def attention_variant(dtype, head_size, group, decode, split=False, softcap=Fals
         BLOCK_SIZE=16, BLOCK_M=cfg.block_m, BLOCK_Q=1 if decode else cfg.block_m // group, TILE_N=cfg.tile_n,
         USE_SOFTCAP=softcap, USE_WINDOW=window, SPLIT_KV=split, IEEE_DOT=dtype == "fp32", DOT_IN_FP32=False,
         DECODE_ONLY=decode, WIDE_OFFSETS=False, HEADS_FASTEST=decode and cfg.heads_fastest,
-        ORDERED=decode and not planned, NEW_KV=decode, ROTARY_HALF=rotary // 2, QK_NORM=qk_norm,
-        NORM_WEIGHT_FP32=False, KV_FP8=kv_fp8, ROUND_FP8=False, PLANNED=planned)
+        ORDERED=decode, NEW_KV=decode, ROTARY_HALF=rotary // 2, QK_NORM=qk_norm, NORM_WEIGHT_FP32=False,
+        KV_FP8=kv_fp8, ROUND_FP8=False)
     return _paged_attention_kernel, types, constexprs, dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
@@ -148,7 +147,7 @@ def _variants():
     from dovetail.triton.argmax import _chunk_max_kernel, _row_max_kernel
     from dovetail.triton.kv_cache_write import _kv_cache_write_kernel
     from dovetail.triton.norm import _rms_norm_kernel
-    from dovetail.triton.paged_attention import _merge_parts_kernel, _reduce_splits_kernel
+    from dovetail.triton.paged_attention import _reduce_splits_kernel
     from dovetail.triton.rotary import _rotary_kernel
 
     return {
@@ -164,12 +163,6 @@ def _variants():
         "attention decode split bf16 h128 gqa4, fp8 cache": attention_variant("bf16", 128, 4, True, split=True,
                                                                               kv_fp8=True),
         "attention prefill bf16 h128 gqa4, fp8 cache": attention_variant("bf16", 128, 4, False, kv_fp8=True),
-        "attention decode planned bf16 h128 gqa4, rotary": attention_variant("bf16", 128, 4, True, rotary=128,
-                                                                             planned=True),
-        "merge planned parts": (_merge_parts_kernel, dict(out_ptr="*bf16", split_out_ptr="*fp32",
-                                                          split_max_ptr="*fp32", split_sum_ptr="*fp32",
-                                                          firsts_ptr="*i32", stride_ot="i32", stride_oh="i32"),
-                                dict(NUM_HEADS=32, MAX_PARTS=16, HEAD_SIZE=128, HEAD_PAD=128), dict(num_warps=4)),
         "reduce splits": (_reduce_splits_kernel, dict(out_ptr="*bf16", split_out_ptr="*fp32", split_max_ptr="*fp32",
                                                       split_sum_ptr="*fp32", stride_ot="i32", stride_oh="i32"),
                           dict(NUM_HEADS=32, NUM_SPLITS=16, HEAD_SIZE=96, HEAD_PAD=128), dict(num_warps=4)),

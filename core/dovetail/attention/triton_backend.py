@@ -20,8 +20,6 @@ built, so it imports cleanly where triton is absent.
 from __future__ import annotations
 
 import dataclasses
-import os
-from typing import Any
 
 import torch
 
@@ -34,16 +32,14 @@ from dovetail.device_copy import copy_to_device, to_device
 @dataclasses.dataclass
 class TritonAttentionBatch(AttentionBatch):
     """The step's batch and ``decode_order``: int32 ``[num_decodes]`` on the device, the order in which the decode
-    launch's programs take the decode sequences (None: as they come); or, instead, ``decode_plan``, the parts
-    each decode's keys are cut into (:mod:`dovetail.triton.decode_plan`)."""
+    launch's programs take the decode sequences (None: as they come)."""
 
     decode_order: torch.Tensor | None = None
-    decode_plan: Any = None
 
     @classmethod
-    def of(cls, batch: AttentionBatch, decode_order: torch.Tensor | None, decode_plan=None) -> "TritonAttentionBatch":
+    def of(cls, batch: AttentionBatch, decode_order: torch.Tensor | None) -> "TritonAttentionBatch":
         fields = {f.name: getattr(batch, f.name) for f in dataclasses.fields(AttentionBatch)}
-        return cls(**fields, decode_order=decode_order, decode_plan=decode_plan)
+        return cls(**fields, decode_order=decode_order)
 
 
 def _longest_first(seq_lens_cpu: torch.Tensor) -> torch.Tensor:
@@ -53,65 +49,26 @@ def _longest_first(seq_lens_cpu: torch.Tensor) -> torch.Tensor:
 class TritonMetadataBuilder(AttentionMetadataBuilder):
     """Orders the step's decodes longest context first, from the host's sequence lengths (one small copy a step).
 
-    For a device graph the order goes into a buffer kept per graph size, which the captured launches read. With
-    ``DOVETAIL_DECODE_PLAN=N`` (N > 0, an experiment) the builder plans each decode's parts instead, with room for
-    N resident programs per multiprocessor (:mod:`dovetail.triton.decode_plan`).
+    For a device graph the order goes into a buffer kept per graph size, which the captured launches read.
     """
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._graph_orders: dict[int, torch.Tensor] = {}
-        self._graph_plans: dict[int, Any] = {}
-        self.programs_per_multiprocessor = int(os.environ.get("DOVETAIL_DECODE_PLAN", "0") or 0)
 
     def build(self, batch: AttentionBatch) -> TritonAttentionBatch:
         if not batch.num_decodes:
             return TritonAttentionBatch.of(batch, None)
         order = _longest_first(batch.seq_lens_cpu[:batch.num_decodes])
-        if self._plans(batch):
-            return TritonAttentionBatch.of(batch, None, self._plan(batch, order, None))
         return TritonAttentionBatch.of(batch, to_device(order, batch.seq_lens.device))
 
     def build_for_graph(self, batch: AttentionBatch, graph_size: int) -> TritonAttentionBatch:
-        order = _longest_first(batch.seq_lens_cpu[:graph_size])
-        if self._plans(batch):
-            return TritonAttentionBatch.of(batch, None, self._plan(batch, order, graph_size))
-        buffer = self._graph_orders.get(graph_size)
-        if buffer is None:
-            buffer = self._graph_orders[graph_size] = torch.empty(graph_size, dtype=torch.int32,
-                                                                  device=batch.seq_lens.device)
-        copy_to_device(buffer, order)
-        return TritonAttentionBatch.of(batch, buffer)
-
-    def _plans(self, batch: AttentionBatch) -> bool:
-        """Whether the decodes are planned: only while they have fewer programs than the device has
-        multiprocessors (where a uniform split count cuts short sequences as finely as long ones); beyond that
-        the unsplit launch read the cache faster (``kernels_attention.py --sweep-plan``)."""
-        from dovetail.triton.multiprocessors import multiprocessor_count
-
-        programs = batch.num_decodes * self.layer_specs[0].num_kv_heads
-        return bool(self.programs_per_multiprocessor) and programs <= multiprocessor_count(batch.seq_lens.device)
-
-    def _plan(self, batch: AttentionBatch, order: torch.Tensor, graph_size: int | None):
-        """The decodes' parts, on the device (for a graph size, in the buffers kept for it)."""
-        from dovetail.triton.decode_plan import DecodePlan, plan_parts, plan_rows
-        from dovetail.triton.multiprocessors import multiprocessor_count
-        from dovetail.triton.paged_attention import default_config
-
-        n, spec, device = batch.num_decodes, self.layer_specs[0], batch.seq_lens.device
-        num_rows = plan_rows(n, spec.num_kv_heads, multiprocessor_count(device), self.programs_per_multiprocessor)
-        tile_n = default_config(spec.head_size, spec.num_heads // spec.num_kv_heads, True, self.dtype, 2).tile_n
-        rows, firsts = plan_parts(batch.seq_lens_cpu[:n].numpy(), order.numpy(), tile_n, num_rows)
-        rows, firsts = torch.from_numpy(rows), torch.from_numpy(firsts)
-        if graph_size is None:
-            return DecodePlan(to_device(rows, device), to_device(firsts, device))
-        plan = self._graph_plans.get(graph_size)
-        if plan is None:
-            plan = self._graph_plans[graph_size] = DecodePlan(torch.empty_like(rows, device=device),
-                                                              torch.empty_like(firsts, device=device))
-        copy_to_device(plan.rows, rows)
-        copy_to_device(plan.firsts, firsts)
-        return plan
+        order = self._graph_orders.get(graph_size)
+        if order is None:
+            order = self._graph_orders[graph_size] = torch.empty(graph_size, dtype=torch.int32,
+                                                                 device=batch.seq_lens.device)
+        copy_to_device(order, _longest_first(batch.seq_lens_cpu[:graph_size]))
+        return TritonAttentionBatch.of(batch, order)
 
 
 class TritonAttentionImpl(AttentionImpl):
@@ -203,12 +160,11 @@ class TritonAttentionImpl(AttentionImpl):
         out = q.new_empty(q.shape)
         attention = self._paged_attention
         if n:
-            plan = getattr(metadata, "decode_plan", None)
             attention.paged_attention(
                 q, kv_cache[0], kv_cache[1], out, metadata.block_table, metadata.seq_lens,
                 metadata.query_start_loc, num_tokens=n, num_seqs=n, decode=True,
-                num_splits=1 if plan is not None else attention.default_num_splits(n, spec.num_kv_heads, q.device),
-                decode_order=getattr(metadata, "decode_order", None), plan=plan,
+                num_splits=attention.default_num_splits(n, spec.num_kv_heads, q.device),
+                decode_order=getattr(metadata, "decode_order", None),
                 new_kv=(k, v, metadata.slot_mapping) if fused else None, rotary=rotary if fused else None,
                 **self._kernel_options())
         if n < metadata.num_seqs:

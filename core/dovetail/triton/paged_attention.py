@@ -42,7 +42,6 @@ import triton.language as tl
 
 from dovetail.attention.backend import RotaryInputs
 from dovetail.triton import interpreter_active, next_power_of_2, unaligned
-from dovetail.triton.decode_plan import MAX_PARTS, DecodePlan
 from dovetail.triton.kv_quant import from_cache, to_cache
 from dovetail.triton.multiprocessors import multiprocessor_count
 from dovetail.triton.pdl import launch_kwargs, pdl_prologue, use_pdl
@@ -130,14 +129,14 @@ def _start_with_new_key(q, m_i, l_i, acc, key, value, slot, owner, key_cache_ptr
 # width are plain runtime integers, and the metadata tensors (sliced past the
 # decodes for the prefill launch) are not specialised on their alignment.
 _PER_STEP_POINTERS = ["block_table_ptr", "seq_lens_ptr", "query_start_loc_ptr", "decode_order_ptr", "new_k_ptr",
-                      "new_v_ptr", "slot_ptr", "positions_ptr", "plan_ptr"]
+                      "new_v_ptr", "slot_ptr", "positions_ptr"]
 
 
 @triton.jit(do_not_specialize=["num_seqs", "window", "stride_table"], **unaligned(*_PER_STEP_POINTERS))
 def _paged_attention_kernel(
     q_ptr, key_cache_ptr, value_cache_ptr, out_ptr,
     split_out_ptr, split_max_ptr, split_sum_ptr,
-    block_table_ptr, seq_lens_ptr, query_start_loc_ptr, decode_order_ptr, plan_ptr,
+    block_table_ptr, seq_lens_ptr, query_start_loc_ptr, decode_order_ptr,
     new_k_ptr, new_v_ptr, slot_ptr, positions_ptr, cos_sin_ptr, q_norm_ptr, k_norm_ptr,
     num_seqs, scale, softcap, window, eps, k_scale, v_scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
@@ -149,8 +148,7 @@ def _paged_attention_kernel(
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, SPLIT_KV: tl.constexpr, IEEE_DOT: tl.constexpr,
     DOT_IN_FP32: tl.constexpr, DECODE_ONLY: tl.constexpr, WIDE_OFFSETS: tl.constexpr, HEADS_FASTEST: tl.constexpr,
     ORDERED: tl.constexpr, NEW_KV: tl.constexpr, ROTARY_HALF: tl.constexpr, QK_NORM: tl.constexpr,
-    NORM_WEIGHT_FP32: tl.constexpr, KV_FP8: tl.constexpr, ROUND_FP8: tl.constexpr, PLANNED: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    NORM_WEIGHT_FP32: tl.constexpr, KV_FP8: tl.constexpr, ROUND_FP8: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pdl_prologue(USE_PDL)
     if HEADS_FASTEST:
@@ -160,16 +158,8 @@ def _paged_attention_kernel(
         q_block = tl.program_id(0)
         kv_head = tl.program_id(1)
     base = tl.load(query_start_loc_ptr)
-    part = 0
-    num_parts = 1
-    if DECODE_ONLY:  # one query per sequence, one program per sequence (with PLANNED, per part of one)
-        if PLANNED:
-            seq = tl.load(plan_ptr + q_block * 3)
-            if seq < 0:
-                return
-            part = tl.load(plan_ptr + q_block * 3 + 1)
-            num_parts = tl.load(plan_ptr + q_block * 3 + 2)
-        elif ORDERED:
+    if DECODE_ONLY:  # one query per sequence, one program per sequence
+        if ORDERED:
             seq = tl.load(decode_order_ptr + q_block)
         else:
             seq = q_block
@@ -222,11 +212,7 @@ def _paged_attention_kernel(
     tile_hi = tl.cdiv(kv_end, TILE_N)
     if NEW_KV:  # the decode's own key and value come from new_k / new_v, not from the cache
         tile_hi = tl.cdiv(kv_end - 1, TILE_N)
-    if PLANNED:
-        per_part = tl.cdiv(tile_hi - tile_lo, num_parts)
-        tile_lo = tile_lo + part * per_part
-        tile_hi = tl.minimum(tile_lo + per_part, tile_hi)
-    elif SPLIT_KV:
+    if SPLIT_KV:
         split = tl.program_id(2)
         per_split = tl.cdiv(tile_hi - tile_lo, tl.num_programs(2))
         tile_lo = tile_lo + split * per_split
@@ -250,12 +236,8 @@ def _paged_attention_kernel(
         value = tl.load(new_v_ptr + decode_token * stride_new_vt + kv_head * stride_new_vh + dims, mask=dim_valid,
                         other=0.0)
         # The last split takes it (the only program without splits), even when its share of the tiles is empty.
-        if PLANNED:
-            owner = part == num_parts - 1
-        else:
-            owner = tl.program_id(2) == tl.num_programs(2) - 1
         m_i, l_i, acc = _start_with_new_key(
-            q, m_i, l_i, acc, key, value, tl.load(slot_ptr + decode_token), owner,
+            q, m_i, l_i, acc, key, value, tl.load(slot_ptr + decode_token), tl.program_id(2) == tl.num_programs(2) - 1,
             key_cache_ptr, value_cache_ptr, kv_head, dims, dim_valid, stride_cache_block, stride_cache_slot,
             stride_cache_head, scale, softcap, k_scale, v_scale, BLOCK_SIZE, USE_SOFTCAP, WIDE_OFFSETS, KV_FP8,
             ROUND_FP8)
@@ -307,33 +289,14 @@ def _paged_attention_kernel(
         m_i = m_new
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    if PLANNED:
-        if num_parts > 1:  # a part's partial result, by plan row, for _merge_parts_kernel
-            _store_partial(split_out_ptr, split_max_ptr, split_sum_ptr, q_block * NUM_HEADS + head, out, m_i, l_i,
-                           dims, row_valid, HEAD_PAD)
-        else:
-            _store_output(out_ptr, out, token, head, dims, row_valid, dim_valid, stride_ot, stride_oh)
-    elif SPLIT_KV:
-        _store_partial(split_out_ptr, split_max_ptr, split_sum_ptr,
-                       (token * NUM_HEADS + head) * tl.num_programs(2) + tl.program_id(2), out, m_i, l_i, dims,
-                       row_valid, HEAD_PAD)
+    if SPLIT_KV:
+        split_row = (token * NUM_HEADS + head) * tl.num_programs(2) + tl.program_id(2)
+        tl.store(split_out_ptr + split_row[:, None] * HEAD_PAD + dims[None, :], out, mask=row_valid[:, None])
+        tl.store(split_max_ptr + split_row, m_i, mask=row_valid)
+        tl.store(split_sum_ptr + split_row, l_i, mask=row_valid)
     else:
-        _store_output(out_ptr, out, token, head, dims, row_valid, dim_valid, stride_ot, stride_oh)
-
-
-@triton.jit
-def _store_partial(split_out_ptr, split_max_ptr, split_sum_ptr, split_row, out, m_i, l_i, dims, row_valid,
-                   HEAD_PAD: tl.constexpr):
-    """One split's (or part's) output, row maximum and row sum, for the merge."""
-    tl.store(split_out_ptr + split_row[:, None] * HEAD_PAD + dims[None, :], out, mask=row_valid[:, None])
-    tl.store(split_max_ptr + split_row, m_i, mask=row_valid)
-    tl.store(split_sum_ptr + split_row, l_i, mask=row_valid)
-
-
-@triton.jit
-def _store_output(out_ptr, out, token, head, dims, row_valid, dim_valid, stride_ot, stride_oh):
-    tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & dim_valid[None, :])
+        tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & dim_valid[None, :])
 
 
 @triton.jit
@@ -356,32 +319,6 @@ def _reduce_splits_kernel(
     out = tl.sum(partial * weight[:, None], 0) / tl.sum(weight, 0)
     tl.store(out_ptr + token * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty),
              mask=dims < HEAD_SIZE)
-
-
-@triton.jit(**unaligned("firsts_ptr"))
-def _merge_parts_kernel(
-    out_ptr, split_out_ptr, split_max_ptr, split_sum_ptr, firsts_ptr, stride_ot, stride_oh,
-    NUM_HEADS: tl.constexpr, MAX_PARTS: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
-    """A planned decode's parts merged into its output (a sequence of one part wrote its output itself)."""
-    pdl_prologue(USE_PDL)
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    count = tl.load(firsts_ptr + seq * 2 + 1)
-    if count > 1:
-        parts = tl.arange(0, MAX_PARTS)
-        valid = parts < count
-        row = (tl.load(firsts_ptr + seq * 2) + parts).to(tl.int64) * NUM_HEADS + head
-        dims = tl.arange(0, HEAD_PAD)
-        m = tl.load(split_max_ptr + row, mask=valid, other=float("-inf"))
-        l = tl.load(split_sum_ptr + row, mask=valid, other=0.0)
-        m_all = tl.max(m, 0)
-        weight = tl.where(l > 0.0, tl.exp2(m - m_all) * l, 0.0)
-        partial = tl.load(split_out_ptr + row[:, None] * HEAD_PAD + dims[None, :], mask=valid[:, None], other=0.0)
-        out = tl.sum(partial * weight[:, None], 0) / tl.sum(weight, 0)
-        tl.store(out_ptr + seq.to(tl.int64) * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty),
-                 mask=dims < HEAD_SIZE)
 
 
 #: Whether these kernels run in triton's CPU interpreter (``TRITON_INTERPRET=1``).
@@ -482,8 +419,7 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
                     logit_softcap: float | None = None, decode: bool = False, num_splits: int = 1,
                     config: LaunchConfig | None = None, decode_order: torch.Tensor | None = None,
                     new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                    rotary: RotaryInputs | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
-                    plan: DecodePlan | None = None) -> None:
+                    rotary: RotaryInputs | None = None, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Attend ``num_seqs`` sequences whose queries are ``num_tokens`` rows of ``q``, into ``out``.
 
     ``q`` and ``out`` are ``[tokens, num_heads, head_size]``; their row 0 is the
@@ -501,27 +437,18 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
     rotated yet; the launch rotates them (after the per-head norms, when given) as the rotary kernel would.
     An FP8 (``float8_e4m3fn``) cache holds keys / ``k_scale`` and values / ``v_scale``
     (:mod:`dovetail.triton.kv_quant`): tiles are dequantised to ``q``'s dtype as they are loaded.
-    ``plan`` (decode only, instead of ``num_splits`` and ``decode_order``): each sequence's keys cut into the parts
-    the plan gives it (:mod:`dovetail.triton.decode_plan`), one program per part and KV head.
     """
     if num_seqs == 0 or num_tokens == 0:
         return
     num_heads, head_size = q.shape[1], q.shape[2]
     num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
     queries_per_kv = num_heads // num_kv_heads
-    if plan is not None and (not decode or num_splits != 1 or decode_order is not None):
-        raise ValueError("plan is for decode launches, instead of num_splits and decode_order")
-    cfg = config or default_config(head_size, queries_per_kv, decode, q.dtype, 2 if plan is not None else num_splits)
+    cfg = config or default_config(head_size, queries_per_kv, decode, q.dtype, num_splits)
     block_q = 1 if decode else cfg.block_m // queries_per_kv
     head_pad = next_power_of_2(head_size)
     num_q_blocks = num_seqs if decode else num_tokens // block_q + num_seqs
     split_kv = num_splits > 1
-    if plan is not None:
-        num_q_blocks = plan.num_rows
-        split_out = torch.empty((num_q_blocks, num_heads, head_pad), dtype=torch.float32, device=q.device)
-        split_max = torch.empty((num_q_blocks, num_heads), dtype=torch.float32, device=q.device)
-        split_sum = torch.empty_like(split_max)
-    elif split_kv:
+    if split_kv:
         split_out = torch.empty((num_tokens, num_heads, num_splits, head_pad), dtype=torch.float32, device=q.device)
         split_max = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32, device=q.device)
         split_sum = torch.empty_like(split_max)
@@ -546,7 +473,7 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
     _paged_attention_kernel[grid](
         q, key_cache, value_cache, out, split_out, split_max, split_sum,
         block_table, seq_lens, query_start_loc, decode_order if decode_order is not None else seq_lens,
-        plan.rows if plan is not None else seq_lens, new_k, new_v, slots, *_rotary_tensors(rotary, q),
+        new_k, new_v, slots, *_rotary_tensors(rotary, q),
         num_seqs, float(scale), float(logit_softcap or 1.0), int(sliding_window or 0),
         float(rotary.eps) if rotary is not None else 0.0, float(k_scale), float(v_scale),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -563,15 +490,9 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
         QK_NORM=rotary is not None and rotary.q_norm_weight is not None,
         NORM_WEIGHT_FP32=rotary is not None and rotary.q_norm_weight is not None
         and rotary.q_norm_weight.dtype == torch.float32, KV_FP8=fp8, ROUND_FP8=fp8 and interpreter_active(),
-        PLANNED=plan is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
     )
-    if plan is not None:
-        _merge_parts_kernel[(num_seqs, num_heads)](
-            out, split_out, split_max, split_sum, plan.firsts, out.stride(0), out.stride(1),
-            NUM_HEADS=num_heads, MAX_PARTS=MAX_PARTS, HEAD_SIZE=head_size, HEAD_PAD=head_pad,
-            num_warps=4 if head_pad >= 128 else 2, **launch,
-        )
-    elif split_kv:
+    if split_kv:
         _reduce_splits_kernel[(num_tokens, num_heads)](
             out, split_out, split_max, split_sum, out.stride(0), out.stride(1),
             NUM_HEADS=num_heads, NUM_SPLITS=num_splits, HEAD_SIZE=head_size, HEAD_PAD=head_pad,
