@@ -98,8 +98,7 @@ def moe_variants():
     from dovetail.triton.moe_routing import _topk_softmax_kernel
 
     align = dict(ids_ptr="*i32", map_ptr="*i32", sorted_ptr="*i32", block_expert_ptr="*i32", num_padded_ptr="*i32",
-                 logits_ptr="*bf16", weights_ptr="*fp32")
-    rows = {**align, "rows_ptr": "*i32", "fill_ptr": "*i32"}
+                 counts_ptr="*i32", logits_ptr="*bf16", weights_ptr="*fp32")
     no_routing = dict(ROUTE=False, TOP_K=1, K_P2=1, RENORMALIZE=False, BLOCK_T=1, LOGITS_P2=1)
     routing = dict(TOP_K=8, K_P2=8, RENORMALIZE=True, LOGITS_P2=128)
     return {
@@ -113,12 +112,11 @@ def moe_variants():
         "moe route and align, one program": (moe_align._align_small_kernel, {**align, "scratch_ptr": "*i32"},
                                              dict(HAS_MAP=True, E_P2=128, BLOCK_M=16, CHUNK=256, BLOCKS_TILE=32,
                                                   ROUTE=True, BLOCK_T=32, **routing), dict(num_warps=8)),
-        "moe align: count": (moe_align._count_kernel, rows, dict(HAS_MAP=False, E_P2=128, CHUNK=1024, SUB=128),
-                             dict(num_warps=8)),
-        "moe align: route and count": (moe_align._route_count_kernel, rows,
-                                       dict(HAS_MAP=True, E_P2=128, BLOCK_T=16, **routing), dict(num_warps=4)),
-        "moe align: place": (moe_align._place_kernel, rows,
-                             dict(HAS_MAP=True, E_P2=128, BLOCK_M=64, CHUNK=1024, BLOCKS_TILE=32, ROWS_TILE=32),
+        "moe align: count": (moe_align._count_kernel, align, dict(HAS_MAP=False, CHUNK=1024), dict(num_warps=8)),
+        "moe align: route and count": (moe_align._route_count_kernel, align,
+                                       dict(HAS_MAP=True, BLOCK_T=16, **routing), dict(num_warps=4)),
+        "moe align: place": (moe_align._place_kernel, align,
+                             dict(HAS_MAP=True, E_P2=128, BLOCK_M=64, CHUNK=1024, BLOCKS_TILE=32),
                              dict(num_warps=8)),
         "moe gate/up bf16, one token": moe_gemm_variant("bf16", True, 16, gemm_candidates(16, True)[0],
                                                         pair_per_block=True),

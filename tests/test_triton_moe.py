@@ -490,29 +490,3 @@ def test_routing_takes_one_program_only_for_the_tokens_of_one_tile(monkeypatch):
         weights, ids, _ = route_and_align(logits, 8, True, 128, 16)
         assert torch.equal(ids.long(), select_experts(logits, 8, True)[1].long())
     assert launched == ["_align_small_kernel", "_route_count_kernel"]
-
-
-@pytest.mark.parametrize("routed", [False, True], ids=["from-ids", "routed"])
-def test_the_many_program_layout_launches_only_its_two_kernels(routed, monkeypatch):
-    """Counting programs store rows of their own, so no buffer is zeroed before them: the layout of a long
-    batch is the counting and the placing kernels, and no fill or memset besides."""
-    from dovetail.triton import moe_align
-
-    logits = torch.randn(300, 64, generator=torch.Generator().manual_seed(3)).to(DEVICE)
-    ids = select_experts(logits, 4, True)[1]
-    launched = []
-    for name in ("_align_small_kernel", "_count_kernel", "_route_count_kernel", "_place_kernel"):
-        kernel = getattr(moe_align, name)
-        monkeypatch.setattr(moe_align, name, type("Spy", (), {
-            "__getitem__": lambda self, grid, k=kernel, n=name: (launched.append(n), k[grid])[1]})())
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        if routed:
-            aligned = route_and_align(logits, 4, True, 64, 16)[2]
-        else:
-            aligned = align_pairs(ids, 64, 16)
-    assert launched == ["_route_count_kernel" if routed else "_count_kernel", "_place_kernel"]
-    filled = [e.key for e in prof.key_averages() if e.key in ("aten::zero_", "aten::fill_", "aten::zeros")]
-    assert not filled, filled
-    pairs, blocks = expected_layout(ids, 64, 16)
-    assert in_pair_order(aligned) == pairs
-    assert aligned.block_expert.tolist()[:len(blocks)] == blocks

@@ -20,10 +20,8 @@ additions); a pair's results do not depend on its place, so the layer's output i
 Two ways to count, chosen by the pair count (the results are the same):
 
 - up to :data:`SMALL_PAIRS` pairs (decode steps) one program counts, places and pads;
-- above it one program per chunk of pairs (or tile of tokens, routing) stores its pairs per
-  expert as a row of its own, then one program per chunk adds the rows up, lays the blocks
-  out and places its pairs. Nothing needs zeroing before the counting kernel, so the layout
-  costs two launches.
+- above it one program per chunk of pairs adds its pairs to the experts' counts, then
+  one program per chunk lays the blocks out from the counts and places its pairs.
 
 :func:`route_and_align` starts from the router's logits instead of ``topk_ids``: the programs
 that count route their tokens first (:func:`dovetail.triton.moe_routing.route_tile`, the softmax
@@ -47,8 +45,6 @@ from dovetail.triton.pdl import launch_kwargs, pdl_prologue, use_pdl
 SMALL_PAIRS = 1024
 #: Logits the single-program kernel routes at once (a tile of tokens by every expert, in registers).
 ROUTE_TILE_LOGITS = 4096
-#: Pairs by experts compared at once when a counting program makes its histogram.
-HISTOGRAM_ELEMENTS = 16384
 
 
 class AlignedPairs(NamedTuple):
@@ -115,22 +111,16 @@ def _write_layout(counts, starts, ends, total, sorted_ptr, block_expert_ptr, num
 
 
 @triton.jit
-def _routed_experts(logits_ptr, weights_ptr, ids_ptr, map_ptr, rows, num_tokens, num_routed, num_experts, stride_lt,
-                    HAS_MAP: tl.constexpr, TOP_K: tl.constexpr, K_P2: tl.constexpr, RENORMALIZE: tl.constexpr,
-                    BLOCK_T: tl.constexpr, LOGITS_P2: tl.constexpr):
-    """Route the tokens ``rows`` (their weights and expert ids stored); each pair's expert row ``[BLOCK_T, K_P2]``,
-    or -1 (no pair, or held elsewhere)."""
+def _route_and_count(logits_ptr, weights_ptr, ids_ptr, map_ptr, counts_ptr, rows, num_tokens, num_routed, num_experts,
+                     stride_lt, HAS_MAP: tl.constexpr, TOP_K: tl.constexpr, K_P2: tl.constexpr,
+                     RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, LOGITS_P2: tl.constexpr):
+    """Route the tokens ``rows`` (their weights and expert ids stored) and add their pairs to the experts' counts."""
     e, keep = route_tile(logits_ptr, weights_ptr, ids_ptr, rows, num_tokens, num_routed, stride_lt, TOP_K, K_P2,
                          RENORMALIZE, BLOCK_T, LOGITS_P2)
     if HAS_MAP:
         e = tl.load(map_ptr + e, mask=keep, other=-1).to(tl.int32)
-    return tl.where(keep & (e >= 0) & (e < num_experts), e, -1)
-
-
-@triton.jit
-def _histogram(e, E_P2: tl.constexpr):
-    """How many of the expert rows ``e`` (1-D; -1 counts nowhere) each expert has, ``[E_P2]``."""
-    return tl.sum((e[:, None] == tl.arange(0, E_P2)[None, :]).to(tl.int32), axis=0)
+    e = tl.where(keep & (e >= 0) & (e < num_experts), e, -1)
+    tl.atomic_add(counts_ptr + e, 1, mask=e >= 0)
 
 
 @triton.jit(do_not_specialize=["num_pairs", "max_blocks", "num_tokens"])
@@ -148,10 +138,9 @@ def _align_small_kernel(ids_ptr, map_ptr, sorted_ptr, block_expert_ptr, num_padd
     tl.debug_barrier()
     if ROUTE:
         for t0 in range(0, num_tokens, BLOCK_T):
-            e = _routed_experts(logits_ptr, weights_ptr, ids_ptr, map_ptr, t0 + tl.arange(0, BLOCK_T), num_tokens,
-                                num_routed, num_experts, stride_lt, HAS_MAP, TOP_K, K_P2, RENORMALIZE, BLOCK_T,
-                                LOGITS_P2)
-            tl.atomic_add(scratch_ptr + e, 1, mask=e >= 0)
+            _route_and_count(logits_ptr, weights_ptr, ids_ptr, map_ptr, scratch_ptr, t0 + tl.arange(0, BLOCK_T),
+                             num_tokens, num_routed, num_experts, stride_lt, HAS_MAP, TOP_K, K_P2, RENORMALIZE,
+                             BLOCK_T, LOGITS_P2)
     else:
         for start in range(0, num_pairs, CHUNK):
             offs = start + tl.arange(0, CHUNK)
@@ -173,52 +162,36 @@ def _align_small_kernel(ids_ptr, map_ptr, sorted_ptr, block_expert_ptr, num_padd
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
-def _count_kernel(ids_ptr, map_ptr, rows_ptr, fill_ptr, num_pairs, num_experts, HAS_MAP: tl.constexpr,
-                  E_P2: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr, USE_PDL: tl.constexpr):
-    """This chunk's pairs per expert, stored as its row of ``rows`` (no atomics, so nothing to zero first); the
-    first program zeroes the fill counters that the places are claimed from."""
+def _count_kernel(ids_ptr, map_ptr, counts_ptr, num_pairs, num_experts, HAS_MAP: tl.constexpr,
+                  CHUNK: tl.constexpr, USE_PDL: tl.constexpr):
+    """Add this chunk's pairs to the experts' counts (``counts[:E_P2]``, zeroed before)."""
     pdl_prologue(USE_PDL)
-    chunk = tl.program_id(0)
-    experts = tl.arange(0, E_P2)
-    if chunk == 0:
-        tl.store(fill_ptr + experts, tl.zeros((E_P2,), dtype=tl.int32))
-    counts = tl.zeros((E_P2,), dtype=tl.int32)
-    for start in range(0, CHUNK, SUB):
-        offs = chunk * CHUNK + start + tl.arange(0, SUB)
-        counts += _histogram(_expert_of(ids_ptr, map_ptr, offs, offs < num_pairs, num_experts, HAS_MAP), E_P2)
-    tl.store(rows_ptr + chunk * E_P2 + experts, counts)
+    offs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+    e = _expert_of(ids_ptr, map_ptr, offs, offs < num_pairs, num_experts, HAS_MAP)
+    tl.atomic_add(counts_ptr + e, 1, mask=e >= 0)
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
-def _route_count_kernel(logits_ptr, weights_ptr, ids_ptr, map_ptr, rows_ptr, fill_ptr, num_tokens, num_routed,
-                        num_experts, stride_lt, HAS_MAP: tl.constexpr, E_P2: tl.constexpr, TOP_K: tl.constexpr,
-                        K_P2: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, LOGITS_P2: tl.constexpr,
+def _route_count_kernel(logits_ptr, weights_ptr, ids_ptr, map_ptr, counts_ptr, num_tokens, num_routed, num_experts,
+                        stride_lt, HAS_MAP: tl.constexpr, TOP_K: tl.constexpr, K_P2: tl.constexpr,
+                        RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, LOGITS_P2: tl.constexpr,
                         USE_PDL: tl.constexpr):
-    """Route this tile of tokens and store its pairs per expert as its row of ``rows``; the first program zeroes
-    the fill counters."""
+    """Route this tile of tokens and add their pairs to the experts' counts (``counts[:E_P2]``, zeroed before)."""
     pdl_prologue(USE_PDL)
-    tile = tl.program_id(0)
-    experts = tl.arange(0, E_P2)
-    if tile == 0:
-        tl.store(fill_ptr + experts, tl.zeros((E_P2,), dtype=tl.int32))
-    e = _routed_experts(logits_ptr, weights_ptr, ids_ptr, map_ptr, tile * BLOCK_T + tl.arange(0, BLOCK_T), num_tokens,
-                        num_routed, num_experts, stride_lt, HAS_MAP, TOP_K, K_P2, RENORMALIZE, BLOCK_T, LOGITS_P2)
-    tl.store(rows_ptr + tile * E_P2 + experts, _histogram(tl.reshape(e, [BLOCK_T * K_P2]), E_P2))
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    _route_and_count(logits_ptr, weights_ptr, ids_ptr, map_ptr, counts_ptr, rows, num_tokens, num_routed, num_experts,
+                     stride_lt, HAS_MAP, TOP_K, K_P2, RENORMALIZE, BLOCK_T, LOGITS_P2)
 
 
-@triton.jit(do_not_specialize=["num_pairs", "max_blocks", "num_rows"])
-def _place_kernel(ids_ptr, map_ptr, rows_ptr, fill_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, num_pairs,
-                  num_experts, max_blocks, num_rows, HAS_MAP: tl.constexpr, E_P2: tl.constexpr, BLOCK_M: tl.constexpr,
-                  CHUNK: tl.constexpr, BLOCKS_TILE: tl.constexpr, ROWS_TILE: tl.constexpr, USE_PDL: tl.constexpr):
-    """Every program adds up the counting programs' rows and lays the blocks out from the sums (the first also
-    writes the layout), then claims a slot for each pair of its chunk from the experts' fill counters."""
+@triton.jit(do_not_specialize=["num_pairs", "max_blocks"])
+def _place_kernel(ids_ptr, map_ptr, counts_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, num_pairs,
+                  num_experts, max_blocks, HAS_MAP: tl.constexpr, E_P2: tl.constexpr, BLOCK_M: tl.constexpr,
+                  CHUNK: tl.constexpr, BLOCKS_TILE: tl.constexpr, USE_PDL: tl.constexpr):
+    """Every program lays the blocks out from the counts (the first also writes the layout), then claims a slot
+    for each pair of its chunk from the experts' fill counters (``counts[E_P2:]``, zeroed before)."""
     pdl_prologue(USE_PDL)
     experts = tl.arange(0, E_P2)
-    counts = tl.zeros((E_P2,), dtype=tl.int32)
-    for r0 in range(0, num_rows, ROWS_TILE):
-        rows = r0 + tl.arange(0, ROWS_TILE)
-        counts += tl.sum(tl.load(rows_ptr + rows[:, None] * E_P2 + experts[None, :], mask=(rows < num_rows)[:, None],
-                                 other=0), axis=0)
+    counts = tl.load(counts_ptr + experts)
     starts, ends, total = _layout(counts, BLOCK_M)
     chunk = tl.program_id(0)
     if chunk == 0:
@@ -228,7 +201,7 @@ def _place_kernel(ids_ptr, map_ptr, rows_ptr, fill_ptr, sorted_ptr, block_expert
     e = _expert_of(ids_ptr, map_ptr, offs, offs < num_pairs, num_experts, HAS_MAP)
     valid = e >= 0
     base = tl.gather(starts, tl.where(valid, e, 0), 0)
-    slot = base + tl.atomic_add(fill_ptr + e, 1, mask=valid)
+    slot = base + tl.atomic_add(counts_ptr + E_P2 + e, 1, mask=valid)
     tl.store(sorted_ptr + slot, offs, mask=valid)
 
 
@@ -300,23 +273,19 @@ def _align(ids: torch.Tensor, num_experts: int, block_m: int, expert_map: torch.
             BLOCK_T=max(1, min(next_power_of_2(max(tokens, 1)), ROUTE_TILE_LOGITS // logits_p2)), **route_flags,
             num_warps=8, **pdl)
     else:
+        counts = torch.zeros(2 * e_p2, dtype=torch.int32, device=device)  # the counts, then the fill counters
         chunk = 1024
         num_chunks = triton.cdiv(num_pairs, chunk)
-        fill = torch.empty(e_p2, dtype=torch.int32, device=device)  # zeroed by the counting kernel
         if routing is None:
-            rows = torch.empty((num_chunks, e_p2), dtype=torch.int32, device=device)
-            _count_kernel[(num_chunks,)](ids, map_arg, rows, fill, num_pairs, num_experts, HAS_MAP=has_map, E_P2=e_p2,
-                                         CHUNK=chunk, SUB=max(16, min(chunk, HISTOGRAM_ELEMENTS // e_p2)),
+            _count_kernel[(num_chunks,)](ids, map_arg, counts, num_pairs, num_experts, HAS_MAP=has_map, CHUNK=chunk,
                                          num_warps=8, **pdl)
         else:
             block_t = max(1, min(next_power_of_2(tokens), 2048 // logits_p2))
-            rows = torch.empty((triton.cdiv(tokens, block_t), e_p2), dtype=torch.int32, device=device)
-            _route_count_kernel[(rows.shape[0],)](
-                routing.logits, routing.weights, ids, map_arg, rows, fill, tokens, routed, num_experts,
-                routing.logits.stride(0), HAS_MAP=has_map, E_P2=e_p2, BLOCK_T=block_t, **route_flags,
+            _route_count_kernel[(triton.cdiv(tokens, block_t),)](
+                routing.logits, routing.weights, ids, map_arg, counts, tokens, routed, num_experts,
+                routing.logits.stride(0), HAS_MAP=has_map, BLOCK_T=block_t, **route_flags,
                 num_warps=4 if block_t * logits_p2 >= 2048 else 1, **pdl)
-        _place_kernel[(num_chunks,)](ids, map_arg, rows, fill, sorted_pairs, block_expert, num_padded, num_pairs,
-                                     num_experts, block_expert.shape[0], rows.shape[0], HAS_MAP=has_map, E_P2=e_p2,
-                                     BLOCK_M=block_m, CHUNK=chunk, BLOCKS_TILE=blocks_tile,
-                                     ROWS_TILE=max(1, min(32, 4096 // e_p2)), num_warps=8, **pdl)
+        _place_kernel[(num_chunks,)](ids, map_arg, counts, sorted_pairs, block_expert, num_padded, num_pairs,
+                                     num_experts, block_expert.shape[0], HAS_MAP=has_map, E_P2=e_p2,
+                                     BLOCK_M=block_m, CHUNK=chunk, BLOCKS_TILE=blocks_tile, num_warps=8, **pdl)
     return AlignedPairs(sorted_pairs, block_expert, num_padded, num_pairs, block_m)
