@@ -85,6 +85,9 @@ def test_collectives_go_through_the_backend_while_parts_are_in_flight(monkeypatc
 
 
 PROMPTS = [list(range(3, 40)), list(range(50, 75)), [7, 8, 9] * 10, list(range(90, 131))]
+#: Chunked prefills of 48 tokens a step beside decodes, on the CPU.
+CHUNKED = dict(device="cpu", attention_backend="REFERENCE", dtype="float32", max_model_len=128,
+               max_num_batched_tokens=48, enable_chunked_prefill=True)
 
 
 @pytest.mark.parametrize("case", ["llama-tied-head_dim-bias", "gemma2-softcap-sliding",
@@ -93,14 +96,12 @@ def test_steps_split_into_micro_batches_give_hfs_tokens(case, tmp_path):
     """Chunked prefills beside decodes, split at every step of 16 tokens or more (Gemma 2's sandwich norms and
     a mixture of experts included): the same greedy tokens as HF and as whole steps."""
     path = save_checkpoint(tmp_path, CASES[case]())
-    common = dict(device="cpu", attention_backend="REFERENCE", dtype="float32", max_model_len=128,
-                  max_num_batched_tokens=48, enable_chunked_prefill=True)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
-    split = LLM(str(path), enable_dbo=True, dbo_prefill_token_threshold=16, **common)
+    split = LLM(str(path), enable_dbo=True, dbo_prefill_token_threshold=16, **CHUNKED)
     ours = [o.outputs[0].token_ids for o in split.generate(prompts, params, use_tqdm=False)]
     assert split.llm_engine.executor.worker.describe()["micro_batched_steps"] > 0
-    whole = LLM(str(path), enable_dbo=False, **common)
+    whole = LLM(str(path), enable_dbo=False, **CHUNKED)
     assert whole.llm_engine.executor.worker.runner.micro_batch_tokens is None
     theirs = [o.outputs[0].token_ids for o in whole.generate(prompts, params, use_tqdm=False)]
     hf = load_hf(path)
@@ -159,16 +160,14 @@ def test_a_plugins_decoder_layer_without_pauses_runs_whole_between_the_parts_tur
             return run_to_end(LlamaDecoderLayer.forward_steps(self, positions, hidden_states, residual))
 
     monkeypatch.setattr(LlamaModel, "layer_cls", LayerWithoutPauses)
-    common = dict(device="cpu", attention_backend="REFERENCE", dtype="float32", max_model_len=128,
-                  max_num_batched_tokens=48, enable_chunked_prefill=True)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
-    split = LLM(str(tiny_llama_dir), enable_dbo=True, dbo_prefill_token_threshold=16, **common)
+    split = LLM(str(tiny_llama_dir), enable_dbo=True, dbo_prefill_token_threshold=16, **CHUNKED)
     layers = split.llm_engine.executor.worker.runner.model.model.layers
     assert all(type(layer) is LayerWithoutPauses for layer in layers)
     ours = [o.outputs[0].token_ids for o in split.generate(prompts, params, use_tqdm=False)]
     assert split.llm_engine.executor.worker.runner.micro_batched_steps > 0
-    whole = LLM(str(tiny_llama_dir), enable_dbo=False, **common)
+    whole = LLM(str(tiny_llama_dir), enable_dbo=False, **CHUNKED)
     assert ours == [o.outputs[0].token_ids for o in whole.generate(prompts, params, use_tqdm=False)]
 
 
