@@ -298,6 +298,20 @@ def test_the_all_reduce_choice_is_validated(monkeypatch):
         all_reduce_choice()
 
 
+
+def test_the_large_all_reduce_choice_is_validated(monkeypatch):
+    from dovetail.errors import ConfigError
+    from dovetail_cuda.symm_mem_all_reduce import large_all_reduce_choice
+
+    monkeypatch.delenv("DOVETAIL_LARGE_ALL_REDUCE", raising=False)
+    assert large_all_reduce_choice() == "nccl"
+    monkeypatch.setenv("DOVETAIL_LARGE_ALL_REDUCE", " Copy_Engine ")
+    assert large_all_reduce_choice() == "copy_engine"
+    monkeypatch.setenv("DOVETAIL_LARGE_ALL_REDUCE", "ce")
+    with pytest.raises(ConfigError,
+                       match=r"^DOVETAIL_LARGE_ALL_REDUCE='ce': expected one of nccl, copy_engine$"):
+        large_all_reduce_choice()
+
 class FakeNvml:
     """NVML of a host whose GPUs ``GPU-0``.. are joined by NVLink except the pairs in ``unlinked``."""
 
@@ -421,7 +435,7 @@ def test_auto_never_waits_for_flashinfer_to_compile(monkeypatch, built):
     monkeypatch.setattr(symm_mem_all_reduce, "all_ranks_on_nvlink", lambda *args: True)
     monkeypatch.setattr(symm_mem_all_reduce, "device_uuid", lambda device: "GPU-0")
     plain = types.SimpleNamespace(max_bytes=1 << 20, one_shot_max_bytes=1 << 18)
-    monkeypatch.setattr(symm_mem_all_reduce, "SymmMemAllReduce", lambda group, device: plain)
+    monkeypatch.setattr(symm_mem_all_reduce, "SymmMemAllReduce", lambda group, device, large=None: plain)
     monkeypatch.setenv("DOVETAIL_ALL_REDUCE", "auto")
     assert symm_mem_all_reduce.all_reduce_kernel(None, torch.device("cpu")) is plain, "unfused"
     monkeypatch.setenv("DOVETAIL_ALL_REDUCE", "flashinfer")
@@ -429,6 +443,42 @@ def test_auto_never_waits_for_flashinfer_to_compile(monkeypatch, built):
         symm_mem_all_reduce.all_reduce_kernel(None, torch.device("cpu"))
     assert asked == [False, True], "auto asks for built kernels only; flashinfer compiles"
 
+
+def test_the_copy_engine_sum_takes_what_is_beyond_the_symmetric_buffer(monkeypatch):
+    """``DOVETAIL_LARGE_ALL_REDUCE=copy_engine``: the symmetric-memory kernel hands the messages beyond its
+    buffer to the copy-engine sum, which is also its kernel across streams (dual-batch overlap)."""
+    from dovetail_cuda import copy_engine_all_reduce, symm_mem_all_reduce
+
+    class Large:
+        min_bytes = 8 << 20
+
+        def __init__(self, group, device):
+            self.calls = []
+
+        def __call__(self, tensor):
+            self.calls.append(tensor.numel())
+            return True
+
+    monkeypatch.setattr(copy_engine_all_reduce, "CopyEngineAllReduce", Large)
+    monkeypatch.setattr(copy_engine_all_reduce, "supported", lambda: True)
+    built, real = {}, symm_mem_all_reduce.SymmMemAllReduce
+
+    def symm(group, device, large=None):
+        kernel = real.__new__(real)
+        kernel.max_bytes, kernel.one_shot_max_bytes, kernel.buffer = 64, 32, torch.empty(32)
+        kernel.large = kernel.across_streams = large
+        built["large"] = large
+        return kernel
+
+    monkeypatch.setattr(symm_mem_all_reduce, "SymmMemAllReduce", symm)
+    monkeypatch.setenv("DOVETAIL_ALL_REDUCE", "symm_mem")
+    monkeypatch.setenv("DOVETAIL_LARGE_ALL_REDUCE", "copy_engine")
+    kernel = symm_mem_all_reduce.all_reduce_kernel(None, torch.device("cpu"))
+    assert isinstance(built["large"], Large) and kernel.across_streams is built["large"]
+    assert real.__call__(kernel, torch.ones(48, dtype=torch.bfloat16))
+    assert built["large"].calls == [48], "96 bytes, beyond the 64-byte buffer: the copy-engine sum's"
+    monkeypatch.setenv("DOVETAIL_LARGE_ALL_REDUCE", "nccl")
+    assert symm_mem_all_reduce.all_reduce_kernel(None, torch.device("cpu")).across_streams is None
 
 def greedy_from_shards_job(vocab: int, ties: bool) -> dict:
     """On each rank: the LM head's greedy tokens from its vocabulary columns, and the argmax of the gathered

@@ -248,6 +248,10 @@ class Platform(ABC):
         what it does not take). Models built on the Llama decoder layer leave their row-parallel outputs
         unreduced and sum them in the norm that follows, through it
         (:func:`dovetail.distributed.all_reduce_add_rms_norm`).
+
+        While a step's two micro-batches are in flight on two streams (dual-batch overlap) the kernel is off,
+        unless it names in ``across_streams`` a kernel of the same form that orders its own calls, issued in
+        turns from the two streams, and keeps its buffers apart from the kernel's.
         """
         return None
 

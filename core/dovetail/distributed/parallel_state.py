@@ -58,7 +58,9 @@ def set_all_reduce_kernel(kernel: Optional[Callable[[torch.Tensor], bool]]) -> N
     A platform's :meth:`~dovetail.platform.Platform.all_reduce_kernel` supplies one (small decode messages
     through torch symmetric memory on NVLink); every rank must install the same. A kernel with an
     ``add_rms_norm(x, residual, weight, eps)`` method also serves :func:`all_reduce_add_rms_norm`: it returns
-    ``(rms_norm(sum(x) + residual) * weight, sum(x) + residual)`` in one pass, or None for what it does not take."""
+    ``(rms_norm(sum(x) + residual) * weight, sum(x) + residual)`` in one pass, or None for what it does not take.
+    A kernel's ``across_streams`` attribute, where not None, is a kernel of the same form that stays on inside
+    :func:`backend_collectives`."""
     global _all_reduce_kernel, _fused_add_rms_norm
     _all_reduce_kernel = kernel
     _fused_add_rms_norm = getattr(kernel, "add_rms_norm", None)
@@ -66,12 +68,13 @@ def set_all_reduce_kernel(kernel: Optional[Callable[[torch.Tensor], bool]]) -> N
 
 @contextlib.contextmanager
 def backend_collectives() -> Iterator[None]:
-    """Every all-reduce through the backend while this is open: the platform's kernel (see
-    :func:`set_all_reduce_kernel`) keeps one buffer between calls, so two all-reduces in flight on different
-    streams (:mod:`dovetail.engine.micro_batches`) must not both use it."""
+    """Every all-reduce through the backend while this is open, but for those the kernel's ``across_streams``
+    takes: the platform's kernel (see :func:`set_all_reduce_kernel`) keeps one buffer between calls, so two
+    all-reduces in flight on different streams (:mod:`dovetail.engine.micro_batches`) must not both use it,
+    unless the platform says they may."""
     global _all_reduce_kernel, _fused_add_rms_norm
     saved = _all_reduce_kernel, _fused_add_rms_norm
-    _all_reduce_kernel = _fused_add_rms_norm = None
+    _all_reduce_kernel, _fused_add_rms_norm = getattr(_all_reduce_kernel, "across_streams", None), None
     try:
         yield
     finally:
