@@ -480,6 +480,62 @@ def test_the_copy_engine_sum_takes_what_is_beyond_the_symmetric_buffer(monkeypat
     monkeypatch.setenv("DOVETAIL_LARGE_ALL_REDUCE", "nccl")
     assert symm_mem_all_reduce.all_reduce_kernel(None, torch.device("cpu")).across_streams is None
 
+class ThreadPeers:
+    """Symmetric memory for ranks run as threads of one process: each rank's buffer, every rank's view of its
+    peers' (``get_buffer``), and a barrier that every rank must reach."""
+
+    def __init__(self, world_size: int, elements: int):
+        import threading
+
+        self.buffers = [torch.zeros(elements) for _ in range(world_size)]
+        self._barrier = threading.Barrier(world_size, timeout=10)
+
+    def handle(self):
+        peers = self
+
+        class Handle:
+            def get_buffer(self, rank, sizes, dtype, storage_offset=0):
+                return peers.buffers[rank].view(-1)[storage_offset:storage_offset + sizes[0]].view(sizes)
+
+            def barrier(self, channel=0):
+                peers._barrier.wait()
+
+        return Handle()
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_the_copy_engine_sum_adds_every_ranks_chunks(world_size):
+    """The copy-engine sum's copies and additions, its ranks as threads over CPU buffers: every rank ends with
+    the sum of every rank's message, whatever chunk it reduced."""
+    import threading
+
+    from dovetail_cuda.copy_engine_all_reduce import CopyEngineAllReduce
+
+    numel = 24 * world_size
+    peers = ThreadPeers(world_size, 2 * numel)
+    messages = [torch.randn(numel, generator=torch.Generator().manual_seed(rank)) for rank in range(world_size)]
+    expected = torch.stack(messages).sum(dim=0)
+    outs, errors = [m.clone() for m in messages], []
+
+    def rank_job(rank):
+        kernel = CopyEngineAllReduce.__new__(CopyEngineAllReduce)
+        kernel.world_size, kernel.rank, kernel.dtype = world_size, rank, torch.float32
+        kernel.buffer, kernel.handle = peers.buffers[rank], peers.handle()
+        kernel.received = torch.empty((world_size - 1) * numel)
+        try:
+            kernel._sum(outs[rank])
+        except Exception as exc:  # surfaced below, with the rank
+            errors.append((rank, exc))
+
+    threads = [threading.Thread(target=rank_job, args=(rank,)) for rank in range(world_size)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors
+    for rank in range(world_size):
+        torch.testing.assert_close(outs[rank], expected, msg=f"rank {rank}")
+
 def greedy_from_shards_job(vocab: int, ties: bool) -> dict:
     """On each rank: the LM head's greedy tokens from its vocabulary columns, and the argmax of the gathered
     logits. Every logit is negative, so the last rank's padding columns (zero) would win if they counted; with
