@@ -480,6 +480,81 @@ def test_the_copy_engine_sum_takes_what_is_beyond_the_symmetric_buffer(monkeypat
     monkeypatch.setenv("DOVETAIL_LARGE_ALL_REDUCE", "nccl")
     assert symm_mem_all_reduce.all_reduce_kernel(None, torch.device("cpu")).across_streams is None
 
+def test_a_long_row_parallel_input_is_summed_in_chunks_its_consumer_does_not_sum_again(monkeypatch):
+    """``DOVETAIL_ROW_REDUCE_CHUNKS``: the layer multiplies 3 chunks of rows, starts each chunk's sum before
+    multiplying the next, and marks the output summed, so the norm's sum after it is skipped; short inputs, and
+    micro-batches in flight, stay whole and unreduced."""
+    from dovetail.distributed import parallel_state
+    from dovetail.layers.linear import RowParallelLinear
+    from dovetail.layers.norm import RMSNorm
+
+    events = []
+
+    class Work:
+        def __init__(self, tensor):
+            self.tensor = tensor
+
+        def wait(self):
+            events.append(("wait", self.tensor.shape[0]))
+
+    def fake_all_reduce(tensor, group=None, async_op=False):
+        events.append(("sum", tensor.shape[0], "started" if async_op else "whole"))
+        tensor.mul_(2)  # two ranks holding the same partial sum
+        return Work(tensor) if async_op else None
+
+    monkeypatch.setattr(parallel_state, "_size", 2)
+    monkeypatch.setattr(parallel_state, "_row_chunks", 3)
+    monkeypatch.setattr(parallel_state, "_chunk_min_rows", 6)
+    monkeypatch.setattr(parallel_state.dist, "all_reduce", fake_all_reduce)
+    monkeypatch.setattr(parallel_state, "_summed", None)
+    ctx = _ctx()
+    row = RowParallelLinear(HIDDEN, 8, False, ctx, "row")
+    torch.nn.init.normal_(row.weight, generator=torch.Generator().manual_seed(3))
+    row.reduce_results, row.consumer_sums_this_tensor = False, True
+    norm = RMSNorm(8, 1e-6, ctx)
+    norm.all_reduce_input = True
+    x = torch.randn(7, row.weight.shape[1], generator=torch.Generator().manual_seed(4))  # this rank's columns
+    partial = x @ row.weight.T
+
+    out = row(x)
+    assert events == [("sum", 3, "started"), ("sum", 2, "started"), ("sum", 2, "started"),
+                      ("wait", 3), ("wait", 2), ("wait", 2)], "each chunk's sum starts before the next product"
+    torch.testing.assert_close(out, 2 * partial)
+    residual = torch.randn(7, 8)
+    normed, summed = norm(out, residual)
+    assert len(events) == 6, "the norm does not sum the output again"
+    torch.testing.assert_close(summed, 2 * partial + residual)
+    normed, summed = norm(out.clone(), residual)
+    assert events[6:] == [("sum", 7, "whole")], "the mark is for that tensor, once"
+
+    events.clear()
+    torch.testing.assert_close(row(x[:5]), x[:5] @ row.weight.T)
+    with parallel_state.backend_collectives():
+        torch.testing.assert_close(row(x), partial)
+    assert not events, "short inputs and micro-batches keep the partial sum for the norm"
+    shared = RowParallelLinear(HIDDEN, 8, False, ctx, "shared", reduce_results=False)  # summed after an add
+    torch.nn.init.normal_(shared.weight, generator=torch.Generator().manual_seed(5))
+    torch.testing.assert_close(shared(x), x @ shared.weight.T)
+    assert not events
+
+def test_the_chunked_sums_settings_are_read_when_the_group_forms(monkeypatch):
+    from dovetail.distributed import parallel_state
+
+    monkeypatch.setenv("DOVETAIL_ROW_REDUCE_CHUNKS", "4")
+    monkeypatch.setenv("DOVETAIL_ROW_REDUCE_MIN_ROWS", " 2048 ")
+    parallel_state.init_tensor_parallel(1, 0, "gloo", "tcp://127.0.0.1:1")
+    try:
+        assert (parallel_state._row_chunks, parallel_state._chunk_min_rows) == (4, 2048)
+        assert parallel_state.row_chunks(1 << 20) == 1, "one rank sums nothing"
+        monkeypatch.setenv("DOVETAIL_ROW_REDUCE_CHUNKS", "two")
+        with pytest.raises(ValueError, match=r"^DOVETAIL_ROW_REDUCE_CHUNKS='two': expected a whole number of 0 or more$"):
+            parallel_state.init_tensor_parallel(1, 0, "gloo", "tcp://127.0.0.1:1")
+    finally:
+        monkeypatch.delenv("DOVETAIL_ROW_REDUCE_CHUNKS")
+        monkeypatch.delenv("DOVETAIL_ROW_REDUCE_MIN_ROWS")
+        parallel_state.init_tensor_parallel(1, 0, "gloo", "tcp://127.0.0.1:1")
+        parallel_state.destroy_tensor_parallel()
+
 class ThreadPeers:
     """Symmetric memory for ranks run as threads of one process: each rank's buffer, every rank's view of its
     peers' (``get_buffer``), and a barrier that every rank must reach."""

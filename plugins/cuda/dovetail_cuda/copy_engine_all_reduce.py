@@ -33,6 +33,16 @@ def supported() -> bool:
     return hasattr(symm_mem, "empty") and hasattr(symm_mem, "rendezvous")
 
 
+class SumInFlight:
+    """A copy-engine sum started on its stream: :meth:`wait` makes the current stream wait for it."""
+
+    def __init__(self, done: torch.cuda.Event):
+        self.done = done
+
+    def wait(self) -> None:
+        torch.cuda.current_stream().wait_event(self.done)
+
+
 class CopyEngineAllReduce:
     """``kernel(tensor) -> bool``: sums a contiguous tensor of ``min_bytes`` to ``max_bytes`` (its elements a
     multiple of ``world_size * 8``) over ``group`` in place through peer copies; False for anything else.
@@ -63,15 +73,26 @@ class CopyEngineAllReduce:
                 and tensor.numel() % (self.world_size * ALIGN_ELEMENTS) == 0)
 
     def __call__(self, tensor: torch.Tensor) -> bool:
-        if not self.takes(tensor):
+        started = self.start(tensor)
+        if started is None:
             return False
+        started.wait()
+        return True
+
+    def start(self, tensor: torch.Tensor) -> "SumInFlight | None":
+        """Start the sum of ``tensor`` behind the work already queued on the current stream, and return it
+        without waiting (None where it does not take the tensor): the caller neither reads nor frees
+        ``tensor`` before ``wait()``."""
+        if not self.takes(tensor):
+            return None
         caller = torch.cuda.current_stream(tensor.device)
         self._reserve(tensor.numel())
         self.stream.wait_stream(caller)
         with torch.cuda.stream(self.stream):
             self._sum(tensor.view(-1))
-        caller.wait_stream(self.stream)
-        return True
+        done = torch.cuda.Event()
+        done.record(self.stream)
+        return SumInFlight(done)
 
     def _reserve(self, elements: int) -> None:
         if self.buffer is not None and self.buffer.numel() >= elements:

@@ -98,6 +98,10 @@ class FlashInferFusedAllReduce:
         """The plain kernel's sum that serves while two micro-batches are in flight (None: the backend's)."""
         return getattr(self.plain, "across_streams", None)
 
+    def start(self, tensor: torch.Tensor):
+        """The plain kernel's sum started beside the current stream's next work, or None."""
+        return self.plain.start(tensor)
+
     def __call__(self, tensor: torch.Tensor) -> bool:
         return self.plain(tensor)
 

@@ -148,6 +148,11 @@ class SymmMemAllReduce:
         return (tensor.dtype == torch.bfloat16 and tensor.is_contiguous() and 0 < nbytes <= self.max_bytes
                 and nbytes % 16 == 0 and tensor.device == self.buffer.device)
 
+    def start(self, tensor: torch.Tensor):
+        """A sum that runs beside the current stream's next work (the ``large`` kernel's), or None: the
+        symmetric buffer's kernels run on the current stream."""
+        return self.large.start(tensor) if self.large is not None else None
+
     def __call__(self, tensor: torch.Tensor) -> bool:
         if not self.takes(tensor):
             return self.large is not None and self.large(tensor)
