@@ -152,9 +152,11 @@ def test_engine_greedy_with_symmetric_memory_all_reduce(tmp_path, monkeypatch):
 
 
 def test_engine_greedy_with_copy_engine_all_reduce(tmp_path, monkeypatch):
-    """bfloat16 at TP=2 with ``DOVETAIL_LARGE_ALL_REDUCE=copy_engine``: NCCL's tokens exactly, in whole steps
-    (a step of 8,192 tokens of hidden 3,072 sums 48 MiB, beyond the symmetric buffer's 32) and in two
-    micro-batches (parts of about 3,000 tokens, 18 MiB, at or above the copy-engine sum's floor of 8)."""
+    """bfloat16 at TP=2 with ``DOVETAIL_LARGE_ALL_REDUCE=copy_engine``: NCCL's tokens exactly (two ranks' sums
+    are one addition either way), in whole steps (a step of 6,165 tokens of hidden 3,072 sums 36 MiB, beyond the
+    symmetric buffer's 32), in two micro-batches (parts of about 3,000 tokens, 18 MiB, above the copy-engine
+    sum's floor of 8) and with the row-parallel outputs summed in three chunks (12 MiB each) started one after
+    another (``DOVETAIL_ROW_REDUCE_CHUNKS``)."""
     from dovetail import LLM, SamplingParams
     from test_models_vs_hf import save_checkpoint
     from tiny_models import tiny_llama_config
@@ -166,16 +168,16 @@ def test_engine_greedy_with_copy_engine_all_reduce(tmp_path, monkeypatch):
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     engine = dict(device="cuda", dtype="bfloat16", tensor_parallel_size=2, gpu_memory_utilization=0.3,
                   max_model_len=2048, max_num_seqs=8, max_num_batched_tokens=8192)
+    monkeypatch.setenv("DOVETAIL_ALL_REDUCE", "symm_mem")
     tokens = {}
-    for large in ("nccl", "copy_engine"):
-        for dbo in (False, True):
-            monkeypatch.setenv("DOVETAIL_ALL_REDUCE", "symm_mem")
+    for way in ("whole", "micro-batches", "chunks"):
+        for large in ("nccl", "copy_engine"):
             monkeypatch.setenv("DOVETAIL_LARGE_ALL_REDUCE", large)
-            llm = LLM(str(path), enable_dbo=dbo, dbo_prefill_token_threshold=4096, **engine)
+            monkeypatch.setenv("DOVETAIL_ROW_REDUCE_CHUNKS", "3" if way == "chunks" else "0")
+            llm = LLM(str(path), enable_dbo=way == "micro-batches", dbo_prefill_token_threshold=4096, **engine)
             try:
                 outputs = llm.generate(prompts, params, use_tqdm=False)
-                tokens[large, dbo] = [o.outputs[0].token_ids for o in outputs]
+                tokens[way, large] = [o.outputs[0].token_ids for o in outputs]
             finally:
                 llm.llm_engine.shutdown()
-    assert tokens["copy_engine", False] == tokens["nccl", False]
-    assert tokens["copy_engine", True] == tokens["nccl", True]
+        assert tokens[way, "copy_engine"] == tokens[way, "nccl"], way
