@@ -138,24 +138,13 @@ def row_chunks(num_rows: int) -> int:
     return _row_chunks
 
 
-class _Started:
-    """A sum in flight: :meth:`wait` makes the current stream (or, for a backend without streams, the host)
-    wait for it."""
-
-    def __init__(self, work):
-        self.work = work
-
-    def wait(self) -> None:
-        self.work.wait()
-
-
 def all_reduce_started(tensor: torch.Tensor):
     """Start summing ``tensor`` over the ranks, in place; returns what to ``wait()`` on before reading it. The
     platform kernel's ``start(tensor)`` where it has one and takes the message, else the backend's asynchronous
-    all-reduce."""
+    all-reduce (whose ``wait()`` makes the current stream, or for a backend without streams the host, wait)."""
     start = getattr(_all_reduce_kernel, "start", None)
     started = start(tensor) if start is not None else None
-    return started if started is not None else _Started(dist.all_reduce(tensor, group=_group, async_op=True))
+    return started if started is not None else dist.all_reduce(tensor, group=_group, async_op=True)
 
 
 def mark_summed(tensor: torch.Tensor) -> None:
