@@ -1,7 +1,7 @@
 """The tensor-parallel all-reduce alone on the GPUs of one host: NCCL against torch symmetric memory, size by size.
 
     python benchmarks/kernels_all_reduce.py [--world-size 2] [--sizes 8K,64K,...,128M] [--hidden 4096] \
-        [--overlap] [--json results.json]
+        [--json results.json]
 
 One process per GPU. For each message size (bfloat16 bytes; a decode step of T tokens of hidden H is
 ``2 * T * H``) it times, from CUDA graphs (how the engine runs decode), in-place sums of one tensor,
@@ -12,13 +12,7 @@ One process per GPU. For each message size (bfloat16 bytes; a decode step of T t
   kernel itself (each rank reads every peer's buffer over NVLink);
 - ``two_shot``: the input copied into the buffer, then the two-shot kernel (reduce-scatter, all-gather);
 - ``engine``: what the engine runs for that size (:class:`dovetail_cuda.symm_mem_all_reduce.SymmMemAllReduce`
-  where it takes the message, NCCL where it does not);
-- ``copy_engine``: the peer-copy sum (:mod:`dovetail_cuda.copy_engine_all_reduce`), from its floor (8 MiB) on.
-
-``--overlap`` times, from ``--overlap-from`` bytes on (default 8M), what dual-batch overlap asks of a sum:
-``nccl`` and ``copy_engine`` each issued while four matrix products of the other micro-batch's size
-(``[bytes / 2 / hidden, hidden] x [hidden, 4 hidden]``, an MLP's gate and up) run on a second stream, against
-the products alone (eager launches, the median of the replays).
+  where it takes the message, NCCL where it does not).
 
 Where FlashInfer's communication kernels load, two more, on ``[bytes / 2 / hidden, hidden]`` messages with a
 residual and a norm weight (what follows each attention and MLP block of a Llama-style layer):
@@ -55,39 +49,11 @@ def parse_size(text: str) -> int:
     return int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
 
 
-def time_overlapped(products, fn, x, barrier) -> float:
-    """Median µs of ``products()`` on a second stream with ``fn(x)`` (None: nothing) on this one, both
-    launched together and waited for."""
-    import statistics
-
-    from kernels_linear import REPLAYS
-
-    here, side = torch.cuda.current_stream(), torch.cuda.Stream()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for replay in range(REPLAYS + 2):
-        barrier()
-        start.record()
-        side.wait_stream(here)
-        with torch.cuda.stream(side):
-            products()
-        if fn is not None:
-            fn(x)
-        here.wait_stream(side)
-        end.record()
-        end.synchronize()
-        if replay >= 2:
-            times.append(start.elapsed_time(end) * 1000)
-    return statistics.median(times)
-
-
-def _rank(rank: int, world_size: int, port: int, sizes: list[int], hidden: int, results,
-          overlap_from: int | None = None) -> None:
+def _rank(rank: int, world_size: int, port: int, sizes: list[int], hidden: int, results) -> None:
     import torch.distributed as dist
 
     from dovetail import distributed
     from dovetail.triton.fused_ops import TritonFusedOps
-    from dovetail_cuda.copy_engine_all_reduce import CopyEngineAllReduce
     from dovetail_cuda.flashinfer_all_reduce import FlashInferFusedAllReduce, fused_kernels_on_every_rank
     from dovetail_cuda.symm_mem_all_reduce import SymmMemAllReduce
 
@@ -113,14 +79,7 @@ def _rank(rank: int, world_size: int, port: int, sizes: list[int], hidden: int, 
         if not engine(x):
             dist.all_reduce(x)
 
-    copy_engine = CopyEngineAllReduce(group, device, max_bytes=max(sizes))
-
-    def run_copy_engine(x):
-        if not copy_engine(x):
-            raise ValueError(f"the copy-engine sum does not take {x.numel() * 2} bytes")
-
-    methods = {"nccl": dist.all_reduce, "one_shot": run_one_shot, "two_shot": run_two_shot, "engine": run_engine,
-               "copy_engine": run_copy_engine}
+    methods = {"nccl": dist.all_reduce, "one_shot": run_one_shot, "two_shot": run_two_shot, "engine": run_engine}
     fused = None
     if fused_kernels_on_every_rank(group) is None:
         fused = FlashInferFusedAllReduce(group, device, engine, max_bytes=max(sizes))
@@ -137,8 +96,6 @@ def _rank(rank: int, world_size: int, port: int, sizes: list[int], hidden: int, 
         dist.all_reduce(expected)
         row = {"bytes": size}
         for method, fn in methods.items():
-            if method == "copy_engine" and not copy_engine.takes(x):
-                continue
             got = x.clone()
             fn(got)
             error = float((got.float() - expected.float()).abs().max())
@@ -167,19 +124,6 @@ def _rank(rank: int, world_size: int, port: int, sizes: list[int], hidden: int, 
                         raise AssertionError(f"{method} {part} at {size} bytes differs from the steps by {error}")
                 row[method] = time_graph(lambda i, kernel=kernel: kernel.add_rms_norm(work, residual, weight, 1e-6),
                                          dist.barrier)
-        if overlap_from is not None and size >= overlap_from and size % (2 * hidden) == 0:
-            a = torch.randn(size // 2 // hidden, hidden, generator=gen, device=device, dtype=torch.bfloat16)
-            w = torch.randn(hidden, 4 * hidden, generator=gen, device=device, dtype=torch.bfloat16)
-
-            def products():
-                for _ in range(4):
-                    torch.mm(a, w)
-
-            work = x.clone()
-            row["products_alone"] = time_overlapped(products, None, work, dist.barrier)
-            row["products_with_nccl"] = time_overlapped(products, dist.all_reduce, work, dist.barrier)
-            if copy_engine.takes(work):
-                row["products_with_copy_engine"] = time_overlapped(products, run_copy_engine, work, dist.barrier)
         rows.append(row)
     if rank == 0:
         results["rows"] = rows
@@ -191,9 +135,6 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--sizes", default=DEFAULT_SIZES, help="message sizes in bytes (K, M suffixes)")
     parser.add_argument("--hidden", type=int, default=4096, help="hidden size of the fused all-reduce + norm rows")
-    parser.add_argument("--overlap", action="store_true",
-                        help="also time the sums beside a second stream's matrix products")
-    parser.add_argument("--overlap-from", default="8M", help="the smallest message timed with --overlap")
     parser.add_argument("--json", help="write the results here too")
     args = parser.parse_args()
     if torch.cuda.device_count() < args.world_size:
@@ -203,17 +144,15 @@ def main() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     results = mp.Manager().dict()
-    overlap_from = parse_size(args.overlap_from) if args.overlap else None
-    mp.start_processes(_rank, args=(args.world_size, port, sizes, args.hidden, results, overlap_from),
-                       nprocs=args.world_size, start_method="spawn")
+    mp.start_processes(_rank, args=(args.world_size, port, sizes, args.hidden, results), nprocs=args.world_size,
+                       start_method="spawn")
     rows = results["rows"]
     methods = list(dict.fromkeys(k for row in rows for k in row if k != "bytes"))
     print(f"all-reduce of bfloat16 over {args.world_size} x {torch.cuda.get_device_name(0)}, "
           f"µs per call (GB/s of message)")
     print(f"{'bytes':>10} " + " ".join(f"{m:>20}" for m in methods))
     for row in rows:
-        cells = ["-" if m not in row else f"{row[m]:9.2f}" if m.startswith("products")
-                 else f"{row[m]:9.2f} ({row['bytes'] / row[m] / 1e3:7.1f})" for m in methods]
+        cells = [f"{row[m]:9.2f} ({row['bytes'] / row[m] / 1e3:7.1f})" if m in row else "-" for m in methods]
         print(f"{row['bytes']:>10} " + " ".join(f"{c:>20}" for c in cells))
     if args.json:
         with open(args.json, "w") as f:

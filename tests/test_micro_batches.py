@@ -84,34 +84,6 @@ def test_collectives_go_through_the_backend_while_parts_are_in_flight(monkeypatc
         parallel_state.set_all_reduce_kernel(None)
 
 
-
-def test_a_kernel_safe_across_streams_stays_on_while_parts_are_in_flight(monkeypatch):
-    """A platform kernel's ``across_streams`` sums the messages it takes between the parts; the backend the
-    rest, and the kernel itself none of them."""
-    taken, across, by_backend = [], [], []
-
-    def kernel(tensor):
-        taken.append(tensor)
-        return True
-
-    def long_messages(tensor):
-        across.append(tensor)
-        return tensor.numel() >= 4
-
-    kernel.across_streams = long_messages
-    monkeypatch.setattr(parallel_state, "_size", 2)
-    monkeypatch.setattr(parallel_state.dist, "all_reduce", lambda tensor, group=None: by_backend.append(tensor))
-    parallel_state.set_all_reduce_kernel(kernel)
-    try:
-        with parallel_state.backend_collectives():
-            parallel_state.all_reduce(torch.ones(8))
-            parallel_state.all_reduce(torch.ones(2))
-        assert not taken and len(across) == 2 and len(by_backend) == 1 and by_backend[0].numel() == 2
-        parallel_state.all_reduce(torch.ones(8))
-        assert len(taken) == 1 and len(across) == 2, "the kernel itself is back once the parts are done"
-    finally:
-        parallel_state.set_all_reduce_kernel(None)
-
 PROMPTS = [list(range(3, 40)), list(range(50, 75)), [7, 8, 9] * 10, list(range(90, 131))]
 #: Chunked prefills of 48 tokens a step beside decodes, on the CPU.
 CHUNKED = dict(device="cpu", attention_backend="REFERENCE", dtype="float32", max_model_len=128,

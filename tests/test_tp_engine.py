@@ -223,20 +223,6 @@ def test_dual_batch_overlap_across_processes(tiny_llama_dir):
     llm.llm_engine.shutdown()
 
 
-def test_row_parallel_outputs_summed_in_chunks_across_processes(tiny_llama_dir, monkeypatch):
-    """``DOVETAIL_ROW_REDUCE_CHUNKS=3`` from 4 rows on: every prefill's attention and MLP outputs are multiplied
-    and summed in three chunks of rows (gloo's asynchronous all-reduce) and the norms after them do not sum
-    again: the tokens of whole sums, on every rank."""
-    whole = LLM(str(tiny_llama_dir), tensor_parallel_size=2, **COMMON)
-    expected = _greedy(whole)
-    whole.llm_engine.shutdown()
-    monkeypatch.setenv("DOVETAIL_ROW_REDUCE_CHUNKS", "3")
-    monkeypatch.setenv("DOVETAIL_ROW_REDUCE_MIN_ROWS", "4")
-    llm = LLM(str(tiny_llama_dir), tensor_parallel_size=2, **COMMON)
-    assert _greedy(llm) == expected
-    assert_ranks_agree(llm)
-    llm.llm_engine.shutdown()
-
 def test_worker_processes_report_their_pids(feature_pair):
     _, two = feature_pair
     pids = two.llm_engine.executor.pids

@@ -298,20 +298,6 @@ def test_the_all_reduce_choice_is_validated(monkeypatch):
         all_reduce_choice()
 
 
-
-def test_the_large_all_reduce_choice_is_validated(monkeypatch):
-    from dovetail.errors import ConfigError
-    from dovetail_cuda.symm_mem_all_reduce import large_all_reduce_choice
-
-    monkeypatch.delenv("DOVETAIL_LARGE_ALL_REDUCE", raising=False)
-    assert large_all_reduce_choice() == "nccl"
-    monkeypatch.setenv("DOVETAIL_LARGE_ALL_REDUCE", " Copy_Engine ")
-    assert large_all_reduce_choice() == "copy_engine"
-    monkeypatch.setenv("DOVETAIL_LARGE_ALL_REDUCE", "ce")
-    with pytest.raises(ConfigError,
-                       match=r"^DOVETAIL_LARGE_ALL_REDUCE='ce': expected one of nccl, copy_engine$"):
-        large_all_reduce_choice()
-
 class FakeNvml:
     """NVML of a host whose GPUs ``GPU-0``.. are joined by NVLink except the pairs in ``unlinked``."""
 
@@ -435,7 +421,7 @@ def test_auto_never_waits_for_flashinfer_to_compile(monkeypatch, built):
     monkeypatch.setattr(symm_mem_all_reduce, "all_ranks_on_nvlink", lambda *args: True)
     monkeypatch.setattr(symm_mem_all_reduce, "device_uuid", lambda device: "GPU-0")
     plain = types.SimpleNamespace(max_bytes=1 << 20, one_shot_max_bytes=1 << 18)
-    monkeypatch.setattr(symm_mem_all_reduce, "SymmMemAllReduce", lambda group, device, large=None: plain)
+    monkeypatch.setattr(symm_mem_all_reduce, "SymmMemAllReduce", lambda group, device: plain)
     monkeypatch.setenv("DOVETAIL_ALL_REDUCE", "auto")
     assert symm_mem_all_reduce.all_reduce_kernel(None, torch.device("cpu")) is plain, "unfused"
     monkeypatch.setenv("DOVETAIL_ALL_REDUCE", "flashinfer")
@@ -443,173 +429,6 @@ def test_auto_never_waits_for_flashinfer_to_compile(monkeypatch, built):
         symm_mem_all_reduce.all_reduce_kernel(None, torch.device("cpu"))
     assert asked == [False, True], "auto asks for built kernels only; flashinfer compiles"
 
-
-def test_the_copy_engine_sum_takes_what_is_beyond_the_symmetric_buffer(monkeypatch):
-    """``DOVETAIL_LARGE_ALL_REDUCE=copy_engine``: the symmetric-memory kernel hands the messages beyond its
-    buffer to the copy-engine sum, which is also its kernel across streams (dual-batch overlap)."""
-    from dovetail_cuda import copy_engine_all_reduce, symm_mem_all_reduce
-
-    class Large:
-        min_bytes = 8 << 20
-
-        def __init__(self, group, device):
-            self.calls = []
-
-        def __call__(self, tensor):
-            self.calls.append(tensor.numel())
-            return True
-
-    monkeypatch.setattr(copy_engine_all_reduce, "CopyEngineAllReduce", Large)
-    monkeypatch.setattr(copy_engine_all_reduce, "supported", lambda: True)
-    built, real = {}, symm_mem_all_reduce.SymmMemAllReduce
-
-    def symm(group, device, large=None):
-        kernel = real.__new__(real)
-        kernel.max_bytes, kernel.one_shot_max_bytes, kernel.buffer = 64, 32, torch.empty(32)
-        kernel.large = kernel.across_streams = large
-        built["large"] = large
-        return kernel
-
-    monkeypatch.setattr(symm_mem_all_reduce, "SymmMemAllReduce", symm)
-    monkeypatch.setenv("DOVETAIL_ALL_REDUCE", "symm_mem")
-    monkeypatch.setenv("DOVETAIL_LARGE_ALL_REDUCE", "copy_engine")
-    kernel = symm_mem_all_reduce.all_reduce_kernel(None, torch.device("cpu"))
-    assert isinstance(built["large"], Large) and kernel.across_streams is built["large"]
-    assert real.__call__(kernel, torch.ones(48, dtype=torch.bfloat16))
-    assert built["large"].calls == [48], "96 bytes, beyond the 64-byte buffer: the copy-engine sum's"
-    monkeypatch.setenv("DOVETAIL_LARGE_ALL_REDUCE", "nccl")
-    assert symm_mem_all_reduce.all_reduce_kernel(None, torch.device("cpu")).across_streams is None
-
-def test_a_long_row_parallel_input_is_summed_in_chunks_its_consumer_does_not_sum_again(monkeypatch):
-    """``DOVETAIL_ROW_REDUCE_CHUNKS``: the layer multiplies 3 chunks of rows, starts each chunk's sum before
-    multiplying the next, and marks the output summed, so the norm's sum after it is skipped; short inputs, and
-    micro-batches in flight, stay whole and unreduced."""
-    from dovetail.distributed import parallel_state
-    from dovetail.layers.linear import RowParallelLinear
-    from dovetail.layers.norm import RMSNorm
-
-    events = []
-
-    class Work:
-        def __init__(self, tensor):
-            self.tensor = tensor
-
-        def wait(self):
-            events.append(("wait", self.tensor.shape[0]))
-
-    def fake_all_reduce(tensor, group=None, async_op=False):
-        events.append(("sum", tensor.shape[0], "started" if async_op else "whole"))
-        tensor.mul_(2)  # two ranks holding the same partial sum
-        return Work(tensor) if async_op else None
-
-    monkeypatch.setattr(parallel_state, "_size", 2)
-    monkeypatch.setattr(parallel_state, "_row_chunks", 3)
-    monkeypatch.setattr(parallel_state, "_chunk_min_rows", 6)
-    monkeypatch.setattr(parallel_state.dist, "all_reduce", fake_all_reduce)
-    monkeypatch.setattr(parallel_state, "_summed", None)
-    ctx = _ctx()
-    row = RowParallelLinear(HIDDEN, 8, False, ctx, "row")
-    torch.nn.init.normal_(row.weight, generator=torch.Generator().manual_seed(3))
-    row.reduce_results, row.consumer_sums_this_tensor = False, True
-    norm = RMSNorm(8, 1e-6, ctx)
-    norm.all_reduce_input = True
-    x = torch.randn(7, row.weight.shape[1], generator=torch.Generator().manual_seed(4))  # this rank's columns
-    partial = x @ row.weight.T
-
-    out = row(x)
-    assert events == [("sum", 3, "started"), ("sum", 2, "started"), ("sum", 2, "started"),
-                      ("wait", 3), ("wait", 2), ("wait", 2)], "each chunk's sum starts before the next product"
-    torch.testing.assert_close(out, 2 * partial)
-    residual = torch.randn(7, 8)
-    normed, summed = norm(out, residual)
-    assert len(events) == 6, "the norm does not sum the output again"
-    torch.testing.assert_close(summed, 2 * partial + residual)
-    normed, summed = norm(out.clone(), residual)
-    assert events[6:] == [("sum", 7, "whole")], "the mark is for that tensor, once"
-
-    events.clear()
-    torch.testing.assert_close(row(x[:5]), x[:5] @ row.weight.T)
-    with parallel_state.backend_collectives():
-        torch.testing.assert_close(row(x), partial)
-    assert not events, "short inputs and micro-batches keep the partial sum for the norm"
-    shared = RowParallelLinear(HIDDEN, 8, False, ctx, "shared", reduce_results=False)  # summed after an add
-    torch.nn.init.normal_(shared.weight, generator=torch.Generator().manual_seed(5))
-    torch.testing.assert_close(shared(x), x @ shared.weight.T)
-    assert not events
-
-def test_the_chunked_sums_settings_are_read_when_the_group_forms(monkeypatch):
-    from dovetail.distributed import parallel_state
-
-    monkeypatch.setenv("DOVETAIL_ROW_REDUCE_CHUNKS", "4")
-    monkeypatch.setenv("DOVETAIL_ROW_REDUCE_MIN_ROWS", " 2048 ")
-    parallel_state.init_tensor_parallel(1, 0, "gloo", "tcp://127.0.0.1:1")
-    try:
-        assert (parallel_state._row_chunks, parallel_state._chunk_min_rows) == (4, 2048)
-        assert parallel_state.row_chunks(1 << 20) == 1, "one rank sums nothing"
-        monkeypatch.setenv("DOVETAIL_ROW_REDUCE_CHUNKS", "two")
-        with pytest.raises(ValueError, match=r"^DOVETAIL_ROW_REDUCE_CHUNKS='two': expected a whole number of 0 or more$"):
-            parallel_state.init_tensor_parallel(1, 0, "gloo", "tcp://127.0.0.1:1")
-    finally:
-        monkeypatch.delenv("DOVETAIL_ROW_REDUCE_CHUNKS")
-        monkeypatch.delenv("DOVETAIL_ROW_REDUCE_MIN_ROWS")
-        parallel_state.init_tensor_parallel(1, 0, "gloo", "tcp://127.0.0.1:1")
-        parallel_state.destroy_tensor_parallel()
-
-class ThreadPeers:
-    """Symmetric memory for ranks run as threads of one process: each rank's buffer, every rank's view of its
-    peers' (``get_buffer``), and a barrier that every rank must reach."""
-
-    def __init__(self, world_size: int, elements: int):
-        import threading
-
-        self.buffers = [torch.zeros(elements) for _ in range(world_size)]
-        self._barrier = threading.Barrier(world_size, timeout=10)
-
-    def handle(self):
-        peers = self
-
-        class Handle:
-            def get_buffer(self, rank, sizes, dtype, storage_offset=0):
-                return peers.buffers[rank].view(-1)[storage_offset:storage_offset + sizes[0]].view(sizes)
-
-            def barrier(self, channel=0):
-                peers._barrier.wait()
-
-        return Handle()
-
-
-@pytest.mark.parametrize("world_size", [2, 3, 4])
-def test_the_copy_engine_sum_adds_every_ranks_chunks(world_size):
-    """The copy-engine sum's copies and additions, its ranks as threads over CPU buffers: every rank ends with
-    the sum of every rank's message, whatever chunk it reduced."""
-    import threading
-
-    from dovetail_cuda.copy_engine_all_reduce import CopyEngineAllReduce
-
-    numel = 24 * world_size
-    peers = ThreadPeers(world_size, 2 * numel)
-    messages = [torch.randn(numel, generator=torch.Generator().manual_seed(rank)) for rank in range(world_size)]
-    expected = torch.stack(messages).sum(dim=0)
-    outs, errors = [m.clone() for m in messages], []
-
-    def rank_job(rank):
-        kernel = CopyEngineAllReduce.__new__(CopyEngineAllReduce)
-        kernel.world_size, kernel.rank, kernel.dtype = world_size, rank, torch.float32
-        kernel.buffer, kernel.handle = peers.buffers[rank], peers.handle()
-        kernel.received = torch.empty((world_size - 1) * numel)
-        try:
-            kernel._sum(outs[rank])
-        except Exception as exc:  # surfaced below, with the rank
-            errors.append((rank, exc))
-
-    threads = [threading.Thread(target=rank_job, args=(rank,)) for rank in range(world_size)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert not errors
-    for rank in range(world_size):
-        torch.testing.assert_close(outs[rank], expected, msg=f"rank {rank}")
 
 def greedy_from_shards_job(vocab: int, ties: bool) -> dict:
     """On each rank: the LM head's greedy tokens from its vocabulary columns, and the argmax of the gathered

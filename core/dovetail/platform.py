@@ -248,16 +248,6 @@ class Platform(ABC):
         what it does not take). Models built on the Llama decoder layer leave their row-parallel outputs
         unreduced and sum them in the norm that follows, through it
         (:func:`dovetail.distributed.all_reduce_add_rms_norm`).
-
-        While a step's two micro-batches are in flight on two streams (dual-batch overlap) the kernel is off,
-        unless it names in ``across_streams`` a kernel of the same form that orders its own calls, issued in
-        turns from the two streams, and keeps its buffers apart from the kernel's.
-
-        A kernel may also offer ``start(tensor)``: the sum started behind the work queued on the current
-        stream, returned at once as an object whose ``wait()`` makes the current stream wait for it, or None
-        for what it does not take. Row-parallel layers summing a long output in chunks
-        (:func:`dovetail.distributed.row_chunks`) start each chunk's sum through it while the next chunk is
-        multiplied; without it, through the backend's asynchronous all-reduce.
         """
         return None
 

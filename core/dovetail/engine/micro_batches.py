@@ -10,10 +10,9 @@ of the KV cache that the first part writes (a prefix-cache hit on a prompt compu
 whole, as the parts' streams do not order one's cache writes before the other's reads.
 
 While the parts are in flight every collective goes through the backend: a platform's own all-reduce kernels
-keep one buffer between calls (:func:`dovetail.distributed.backend_collectives`), except a kernel the platform
-marks safe there (``across_streams``: the CUDA plugin's copy-engine sum, which keeps no multiprocessor from the
-other part's products). The two streams are the current one (the first part) and one more, so the first part
-allocates from the memory the unsplit steps use.
+keep one buffer between calls (:func:`dovetail.distributed.backend_collectives`). The two streams are the
+current one (the first part) and one more, so the first part allocates from the memory the unsplit steps
+use.
 """
 
 from __future__ import annotations

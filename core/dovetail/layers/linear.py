@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from dovetail.checkpoint_tensor import read
-from dovetail.distributed import all_reduce, all_reduce_started, mark_summed, row_chunks, tp_rank, tp_size
+from dovetail.distributed import all_reduce, tp_rank, tp_size
 from dovetail.distributed.partition import WHOLE, Part, divide, kv_head_part, rank_part
 from dovetail.errors import ModelLoadError
 from dovetail.model_interface import ModelContext
@@ -182,43 +182,18 @@ class RowParallelLinear(Linear):
     """Inputs split among the ranks: each multiplies its slice of ``x`` (the output of a column-parallel
     layer or of this rank's heads) and an all-reduce sums the partial products; the bias is added on rank 0.
 
-    ``reduce_results=False`` leaves the partial sum for the caller to reduce. ``consumer_sums_this_tensor``: the
-    caller sums the very tensor returned (:func:`dovetail.distributed.all_reduce` or
-    :func:`~dovetail.distributed.all_reduce_add_rms_norm`), so a long input's output may be summed here
-    instead, chunk by chunk, and marked summed.
-
-    A long input (:func:`dovetail.distributed.row_chunks`) is multiplied in chunks of rows, each chunk's sum
-    started as soon as it is computed, so that the sums cross the link while the next chunks are multiplied.
+    ``reduce_results=False`` leaves the partial sum for the caller to reduce.
     """
 
     def __init__(self, input_size: int, output_size: int, bias: bool, ctx: ModelContext, prefix: str = "",
                  reduce_results: bool = True):
         super().__init__(input_size, output_size, bias, ctx, prefix, input_part=rank_part())
         self.reduce_results = reduce_results and tp_size() > 1
-        self.consumer_sums_this_tensor = False
         self.adds_bias = tp_rank() == 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (self.reduce_results or self.consumer_sums_this_tensor) and x.dim() == 2:
-            chunks = row_chunks(x.shape[0])
-            if chunks > 1:
-                return self._forward_in_chunks(x, chunks)
         out = self.method.apply(self, x, self.bias if self.adds_bias else None)
         return all_reduce(out) if self.reduce_results else out
-
-    def _forward_in_chunks(self, x: torch.Tensor, chunks: int) -> torch.Tensor:
-        bias = self.bias if self.adds_bias else None
-        parts, started = [], []
-        for rows in torch.tensor_split(x, chunks):
-            part = self.method.apply(self, rows, bias)
-            started.append(all_reduce_started(part))
-            parts.append(part)
-        for sum_in_flight in started:
-            sum_in_flight.wait()
-        out = torch.cat(parts)
-        if not self.reduce_results:
-            mark_summed(out)
-        return out
 
 
 def _broadcast(tensor, dim: int) -> bool:

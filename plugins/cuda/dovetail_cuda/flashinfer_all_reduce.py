@@ -93,15 +93,6 @@ class FlashInferFusedAllReduce:
                                                use_symm_dev_mem=True)
         self._pointers = self._workspace[1]
 
-    @property
-    def across_streams(self):
-        """The plain kernel's sum that serves while two micro-batches are in flight (None: the backend's)."""
-        return getattr(self.plain, "across_streams", None)
-
-    def start(self, tensor: torch.Tensor):
-        """The plain kernel's sum started beside the current stream's next work, or None."""
-        return self.plain.start(tensor)
-
     def __call__(self, tensor: torch.Tensor) -> bool:
         return self.plain(tensor)
 

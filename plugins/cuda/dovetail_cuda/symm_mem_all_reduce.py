@@ -15,11 +15,6 @@ graphs; anything larger (long prefill chunks) goes to NCCL, which moves large me
 (NVLink SHARP multicast) kernels are never called, and torch's rendezvous honours
 ``TORCH_SYMM_MEM_DISABLE_MULTICAST``. The sizes come from ``benchmarks/kernels_all_reduce.py``
 (benchmarks/RESULTS.md).
-
-``DOVETAIL_LARGE_ALL_REDUCE`` chooses what sums the messages beyond the buffer: ``nccl`` (the default) or
-``copy_engine`` (:mod:`dovetail_cuda.copy_engine_all_reduce`: peer copies, no multiprocessor held for the
-transfer). The copy-engine sum keeps its own stream and buffers, so it also serves while a step's two
-micro-batches are in flight (``across_streams``), for their messages of ``MIN_BYTES`` and more.
 """
 
 from __future__ import annotations
@@ -37,8 +32,6 @@ logger = logging.getLogger("dovetail")
 
 ENV = "DOVETAIL_ALL_REDUCE"
 CHOICES = ("auto", "nccl", "symm_mem", "flashinfer")
-LARGE_ENV = "DOVETAIL_LARGE_ALL_REDUCE"
-LARGE_CHOICES = ("nccl", "copy_engine")
 
 
 class Limits(NamedTuple):
@@ -63,14 +56,6 @@ def all_reduce_choice() -> str:
     choice = os.environ.get(ENV, "auto").strip().lower() or "auto"
     if choice not in CHOICES:
         raise ConfigError(f"{ENV}={choice!r}: expected one of {', '.join(CHOICES)}")
-    return choice
-
-
-def large_all_reduce_choice() -> str:
-    """``DOVETAIL_LARGE_ALL_REDUCE``: ``nccl`` (default) or ``copy_engine``."""
-    choice = os.environ.get(LARGE_ENV, "nccl").strip().lower() or "nccl"
-    if choice not in LARGE_CHOICES:
-        raise ConfigError(f"{LARGE_ENV}={choice!r}: expected one of {', '.join(LARGE_CHOICES)}")
     return choice
 
 
@@ -120,15 +105,11 @@ class SymmMemAllReduce:
     bfloat16 tensor of at most ``max_bytes`` in place through symmetric memory; False for anything else.
     The sizes default to :data:`LIMITS` for the group's size.
 
-    ``large``, where given, sums what is beyond the buffer (a
-    :class:`~dovetail_cuda.copy_engine_all_reduce.CopyEngineAllReduce`); it is also ``across_streams``, the
-    kernel that serves while two micro-batches' all-reduces are in flight.
-
     Building it is a collective (the buffer's rendezvous): every rank of ``group`` must build one.
     """
 
     def __init__(self, group, device: torch.device, max_bytes: int | None = None,
-                 one_shot_max_bytes: int | None = None, large=None):
+                 one_shot_max_bytes: int | None = None):
         import torch.distributed as dist
         import torch.distributed._symmetric_memory as symm_mem
 
@@ -141,21 +122,15 @@ class SymmMemAllReduce:
         symm_mem.rendezvous(self.buffer, self.group_name)
         self._one_shot = torch.ops.symm_mem.one_shot_all_reduce_copy_out
         self._two_shot = torch.ops.symm_mem.two_shot_all_reduce_out
-        self.large = self.across_streams = large
 
     def takes(self, tensor: torch.Tensor) -> bool:
         nbytes = tensor.numel() * 2
         return (tensor.dtype == torch.bfloat16 and tensor.is_contiguous() and 0 < nbytes <= self.max_bytes
                 and nbytes % 16 == 0 and tensor.device == self.buffer.device)
 
-    def start(self, tensor: torch.Tensor):
-        """A sum that runs beside the current stream's next work (the ``large`` kernel's), or None: the
-        symmetric buffer's kernels run on the current stream."""
-        return self.large.start(tensor) if self.large is not None else None
-
     def __call__(self, tensor: torch.Tensor) -> bool:
         if not self.takes(tensor):
-            return self.large is not None and self.large(tensor)
+            return False
         staged = self.buffer[:tensor.numel()]
         flat = tensor.view(-1)
         if tensor.numel() * 2 <= self.one_shot_max_bytes:
@@ -196,16 +171,7 @@ def all_reduce_kernel(group, device: torch.device, nvml_factory=None):
         if reason is not None:
             logger.info("cuda: the all-reduce is not fused with the norms after it: %s", reason)
         fuse = reason is None
-    large = None
-    if large_all_reduce_choice() == "copy_engine":
-        from dovetail_cuda.copy_engine_all_reduce import CopyEngineAllReduce, supported
-
-        if not supported():
-            raise ConfigError(f"{LARGE_ENV}=copy_engine: this torch has no symmetric memory")
-        large = CopyEngineAllReduce(group, device)
-        logger.info("cuda: all-reduce of messages beyond the symmetric buffer, and of every micro-batch's "
-                    "message of %d bytes or more, by peer copies (copy engines)", large.min_bytes)
-    kernel = SymmMemAllReduce(group, device, large=large)
+    kernel = SymmMemAllReduce(group, device)
     logger.info("cuda: tensor-parallel all-reduce of bfloat16 messages up to %d bytes through torch symmetric "
                 "memory (one-shot up to %d bytes), NCCL above", kernel.max_bytes, kernel.one_shot_max_bytes)
     if fuse:

@@ -92,7 +92,6 @@ class LlamaAttention(nn.Module):
     def leave_output_unreduced(self) -> None:
         """Return this rank's partial sum; the norm after it all-reduces it (see :class:`LlamaModel`)."""
         self.o_proj.reduce_results = False
-        self.o_proj.consumer_sums_this_tensor = True
 
 
 class LlamaMLP(nn.Module):
@@ -120,7 +119,6 @@ class LlamaMLP(nn.Module):
     def leave_output_unreduced(self) -> None:
         """Return this rank's partial sum; the norm after it all-reduces it (see :class:`LlamaModel`)."""
         self.down_proj.reduce_results = False
-        self.down_proj.consumer_sums_this_tensor = True
 
 
 class LlamaDecoderLayer(nn.Module):
