@@ -164,3 +164,47 @@ def test_transformers5_stacked_expert_layout_loads(tmp_path, config_name, overri
     reference = [hf_greedy(hf, p, common.MAX_TOKENS) for p in prompts]
     _, outputs = common.run_engine(tmp_path, prompts)
     common.check_matches_hf(completions(outputs), reference)
+
+
+class _UnsummedTorchOps(FusedOps):
+    """The torch definitions, with the experts' outputs left unsummed for the norm after them, as the GPU
+    platforms' ops leave them (:meth:`FusedOps.routed_moe_unsummed`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.unsummed = 0
+
+    def routed_moe_unsummed(self, x, router_logits, w13, w2, top_k, renormalize, activation="silu", fp8=None):
+        from dovetail.moe_ops import ExpertOutputs, act_and_mul
+
+        weights, ids = self.select_experts(router_logits, top_k, renormalize)
+        experts = ids.reshape(-1)
+        rows = x.repeat_interleave(top_k, dim=0)
+        hidden = act_and_mul(torch.einsum("ph,pih->pi", rows, w13[experts]), activation)
+        self.unsummed += 1
+        return ExpertOutputs(torch.einsum("pi,phi->ph", hidden, w2[experts]), weights)
+
+
+@pytest.mark.parametrize("case,sums_in_the_norm", [("qwen3moe-normtopk-dense-layer", True), ("mixtral-sliding", True),
+                                                   ("qwen2moe-shared-expert-dense-layer", False)])
+def test_the_norm_after_an_moe_block_sums_its_experts(tmp_path, case, sums_in_the_norm):
+    """On one rank an MoE block without a shared expert hands its experts' outputs to the next norm unsummed
+    (dense layers in between, the final norm after the last): greedy tokens and log-probabilities as HF's.
+    A block with a shared expert adds it to the experts' sum and hands on a tensor."""
+    from dovetail import LLM, SamplingParams
+    from test_models_vs_hf import CASES, MAX_TOKENS, PROMPTS, check_matches_hf, save_checkpoint
+    from tiny_models import completions, hf_greedy, load_hf
+
+    path = save_checkpoint(tmp_path / case, CASES[case]())
+    hf = load_hf(path)
+    reference = [hf_greedy(hf, p, MAX_TOKENS) for p in PROMPTS]
+    llm = LLM(str(path), attention_backend="REFERENCE", max_model_len=256, num_gpu_blocks_override=64, block_size=4)
+    layers = [m for m in llm.llm_engine.runner.model.modules() if isinstance(m, FusedMoE)]
+    assert layers and all(layer.leave_sum_to_norm == sums_in_the_norm for layer in layers)
+    ops = _UnsummedTorchOps()
+    for layer in layers:
+        layer.ops = ops
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=3)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    check_matches_hf(completions(outputs), reference)
+    assert (ops.unsummed > 0) == sums_in_the_norm

@@ -325,6 +325,32 @@ def test_triton_fused_ops_route_and_run_the_experts():
     assert ops.routed_moe(x[:0], logits[:0], w13, w2, 2, True).shape == (0, 32)
 
 
+@pytest.mark.parametrize("tokens,top_k", [(1, 2), (13, 4), (40, 8)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_norm_after_the_experts_sums_their_outputs(tokens, top_k, dtype):
+    """The experts' outputs left unsummed, then summed in the norm's kernel with the residual add: as the sum's
+    own kernel followed by the add and norm (one token, one program, counted by chunk; hidden not a power of 2)."""
+    from dovetail.moe_ops import ExpertOutputs
+
+    ops = TritonFusedOps()
+    x, w13, w2, _, _ = moe_inputs(tokens, 16, top_k, hidden=48, dtype=dtype, seed=tokens + top_k)
+    gen = torch.Generator().manual_seed(tokens)
+    logits = torch.randn(tokens, 16, generator=gen).to(DEVICE)
+    residual = torch.randn(tokens, 48, generator=gen).to(device=DEVICE, dtype=dtype)
+    weight = (torch.rand(48, generator=gen) + 0.5).to(device=DEVICE, dtype=dtype)
+    experts = ops.routed_moe_unsummed(x, logits, w13, w2, top_k, True)
+    assert isinstance(experts, ExpertOutputs) and experts.pairs.shape == (tokens * top_k, 48)
+    normed, summed = ops.add_rms_norm_experts(experts, residual, weight, 1e-6)
+    want_normed, want_summed = ops.add_rms_norm(ops.routed_moe(x, logits, w13, w2, top_k, True), residual, weight,
+                                                1e-6)
+    assert_moe_close(summed, want_summed)
+    assert_moe_close(normed, want_normed)
+    torch.testing.assert_close(summed, want_summed, atol=0, rtol=0)  # the sum rounded as the sum kernel rounds it
+    by_definition = FusedOps().add_rms_norm_experts(experts, residual, weight, 1e-6)
+    for actual, expected in zip((normed, summed), by_definition):
+        assert_moe_close(actual, expected)
+
+
 def test_the_gpu_path_reads_no_device_value_on_the_host():
     """What a CUDA graph captures: routing and experts with no ``.item()``/``.tolist()``/mask-sized op in
     Dovetail's code. The plain-torch path (which reads per-expert counts on the host) trips the same guard."""

@@ -49,7 +49,8 @@ plain torch unless the selected platform returns something faster:
 - ``Platform.fused_ops()`` -- a :class:`dovetail.ops.FusedOps` subclass: the dense linear layers and LM
   head (``linear``), RMSNorm with the residual add, rotary (with per-head q/k norms), the gated
   activations, the mixture-of-experts layer (routing, ``select_experts``; the experts, ``fused_moe``; both at
-  once, ``routed_moe``, which composes the two unless overridden) and
+  once, ``routed_moe``, which composes the two unless overridden; ``routed_moe_unsummed`` with
+  ``add_rms_norm_experts`` to leave the experts' weighted sum to the norm after the layer) and
   greedy sampling's ``argmax``. Every model layer calls these; override what the hardware does faster.
   GPU platforms built on :class:`dovetail.torch_device_platform.TorchDevicePlatform` get the core's Triton kernels
   (:class:`dovetail.triton.fused_ops.TritonFusedOps`) and may tune them (``gemv_max_rows``).

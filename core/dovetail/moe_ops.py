@@ -48,6 +48,25 @@ class Fp8ExpertScales:
     block_size: tuple[int, int] | None = None
 
 
+@dataclass(frozen=True)
+class ExpertOutputs:
+    """A mixture of experts' output before its weighted sum, which the norm after the layer takes in its own
+    kernel (:meth:`dovetail.ops.FusedOps.add_rms_norm_experts`).
+
+    ``pairs`` ``[tokens * top_k, hidden]``: row ``t * top_k + j`` is token ``t`` through its ``j``-th expert;
+    ``weights`` float32 ``[tokens, top_k]``. The layer's output is :meth:`summed`.
+    """
+
+    pairs: torch.Tensor
+    weights: torch.Tensor
+
+    def summed(self) -> torch.Tensor:
+        """``sum_j weights[t, j] * pairs[t * top_k + j]`` in float32, in the pairs' dtype."""
+        tokens, top_k = self.weights.shape
+        rows = self.pairs.view(tokens, top_k, -1).float() * self.weights.unsqueeze(-1)
+        return rows.sum(1).to(self.pairs.dtype)
+
+
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``top_k`` experts of each token and their weights, as HF routes (softmax in float32 first).
 

@@ -103,6 +103,19 @@ class FusedOps:
         weights, ids = self.select_experts(router_logits, top_k, renormalize)
         return self.fused_moe(x, w13, w2, weights, ids, activation, expert_map, fp8)
 
+    def routed_moe_unsummed(self, x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor,
+                            w2: torch.Tensor, top_k: int, renormalize: bool, activation: str = "silu",
+                            fp8: moe_ops.Fp8ExpertScales | None = None) -> torch.Tensor | moe_ops.ExpertOutputs:
+        """:meth:`routed_moe` for a layer whose output goes straight into :meth:`add_rms_norm_experts`: a platform
+        may return the experts' outputs before their weighted sum (:class:`~dovetail.moe_ops.ExpertOutputs`), so
+        that the norm's kernel sums them and one launch is saved. The default returns the summed tensor."""
+        return self.routed_moe(x, router_logits, w13, w2, top_k, renormalize, activation, None, fp8)
+
+    def add_rms_norm_experts(self, experts: moe_ops.ExpertOutputs, residual: torch.Tensor, weight: torch.Tensor,
+                             eps: float):
+        """:meth:`add_rms_norm` of the experts' weighted sum (``experts.summed()``) and ``residual``."""
+        return self.add_rms_norm(experts.summed(), residual, weight, eps)
+
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_size: int, rotary_dim: int):
     shape = x.shape

@@ -25,7 +25,7 @@ from dovetail.distributed import all_reduce, tp_rank, tp_size
 from dovetail.distributed.partition import divide
 from dovetail.errors import ConfigError, ModelLoadError, SelectionError
 from dovetail.model_interface import ModelContext
-from dovetail.moe_ops import ACTIVATIONS, Fp8ExpertScales
+from dovetail.moe_ops import ACTIVATIONS, ExpertOutputs, Fp8ExpertScales
 from dovetail.quantization import quant_ops
 from dovetail.quantization.params import replace_param
 
@@ -55,6 +55,9 @@ class FusedMoE(nn.Module):
     - Under tensor parallelism every rank routes every token alike (the router is
       replicated); an expert held elsewhere adds nothing on this rank and an all-reduce
       sums the ranks' parts (``reduce_results=False`` leaves the partial sum to the caller).
+    - ``leave_sum_to_norm``: the output goes straight into a norm (:class:`dovetail.layers.norm.RMSNorm`), which
+      may then receive the experts' outputs before their weighted sum and sum them in its own kernel
+      (:meth:`dovetail.ops.FusedOps.routed_moe_unsummed`); only where no expert map and no all-reduce apply.
     - Checkpoint tensors load per expert through :meth:`load_expert` (gate,
       up and down projections, and FP8 scales) or whole through :meth:`load_stacked`.
     """
@@ -84,6 +87,7 @@ class FusedMoE(nn.Module):
             expert_map = rank_expert_map(num_experts)
         self.expert_map = self._check_expert_map(expert_map, num_experts, prefix)
         self.reduce_results = reduce_results and tp_size() > 1
+        self.leave_sum_to_norm = False
         self.local_experts = num_experts if self.expert_map is None else int((self.expert_map >= 0).sum())
         if self.expert_map is not None:
             self.register_buffer("expert_map_device", self.expert_map.to(ctx.device), persistent=False)
@@ -125,7 +129,10 @@ class FusedMoE(nn.Module):
             self.register_parameter(name, nn.Parameter(torch.empty(shape, dtype=torch.float32), requires_grad=False))
             self._loaded[name] = set()
 
-    def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor | ExpertOutputs:
+        if self.leave_sum_to_norm and self.expert_map is None and not self.reduce_results:
+            return self.ops.routed_moe_unsummed(x, router_logits, self.w13_weight, self.w2_weight, self.top_k,
+                                                self.renormalize, self.activation, fp8=self.fp8_scales())
         expert_map = self.expert_map_device if self.expert_map is not None else None
         out = self.ops.routed_moe(x, router_logits, self.w13_weight, self.w2_weight, self.top_k, self.renormalize,
                                   self.activation, expert_map=expert_map, fp8=self.fp8_scales())

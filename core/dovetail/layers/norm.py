@@ -8,6 +8,7 @@ from torch import nn
 
 from dovetail.distributed import all_reduce, all_reduce_add_rms_norm
 from dovetail.model_interface import ModelContext
+from dovetail.moe_ops import ExpertOutputs
 
 
 class RMSNorm(nn.Module):
@@ -18,6 +19,9 @@ class RMSNorm(nn.Module):
 
     ``all_reduce_input``: ``x`` is a rank's partial sum (a row-parallel layer left it unreduced) and the norm
     sums it over the ranks first, in one kernel with the residual add and the norm where the platform has one.
+
+    ``x`` may be a mixture of experts' outputs before their weighted sum (:class:`~dovetail.moe_ops.ExpertOutputs`,
+    from a layer that left the sum to its norm): the platform's ops sum them with the residual add and the norm.
     """
 
     def __init__(self, hidden_size: int, eps: float, ctx: ModelContext, weight_offset: float = 0.0):
@@ -34,7 +38,11 @@ class RMSNorm(nn.Module):
         if self.weight_offset:
             self.weight.data.add_(self.weight_offset)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor | ExpertOutputs, residual: torch.Tensor | None = None):
+        if isinstance(x, ExpertOutputs):
+            if residual is not None and not self.all_reduce_input:
+                return self.ops.add_rms_norm_experts(x, residual, self.weight, self.eps)
+            x = x.summed()
         if self.all_reduce_input:
             if residual is not None:
                 return all_reduce_add_rms_norm(x, residual, self.weight, self.eps, self.ops.add_rms_norm)

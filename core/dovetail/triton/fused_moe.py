@@ -9,7 +9,9 @@ alignment, its ``top_k`` experts being distinct. :func:`routed_moe` takes the ro
 instead of the chosen experts and routes in the alignment's kernels, so routing costs no launch of its
 own (but for one token, which needs no alignment). No value computed on the device is read on the
 host and every buffer's size follows from the token count, so a decode step is captured by device
-graphs as it is. Tiles come from :mod:`~dovetail.triton.moe_configs`.
+graphs as it is. Tiles come from :mod:`~dovetail.triton.moe_configs`. With ``unsummed`` a layer of one
+pass returns its pairs' outputs before the weighted sum (:class:`~dovetail.moe_ops.ExpertOutputs`), which
+the norm after it sums in its own launch (:func:`dovetail.triton.norm.rms_norm`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import os
 
 import torch
 
-from dovetail.moe_ops import Fp8ExpertScales, check_activation, quantize_activations
+from dovetail.moe_ops import ExpertOutputs, Fp8ExpertScales, check_activation, quantize_activations
 from dovetail.triton import interpreter_active
 from dovetail.triton.moe_align import align_pairs, one_pair_per_block, route_and_align
 from dovetail.triton.moe_configs import (MAX_CHUNK_TOKENS, ConfigTable, LayerShape, MoeConfig, bucket, buckets_up_to,
@@ -118,10 +120,12 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
 
 def routed_moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
                renormalize: bool, activation: str = "silu", expert_map: torch.Tensor | None = None,
-               fp8: Fp8ExpertScales | None = None, config: MoeConfig | None = None) -> torch.Tensor:
+               fp8: Fp8ExpertScales | None = None, config: MoeConfig | None = None,
+               unsummed: bool = False) -> torch.Tensor | ExpertOutputs:
     """:func:`~dovetail.triton.moe_routing.topk_softmax` of ``router_logits``, then :func:`fused_moe`, with the
     routing computed by the alignment's kernels (:func:`~dovetail.triton.moe_align.route_and_align`): one launch
-    fewer per layer (see :meth:`dovetail.ops.FusedOps.routed_moe`)."""
+    fewer per layer (see :meth:`dovetail.ops.FusedOps.routed_moe`). ``unsummed``: the pairs' outputs before
+    their weighted sum, where the layer is one pass without an ``expert_map`` (module docstring)."""
     def route(start: int, end: int, block_m: int):
         logits = router_logits[start:end]
         if end - start == 1:
@@ -129,12 +133,14 @@ def routed_moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, 
             return weights, ids, one_pair_per_block(ids, block_m, expert_map)
         return route_and_align(logits, top_k, renormalize, w13.shape[0], block_m, expert_map)
 
-    return _run(x, w13, w2, top_k, route, activation, fp8, config, expert_map)
+    unsummed = unsummed and expert_map is None and x.shape[0] <= MAX_CHUNK_TOKENS
+    return _run(x, w13, w2, top_k, route, activation, fp8, config, expert_map, unsummed)
 
 
-def _run(x, w13, w2, top_k: int, route, activation: str, fp8, config: MoeConfig | None, expert_map) -> torch.Tensor:
+def _run(x, w13, w2, top_k: int, route, activation: str, fp8, config: MoeConfig | None, expert_map,
+         unsummed: bool = False) -> torch.Tensor | ExpertOutputs:
     """The layer in passes of up to ``MAX_CHUNK_TOKENS`` tokens; ``route(start, end, block_m)`` gives each pass's
-    weights, expert ids and aligned pairs."""
+    weights, expert ids and aligned pairs. ``unsummed``: one pass, whose pairs' outputs are returned unsummed."""
     check_activation(activation)
     tokens = x.shape[0]
     shape = layer_shape(x, w13, top_k, fp8)
@@ -143,12 +149,16 @@ def _run(x, w13, w2, top_k: int, route, activation: str, fp8, config: MoeConfig 
         end = min(tokens, start + MAX_CHUNK_TOKENS)
         chosen = config or select_config(end - start, shape, w13, w2, fp8)
         weights, ids, aligned = route(start, end, chosen.block_m)
-        _fused_pass(x[start:end], w13, w2, weights, ids, aligned, activation, expert_map, fp8, chosen, out[start:end])
+        pairs = _fused_pass(x[start:end], w13, w2, weights, ids, aligned, activation, expert_map, fp8, chosen)
+        if unsummed:
+            return ExpertOutputs(pairs, weights)
+        moe_sum(pairs, weights, out[start:end], ids, expert_map)
     return out
 
 
-def _fused_pass(x, w13, w2, topk_weights, topk_ids, aligned, activation, expert_map, fp8, config: MoeConfig,
-                out: torch.Tensor) -> None:
+def _fused_pass(x, w13, w2, topk_weights, topk_ids, aligned, activation, expert_map, fp8,
+                config: MoeConfig) -> torch.Tensor:
+    """The outputs of the pass's (token, expert) pairs, ``[tokens * top_k, hidden]``."""
     tokens, top_k = topk_ids.shape
     pairs = tokens * top_k
     inter, hidden = w2.shape[2], w2.shape[1]
@@ -161,7 +171,7 @@ def _fused_pass(x, w13, w2, topk_weights, topk_ids, aligned, activation, expert_
     expert_out = torch.empty((pairs, hidden), dtype=x.dtype, device=x.device)
     _gemm(h, w2, expert_out, aligned, config.down, 1, a_scale=h_scale, w_scale=None if fp8 is None else fp8.w2,
           block_size=block)
-    moe_sum(expert_out, topk_weights, out, topk_ids, expert_map)
+    return expert_out
 
 
 def _gemm(a, weight, out, aligned, config: GemmConfig, a_row_div: int, **options) -> None:

@@ -108,3 +108,17 @@ class TritonFusedOps(FusedOps):
                 and router_logits.shape[0] == x.shape[0]):
             return super().routed_moe(x, router_logits, w13, w2, top_k, renormalize, activation, expert_map, fp8)
         return fused_moe.routed_moe(x, router_logits, w13, w2, top_k, renormalize, activation, expert_map, fp8)
+
+    def routed_moe_unsummed(self, x, router_logits, w13, w2, top_k, renormalize, activation="silu", fp8=None):
+        if not (moe_routing.supports(router_logits, top_k) and fused_moe.supports(x, w13, w2, router_logits, fp8)
+                and router_logits.shape[0] == x.shape[0]):
+            return super().routed_moe_unsummed(x, router_logits, w13, w2, top_k, renormalize, activation, fp8)
+        return fused_moe.routed_moe(x, router_logits, w13, w2, top_k, renormalize, activation, None, fp8,
+                                    unsummed=True)
+
+    def add_rms_norm_experts(self, experts, residual, weight, eps):
+        pairs = experts.pairs
+        if not norm.supports(pairs, weight) or residual.dtype != pairs.dtype or residual.shape != (
+                experts.weights.shape[0], pairs.shape[-1]):
+            return super().add_rms_norm_experts(experts, residual, weight, eps)
+        return norm.rms_norm(pairs, weight, eps, residual=residual, pair_weights=experts.weights)

@@ -150,13 +150,13 @@ def _paged_attention_kernel(
     ORDERED: tl.constexpr, NEW_KV: tl.constexpr, ROTARY_HALF: tl.constexpr, QK_NORM: tl.constexpr,
     NORM_WEIGHT_FP32: tl.constexpr, KV_FP8: tl.constexpr, ROUND_FP8: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    pdl_prologue(USE_PDL)
     if HEADS_FASTEST:
         q_block = tl.program_id(1)
         kv_head = tl.program_id(0)
     else:
         q_block = tl.program_id(0)
         kv_head = tl.program_id(1)
+    # The kernel just before this one never writes the step's metadata: it is read while that kernel finishes.
     base = tl.load(query_start_loc_ptr)
     if DECODE_ONLY:  # one query per sequence, one program per sequence
         if ORDERED:
@@ -171,9 +171,11 @@ def _paged_attention_kernel(
         q_start = tl.load(query_start_loc_ptr + seq)
         q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
         local_block = q_block - ((q_start - base) // BLOCK_Q + seq)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    pdl_prologue(USE_PDL)
+    if not DECODE_ONLY:
         if local_block * BLOCK_Q >= q_len:
             return
-    seq_len = tl.load(seq_lens_ptr + seq)
     context_len = seq_len - q_len
 
     rows = tl.arange(0, BLOCK_M)

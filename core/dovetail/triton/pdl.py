@@ -5,9 +5,12 @@ stream is still finishing; its programs then wait (``gdc_wait``) until that grid
 its writes are visible. A decode step is hundreds of short kernels back to back, and this hides
 much of the gap between them, inside CUDA graphs too.
 
-Every PDL kernel calls :func:`pdl_prologue` first, in every program and before any early return:
-a grid that finished without waiting could complete before its predecessor, and the kernel after
-it, which waits only for its own predecessor, would then read unfinished results. The prologue
+Every PDL kernel calls :func:`pdl_prologue` in every program, before any early return and before
+reading anything the kernel just before it may write: a grid that finished without waiting could
+complete before its predecessor, and the kernel after it, which waits only for its own predecessor,
+would then read unfinished results. What that kernel does not write is safe to read earlier (paged
+attention reads the step's sequence metadata so): it lets this grid launch only after its own wait,
+so every kernel before it has completed. The prologue
 also lets the next kernel launch at once (``gdc_launch_dependents``): its programs do nothing but
 wait until this grid has completed. A kernel for which that measured slower calls :func:`pdl_wait`
 first and :func:`pdl_launch_dependents` later: the GEMV, after its main loop (one decode step's

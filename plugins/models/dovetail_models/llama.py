@@ -201,6 +201,10 @@ class LlamaModel(nn.Module):
             for index, layer in enumerate(self.layers):
                 layer.leave_outputs_unreduced(input_is_unreduced=index > 0)
             self.norm.all_reduce_input = True
+        for layer in self.layers:  # every layer's MLP output goes into the next layer's first norm, or the last
+            leave = getattr(getattr(layer, "mlp", None), "leave_expert_sum_to_norm", None)
+            if leave is not None:
+                leave()
 
     @classmethod
     def embedding_scale(cls, config) -> float | None:

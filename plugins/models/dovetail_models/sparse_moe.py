@@ -12,6 +12,7 @@ from dovetail.distributed import all_reduce, tp_size
 from dovetail.layers.linear import Linear
 from dovetail.layers.moe import FusedMoE
 from dovetail.model_interface import ModelContext
+from dovetail.moe_ops import ExpertOutputs
 from dovetail.quantization.unquantized import UnquantizedMethod
 from dovetail_models.llama import LlamaMLP
 
@@ -50,7 +51,7 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert_gate = (Linear(config.hidden_size, 1, False, unquantized, f"{prefix}.shared_expert_gate")
                                    if self.shared_name and shared_gate else None)
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor | ExpertOutputs:
         out = self.experts(hidden_states, self.gate(hidden_states))
         if self.shared_name is not None:
             shared = getattr(self, self.shared_name)(hidden_states)
@@ -58,6 +59,13 @@ class SparseMoeBlock(nn.Module):
                 shared = torch.sigmoid(self.shared_expert_gate(hidden_states)) * shared
             out = out + shared
         return all_reduce(out) if self.reduce_results else out
+
+    def leave_expert_sum_to_norm(self) -> None:
+        """The block's output goes straight into a norm, which may sum the experts' outputs in its own kernel
+        (:class:`~dovetail.layers.moe.FusedMoE`'s ``leave_sum_to_norm``): without a shared expert or an
+        all-reduce, the experts' output is the block's."""
+        if self.shared_name is None and not self.reduce_results:
+            self.experts.leave_sum_to_norm = True
 
     def leave_output_unreduced(self) -> None:
         """Return this rank's partial sum; the norm after it all-reduces it."""
