@@ -23,12 +23,16 @@ kernel alone for a few scenarios and prints the fastest, to tune
 launches shaped like B1's (192 sequences, contexts 100-2048) for each model, with the bandwidth
 each configuration reaches, and only that; ``--sweep-prefill`` for prefill-only launches like B1's
 first steps (28 prompts of 100-1024 tokens), with TFLOP/s; ``--sweep-splits`` KV splits of decode batches of
-8-192 long sequences (B1's last steps); ``--sweep-order`` 256 B1-like decodes by the order of their programs.
+8-192 long sequences (B1's last steps); ``--sweep-order`` 256 B1-like decodes by the order of their programs;
+``--sweep-lengths`` the engine's decode launches at 64-256 sequences of one context length and of lengths spread
+over 100-2048 (longest first) with the same mean, and of twice that length: whether a launch loses its bandwidth
+to unequal lengths (its programs ending at different times) or to what every launch costs.
 
 Usage::
 
     python benchmarks/kernels_attention.py [--models qwen3-0.6b,llama-3.1-8b,qwen3-moe-15b-a3b] [--dtype bfloat16]
-        [--iters 50] [--sweep] [--sweep-decode] [--sweep-prefill] [--sweep-splits] [--sweep-order] [--skip-fused]
+        [--iters 50] [--sweep] [--sweep-decode] [--sweep-prefill] [--sweep-splits] [--sweep-order]
+        [--sweep-lengths] [--skip-fused]
         [--json results.json]
 """
 
@@ -369,6 +373,41 @@ def sweep_splits(dtype, iters, models):
     return results
 
 
+def sweep_lengths(dtype, iters, models):
+    """The engine's decode launches (default tiles and splits) of 64-256 sequences: contexts spread over 100-2048
+    (longest first, as the engine orders them), all of their mean length, and all twice that; KV bytes/s of each,
+    and the launch time that bytes do not explain (``fixed_us``: the intercept through the two uniform lengths)."""
+    from dovetail.triton.paged_attention import default_num_splits, paged_attention
+
+    results = []
+    for model, (num_heads, num_kv_heads, head_size) in shapes(models):
+        for batch_size in (64, 96, 128, 192, 256):
+            rng = random.Random(batch_size)
+            spread = sorted(((rng.randint(100, 2048), 1) for _ in range(batch_size)), reverse=True)
+            mean = round(sum(c for c, _ in spread) / batch_size)
+            row = {"model": model, "batch": batch_size, "mean_context": mean,
+                   "splits": default_num_splits(batch_size, num_kv_heads, torch.device(DEVICE))}
+            for name, seqs in (("spread", spread), ("uniform", [(mean, 1)] * batch_size),
+                               ("uniform_x2", [(2 * mean, 1)] * batch_size)):
+                q, k, v, cache, batch = make_inputs(seqs, num_heads, num_kv_heads, head_size, dtype)
+                out = torch.empty_like(q)
+
+                def call():
+                    for _ in range(10):
+                        paged_attention(q, cache[0], cache[1], out, batch.block_table, batch.seq_lens,
+                                        batch.query_start_loc, batch.num_tokens, batch.num_seqs, head_size ** -0.5,
+                                        decode=True, num_splits=row["splits"])
+                ms = time_ms(graphed(call), iters, warmup=2) / 10
+                row[name] = {"us": ms * 1e3, "TBps": kv_bytes(seqs, num_kv_heads, head_size, dtype) / ms / 1e9}
+            row["fixed_us"] = 2 * row["uniform"]["us"] - row["uniform_x2"]["us"]
+            results.append(row)
+            print(f"sweep-lengths {model:17} batch {batch_size:3} mean {mean:4} splits {row['splits']:2} | "
+                  + " ".join(f"{n} {row[n]['us']:7.1f} us {row[n]['TBps']:4.2f} TB/s |"
+                             for n in ("spread", "uniform", "uniform_x2"))
+                  + f" fixed {row['fixed_us']:5.1f} us", flush=True)
+    return results
+
+
 def sweep_prefill(dtype, iters, models):
     """Prefill-only launches like B1's first steps (prompts of 100-1024 tokens, ~16k tokens), each model:
     every tile configuration, with the TFLOP/s each reaches."""
@@ -415,6 +454,8 @@ def main():
     parser.add_argument("--sweep-prefill", action="store_true", help="only sweep B1-like prefill launches")
     parser.add_argument("--sweep-splits", action="store_true", help="only sweep KV splits of mid-size decode batches")
     parser.add_argument("--sweep-order", action="store_true", help="only B1-like decode launches by program order")
+    parser.add_argument("--sweep-lengths", action="store_true",
+                        help="only decode launches of spread against uniform context lengths")
     parser.add_argument("--skip-fused", action="store_true")
     parser.add_argument("--json", default=None, help="write all results to this file")
     args = parser.parse_args()
@@ -437,8 +478,10 @@ def main():
             "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
             "commit": commit, "dtype": args.dtype, "copy_bandwidth_TBps": bandwidth / 1e12}
     print(json.dumps(meta), flush=True)
-    if args.sweep_decode or args.sweep_prefill or args.sweep_splits or args.sweep_order:
+    if args.sweep_decode or args.sweep_prefill or args.sweep_splits or args.sweep_order or args.sweep_lengths:
         results = {"meta": meta}
+        if args.sweep_lengths:
+            results["sweep_lengths"] = sweep_lengths(dtype, max(10, args.iters // 5), models)
         if args.sweep_order:
             results["sweep_order"] = sweep_order(dtype, max(10, args.iters // 5), models)
         if args.sweep_splits:
