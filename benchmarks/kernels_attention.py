@@ -376,35 +376,44 @@ def sweep_splits(dtype, iters, models):
 def sweep_lengths(dtype, iters, models):
     """The engine's decode launches (default tiles and splits) of 64-256 sequences: contexts spread over 100-2048
     (longest first, as the engine orders them), all of their mean length, and all twice that; KV bytes/s of each,
-    and the launch time that bytes do not explain (``fixed_us``: the intercept through the two uniform lengths)."""
+    and the launch time that bytes do not explain (``fixed_us``: the intercept through the two uniform lengths);
+    the spread lengths also with 2 and 4 KV splits (``spread_splits``)."""
     from dovetail.triton.paged_attention import default_num_splits, paged_attention
 
     results = []
     for model, (num_heads, num_kv_heads, head_size) in shapes(models):
-        for batch_size in (64, 96, 128, 192, 256):
+        for batch_size in (64, 80, 96, 112, 128, 160, 192, 256):
             rng = random.Random(batch_size)
             spread = sorted(((rng.randint(100, 2048), 1) for _ in range(batch_size)), reverse=True)
             mean = round(sum(c for c, _ in spread) / batch_size)
             row = {"model": model, "batch": batch_size, "mean_context": mean,
                    "splits": default_num_splits(batch_size, num_kv_heads, torch.device(DEVICE))}
-            for name, seqs in (("spread", spread), ("uniform", [(mean, 1)] * batch_size),
-                               ("uniform_x2", [(2 * mean, 1)] * batch_size)):
+            row["spread_splits"] = {}
+            for name, seqs, splits in (("spread", spread, row["splits"]), ("uniform", [(mean, 1)] * batch_size, None),
+                                       ("uniform_x2", [(2 * mean, 1)] * batch_size, None),
+                                       ("spread", spread, 2), ("spread", spread, 4)):
                 q, k, v, cache, batch = make_inputs(seqs, num_heads, num_kv_heads, head_size, dtype)
                 out = torch.empty_like(q)
+                num_splits = splits or row["splits"]
 
                 def call():
                     for _ in range(10):
                         paged_attention(q, cache[0], cache[1], out, batch.block_table, batch.seq_lens,
                                         batch.query_start_loc, batch.num_tokens, batch.num_seqs, head_size ** -0.5,
-                                        decode=True, num_splits=row["splits"])
+                                        decode=True, num_splits=num_splits)
                 ms = time_ms(graphed(call), iters, warmup=2) / 10
-                row[name] = {"us": ms * 1e3, "TBps": kv_bytes(seqs, num_kv_heads, head_size, dtype) / ms / 1e9}
+                figures = {"us": ms * 1e3, "TBps": kv_bytes(seqs, num_kv_heads, head_size, dtype) / ms / 1e9}
+                if name in row:
+                    row["spread_splits"][splits] = figures
+                else:
+                    row[name] = figures
             row["fixed_us"] = 2 * row["uniform"]["us"] - row["uniform_x2"]["us"]
             results.append(row)
             print(f"sweep-lengths {model:17} batch {batch_size:3} mean {mean:4} splits {row['splits']:2} | "
                   + " ".join(f"{n} {row[n]['us']:7.1f} us {row[n]['TBps']:4.2f} TB/s |"
                              for n in ("spread", "uniform", "uniform_x2"))
-                  + f" fixed {row['fixed_us']:5.1f} us", flush=True)
+                  + f" fixed {row['fixed_us']:5.1f} us | spread with splits "
+                  + " ".join(f"{n}: {f['TBps']:4.2f}" for n, f in row["spread_splits"].items()), flush=True)
     return results
 
 
