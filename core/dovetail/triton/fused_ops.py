@@ -32,6 +32,12 @@ def gemv_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
             and (bias is None or bias.dtype == x.dtype))
 
 
+def _routes_in_kernels(x, router_logits, w13, w2, top_k: int, fp8) -> bool:
+    """Whether :func:`dovetail.triton.fused_moe.routed_moe` takes these operands (one row of logits a token)."""
+    return (moe_routing.supports(router_logits, top_k) and fused_moe.supports(x, w13, w2, router_logits, fp8)
+            and router_logits.shape[0] == x.shape[0])
+
+
 class TritonFusedOps(FusedOps):
     """RMSNorm (with the residual add), NeoX rotary (with per-head q/k norms), SiLU-and-mul,
     GELU-tanh-and-mul, greedy sampling's argmax and the mixture of experts (routing and the fused
@@ -104,14 +110,12 @@ class TritonFusedOps(FusedOps):
         return fused_moe.fused_moe(x, w13, w2, topk_weights, topk_ids, activation, expert_map, fp8)
 
     def routed_moe(self, x, router_logits, w13, w2, top_k, renormalize, activation="silu", expert_map=None, fp8=None):
-        if not (moe_routing.supports(router_logits, top_k) and fused_moe.supports(x, w13, w2, router_logits, fp8)
-                and router_logits.shape[0] == x.shape[0]):
+        if not _routes_in_kernels(x, router_logits, w13, w2, top_k, fp8):
             return super().routed_moe(x, router_logits, w13, w2, top_k, renormalize, activation, expert_map, fp8)
         return fused_moe.routed_moe(x, router_logits, w13, w2, top_k, renormalize, activation, expert_map, fp8)
 
     def routed_moe_unsummed(self, x, router_logits, w13, w2, top_k, renormalize, activation="silu", fp8=None):
-        if not (moe_routing.supports(router_logits, top_k) and fused_moe.supports(x, w13, w2, router_logits, fp8)
-                and router_logits.shape[0] == x.shape[0]):
+        if not _routes_in_kernels(x, router_logits, w13, w2, top_k, fp8):
             return super().routed_moe_unsummed(x, router_logits, w13, w2, top_k, renormalize, activation, fp8)
         return fused_moe.routed_moe(x, router_logits, w13, w2, top_k, renormalize, activation, None, fp8,
                                     unsummed=True)

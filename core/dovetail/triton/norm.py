@@ -75,15 +75,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     hidden = x.shape[-1]
     strided_heads = (x.dim() == 3 and x.shape[0] > 1 and x.shape[1] > 1 and x.stride(-1) == 1
                      and x.stride(0) != x.shape[1] * x.stride(1))
-    top_k, shape = 0, x.shape
-    if pair_weights is not None:
-        top_k, pair_weights = pair_weights.shape[1], pair_weights.contiguous()
-        x2 = x.reshape(-1, hidden)
-        if x2.stride(-1) != 1:
-            x2 = x2.contiguous()
-        heads, stride_token, rows, stride_row = 1, x2.stride(0), pair_weights.shape[0], x2.stride(0)
-        shape = (rows, hidden)
-    elif residual is None and strided_heads:
+    if residual is None and strided_heads and pair_weights is None:
         heads, stride_token, x2 = x.shape[1], x.stride(0), x[:, 0]  # heads of strided token rows, read in place
         rows, stride_row = x.shape[0] * heads, x.stride(1)
     else:
@@ -91,6 +83,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
         heads, stride_token, rows, stride_row = 1, x2.stride(0), x2.shape[0], x2.stride(0)
+    top_k, shape = 0, x.shape
+    if pair_weights is not None:  # one output row per token, from its top_k pair rows
+        (rows, top_k), pair_weights = pair_weights.shape, pair_weights.contiguous()
+        shape = (rows, hidden)
     out = torch.empty((rows, hidden), dtype=x.dtype, device=x.device)
     if residual is not None:
         r2 = residual.reshape(-1, hidden)
