@@ -373,40 +373,47 @@ def sweep_splits(dtype, iters, models):
     return results
 
 
+def decode_figures(seqs, shape, dtype, iters, splits_list) -> dict:
+    """µs and KV bytes/s of the decode launch over ``seqs`` at each KV split count of ``splits_list`` (one layer's
+    ``shape``: heads, KV heads, head size), from CUDA-graph replays of ten launches; the inputs made once."""
+    from dovetail.triton.paged_attention import paged_attention
+
+    num_heads, num_kv_heads, head_size = shape
+    q, k, v, cache, batch = make_inputs(seqs, num_heads, num_kv_heads, head_size, dtype)
+    out = torch.empty_like(q)
+    nbytes = kv_bytes(seqs, num_kv_heads, head_size, dtype)
+    figures = {}
+    for num_splits in splits_list:
+        def call():
+            for _ in range(10):
+                paged_attention(q, cache[0], cache[1], out, batch.block_table, batch.seq_lens,
+                                batch.query_start_loc, batch.num_tokens, batch.num_seqs, head_size ** -0.5,
+                                decode=True, num_splits=num_splits)
+        ms = time_ms(graphed(call), iters, warmup=2) / 10
+        figures[num_splits] = {"us": ms * 1e3, "TBps": nbytes / ms / 1e9}
+    return figures
+
+
 def sweep_lengths(dtype, iters, models):
     """The engine's decode launches (default tiles and splits) of 64-256 sequences: contexts spread over 100-2048
     (longest first, as the engine orders them), all of their mean length, and all twice that; KV bytes/s of each,
     and the launch time that bytes do not explain (``fixed_us``: the intercept through the two uniform lengths);
     the spread lengths also with 2 and 4 KV splits (``spread_splits``)."""
-    from dovetail.triton.paged_attention import default_num_splits, paged_attention
+    from dovetail.triton.paged_attention import default_num_splits
 
     results = []
-    for model, (num_heads, num_kv_heads, head_size) in shapes(models):
+    for model, shape in shapes(models):
         for batch_size in (64, 80, 96, 112, 128, 160, 192, 256):
             rng = random.Random(batch_size)
             spread = sorted(((rng.randint(100, 2048), 1) for _ in range(batch_size)), reverse=True)
             mean = round(sum(c for c, _ in spread) / batch_size)
-            row = {"model": model, "batch": batch_size, "mean_context": mean,
-                   "splits": default_num_splits(batch_size, num_kv_heads, torch.device(DEVICE))}
-            row["spread_splits"] = {}
-            for name, seqs, splits in (("spread", spread, row["splits"]), ("uniform", [(mean, 1)] * batch_size, None),
-                                       ("uniform_x2", [(2 * mean, 1)] * batch_size, None),
-                                       ("spread", spread, 2), ("spread", spread, 4)):
-                q, k, v, cache, batch = make_inputs(seqs, num_heads, num_kv_heads, head_size, dtype)
-                out = torch.empty_like(q)
-                num_splits = splits or row["splits"]
-
-                def call():
-                    for _ in range(10):
-                        paged_attention(q, cache[0], cache[1], out, batch.block_table, batch.seq_lens,
-                                        batch.query_start_loc, batch.num_tokens, batch.num_seqs, head_size ** -0.5,
-                                        decode=True, num_splits=num_splits)
-                ms = time_ms(graphed(call), iters, warmup=2) / 10
-                figures = {"us": ms * 1e3, "TBps": kv_bytes(seqs, num_kv_heads, head_size, dtype) / ms / 1e9}
-                if name in row:
-                    row["spread_splits"][splits] = figures
-                else:
-                    row[name] = figures
+            default = default_num_splits(batch_size, shape[1], torch.device(DEVICE))
+            row = {"model": model, "batch": batch_size, "mean_context": mean, "splits": default}
+            spread_figures = decode_figures(spread, shape, dtype, iters, list(dict.fromkeys([default, 2, 4])))
+            row["spread"] = spread_figures[default]
+            row["spread_splits"] = {n: spread_figures[n] for n in (2, 4)}
+            row["uniform"] = decode_figures([(mean, 1)] * batch_size, shape, dtype, iters, [default])[default]
+            row["uniform_x2"] = decode_figures([(2 * mean, 1)] * batch_size, shape, dtype, iters, [default])[default]
             row["fixed_us"] = 2 * row["uniform"]["us"] - row["uniform_x2"]["us"]
             results.append(row)
             print(f"sweep-lengths {model:17} batch {batch_size:3} mean {mean:4} splits {row['splits']:2} | "

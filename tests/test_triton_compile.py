@@ -71,6 +71,8 @@ def gemv_variant(weight, dot, split_k, block_n, block_k, num_stages, even=False)
     return _gemv_kernel, types, constexprs, dict(num_warps=4, num_stages=num_stages)
 
 
+NORM_TYPES = dict(x_ptr="*bf16", residual_ptr="*bf16", weight_ptr="*bf16", out_ptr="*bf16", summed_ptr="*bf16",
+                  eps="fp32")
 MOE_GEMM_TYPES = dict(c_ptr="*bf16", a_scale_ptr="*fp32", b_scale_ptr="*fp32", sorted_ptr="*i32",
                       block_expert_ptr="*i32", num_padded_ptr="*i32")
 
@@ -178,19 +180,14 @@ def _variants():
                                       dict(NUM_KV_HEADS=8, HEAD_SIZE=128, BLOCK_SIZE=16, HEADS_PAD=8, HEAD_PAD=128,
                                            KV_FP8=True, ROUND_FP8=False),
                                       dict(num_warps=4)),
-        "add rms norm": (_rms_norm_kernel, dict(x_ptr="*bf16", residual_ptr="*bf16", weight_ptr="*bf16",
-                                                out_ptr="*bf16", summed_ptr="*bf16", eps="fp32"),
+        "add rms norm": (_rms_norm_kernel, NORM_TYPES,
                          dict(HAS_RESIDUAL=True, WEIGHT_FP32=False, BLOCK=4096, HEADS=False, TOP_K=0),
                          dict(num_warps=8)),
-        "experts' sum, add and rms norm": (_rms_norm_kernel, dict(x_ptr="*bf16", residual_ptr="*bf16",
-                                                                  weight_ptr="*bf16", out_ptr="*bf16",
-                                                                  summed_ptr="*bf16", pair_weights_ptr="*fp32",
-                                                                  eps="fp32"),
+        "experts' sum, add and rms norm": (_rms_norm_kernel, dict(NORM_TYPES, pair_weights_ptr="*fp32"),
                                            dict(HAS_RESIDUAL=True, WEIGHT_FP32=False, BLOCK=2048, HEADS=False,
                                                 TOP_K=8),
                                            dict(num_warps=4)),
-        "q/k norm of strided heads": (_rms_norm_kernel, dict(x_ptr="*bf16", residual_ptr="*bf16", weight_ptr="*bf16",
-                                                             out_ptr="*bf16", summed_ptr="*bf16", eps="fp32"),
+        "q/k norm of strided heads": (_rms_norm_kernel, NORM_TYPES,
                                       dict(HAS_RESIDUAL=False, WEIGHT_FP32=False, BLOCK=128, HEADS=True, TOP_K=0),
                                       dict(num_warps=1)),
         "silu and mul": (_act_and_mul_kernel, dict(x_ptr="*bf16", out_ptr="*bf16"),
