@@ -1,7 +1,7 @@
 """The mixture-of-experts layer on a GPU, alone, against its bandwidth and compute bounds, batch size by batch size.
 
     python benchmarks/kernels_moe.py [--model qwen3-moe-15b-a3b] [--ms 1,2,4,...,512,2048,8192] [--fp8 block|channel]
-        [--vllm] [--sweep-tiles] [--json results.json]
+        [--vllm] [--sweep-tiles [--tma]] [--json results.json]
 
 For the MoE layer of a named shape (experts, top-k, hidden and expert width from its config) and M tokens it
 times, from CUDA graphs (how the engine runs decode), the platform's routing and fused experts
@@ -24,7 +24,9 @@ layers summed over the model's layers.
 
 ``--sweep-tiles`` times instead each grouped GEMM (gate/up, down) alone over a grid of tiles wider than the
 tuner's candidates (``dovetail.triton.moe_configs``), for each ``block_m`` the tuner would try at each M:
-the five fastest, the fastest of the tuner's candidates, and the expert weights read per second (bf16).
+the five fastest, the fastest of the tuner's candidates, and the expert weights read per second (bf16). With
+``--tma`` every tile is timed twice, its weight tiles read by address and through a tensor descriptor
+(``GemmConfig.tma``), and the fastest of each kind is printed too.
 """
 
 from __future__ import annotations
@@ -133,7 +135,7 @@ def bench(config, ms: list[int], ops, fp8_mode: str | None, with_vllm: bool, ban
 SWEEP_BLOCK_N, SWEEP_BLOCK_K, SWEEP_STAGES = (32, 64, 128), (64, 128, 256), (3, 4, 5)
 
 
-def sweep_tiles(config, ms: list[int]) -> list[dict]:
+def sweep_tiles(config, ms: list[int], tma: bool = False) -> list[dict]:
     from dovetail.triton.moe_align import align_pairs
     from dovetail.triton.moe_configs import LayerShape, block_m_candidates, gemm_candidates
     from dovetail.triton.moe_gemm import GemmConfig, grouped_gemm
@@ -160,8 +162,11 @@ def sweep_tiles(config, ms: list[int]) -> list[dict]:
                 grid = [GemmConfig(n, k, 1, warps, stages) for n in SWEEP_BLOCK_N for k in SWEEP_BLOCK_K
                         for stages in SWEEP_STAGES for warps in ((4, 8) if n == 128 else (4,))
                         if stages * (block_m + (2 if gated else 1) * n) * k * 2 <= SHARED_MEMORY]
+                tiles = grid + [c for c in candidates if c not in grid]
+                if tma:
+                    tiles += [c._replace(tma=True) for c in tiles]
                 timed = []
-                for c in grid + [c for c in candidates if c not in grid]:
+                for c in tiles:
                     if gated:
                         fn = lambda i, c=c: grouped_gemm(x, w13, up_out, aligned[i], c, top_k, gated=True)
                     else:
@@ -177,10 +182,17 @@ def sweep_tiles(config, ms: list[int]) -> list[dict]:
                        "fastest": [{"us": us, "config": c.as_dict(), "TB/s": weights / us / 1e6} for us, c in timed[:5]],
                        "fastest_candidate": best_candidate and {"us": best_candidate[0],
                                                                 "config": best_candidate[1].as_dict()}}
+                by_kind = {kind: next(((us, c) for us, c in timed if c.tma == through), None)
+                           for kind, through in (("by_address", False), ("through_descriptor", True))}
+                if tma:
+                    row.update({kind: best and {"us": best[0], "config": best[1].as_dict()}
+                                for kind, best in by_kind.items()})
                 results.append(row)
                 print(f"M={m:<4} block_m {block_m:3} {row['gemm']:7}: "
                       + ", ".join(f"{us:.1f}us {weights / us / 1e6:.2f}TB/s {tuple(c)}" for us, c in timed[:5])
-                      + (f" | tuner's best {best_candidate[0]:.1f}us {tuple(best_candidate[1])}" if best_candidate else ""),
+                      + (f" | tuner's best {best_candidate[0]:.1f}us {tuple(best_candidate[1])}" if best_candidate else "")
+                      + "".join(f" | best {kind.replace('_', ' ')} {best[0]:.1f}us {tuple(best[1])}"
+                                for kind, best in by_kind.items() if tma and best),
                       flush=True)
     return results
 
@@ -205,6 +217,7 @@ def main() -> None:
     p.add_argument("--vllm", action="store_true", help="also vLLM's fused_experts, when vLLM is installed")
     p.add_argument("--peak-tflops", type=float, default=None, help="the bf16 peak (default: measured)")
     p.add_argument("--sweep-tiles", action="store_true", help="time each grouped GEMM over a grid of tiles instead")
+    p.add_argument("--tma", action="store_true", help="with --sweep-tiles: each tile also through a tensor descriptor")
     p.add_argument("--json", default=None)
     args = p.parse_args()
 
@@ -216,7 +229,7 @@ def main() -> None:
     ops = platform.fused_ops()
     config = shapes.SHAPES[args.model].config()
     if args.sweep_tiles:
-        rows = sweep_tiles(config, [int(v) for v in args.ms.split(",")])
+        rows = sweep_tiles(config, [int(v) for v in args.ms.split(",")], tma=args.tma)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"model": args.model, "gpu": torch.cuda.get_device_name(), "sweep_tiles": rows}, f, indent=1)

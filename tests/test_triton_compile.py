@@ -79,17 +79,21 @@ MOE_GEMM_TYPES = dict(c_ptr="*bf16", a_scale_ptr="*fp32", b_scale_ptr="*fp32", s
 
 def moe_gemm_variant(dtype, gated, block_m, config, quant=0, pair_per_block=False, upcast=0):
     """The grouped GEMM of the fused MoE; ``quant`` 1: FP8 per-channel, 2: FP8 128x128 blocks; ``upcast`` 2: FP8 tiles
-    multiplied as bfloat16 (GPUs without an FP8 product)."""
+    multiplied as bfloat16 (GPUs without an FP8 product); ``config.tma``: weight tiles through a tensor descriptor."""
     from dovetail.triton.moe_gemm import _moe_gemm_kernel
 
     operand = "*fp8e4nv" if quant else f"*{dtype}"
     types = dict(MOE_GEMM_TYPES, a_ptr=operand, b_ptr=operand, c_ptr=f"*{dtype}",
                  sorted_ptr="*i64" if pair_per_block else "*i32")
+    if config.tma:
+        types["b_desc"] = f"tensordesc<{dtype}[{config.block_n}, {config.block_k}]>"
     constexprs = dict(A_ROW_DIV=8 if gated else 1, PAIR_PER_BLOCK=pair_per_block, HAS_MAP=pair_per_block,
                       GATED=gated, GELU_TANH=False, QUANT=quant, GROUP_N=128 if quant == 2 else 1,
                       GROUP_K=128 if quant == 2 else 1, IEEE=dtype == "fp32", UPCAST=upcast, BLOCK_M=block_m,
                       BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m, EVEN_K=True,
-                      EVEN_N=False)
+                      EVEN_N=False, B_TMA=config.tma)
+    if not config.tma:
+        constexprs["b_desc"] = None
     return _moe_gemm_kernel, types, constexprs, dict(num_warps=config.num_warps, num_stages=config.num_stages)
 
 
@@ -129,6 +133,10 @@ def moe_variants():
         "moe down fp8 blocks as bf16": moe_gemm_variant("bf16", False, 16, gemm_candidates(16, False)[0], quant=2,
                                                        upcast=2),
         "moe down fp32": moe_gemm_variant("fp32", False, 16, gemm_candidates(16, False)[1]),
+        "moe gate/up bf16 prefill, weights through a tensor descriptor": moe_gemm_variant(
+            "bf16", True, 128, gemm_candidates(128, True)[0]._replace(tma=True)),
+        "moe down bf16 decode, weights through a tensor descriptor": moe_gemm_variant(
+            "bf16", False, 16, gemm_candidates(16, False)[0]._replace(tma=True)),
         "moe sum with an expert map": (_moe_sum_kernel, dict(c_ptr="*bf16", w_ptr="*fp32", ids_ptr="*i32",
                                                              map_ptr="*i32", out_ptr="*bf16"),
                                        dict(TOP_K=8, HAS_MAP=True, BLOCK_H=1024), dict(num_warps=4)),

@@ -203,6 +203,32 @@ def test_fused_moe_tiles_over_n_and_k(config):
     assert_moe_close(fused_moe(x, w13, w2, weights, ids, config=config), moe_reference(x, w13, w2, weights, ids))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens,block_n,block_k", [(1, 16, 32), (40, 16, 32), (40, 32, 16), (300, 64, 64)],
+                         ids=["one token", "N and K uneven", "K tiles", "counted by chunk"])
+def test_weight_tiles_through_a_tensor_descriptor(dtype, tokens, block_n, block_k):
+    """The gate/up and down GEMMs with the weight tiles read through a tensor descriptor: the same products as
+    read by address, where the tiles pass the expert's last output (N=40 at 16, 32 and 64 a tile) and its
+    last key (K=48 at 32 and 64)."""
+    x, w13, w2, weights, ids = moe_inputs(tokens, 8, 2, hidden=48, inter=40, dtype=dtype, seed=tokens + block_n)
+    block_m = 16 if tokens < 100 else 64
+    by_address = MoeConfig(block_m, GemmConfig(block_n, block_k), GemmConfig(block_n, block_k))
+    by_descriptor = MoeConfig(block_m, GemmConfig(block_n, block_k, tma=True), GemmConfig(block_n, block_k, tma=True))
+    expected = fused_moe(x, w13, w2, weights, ids, config=by_address)
+    assert_moe_close(expected, moe_reference(x, w13, w2, weights, ids))
+    torch.testing.assert_close(fused_moe(x, w13, w2, weights, ids, config=by_descriptor), expected, atol=0, rtol=0)
+
+
+def test_tensor_descriptor_tiles_refuse_rows_of_partial_16_byte_units():
+    from dovetail.triton.moe_gemm import grouped_gemm
+
+    x, w13, w2, weights, ids = moe_inputs(5, 4, 2, hidden=50, dtype=torch.bfloat16, seed=3)
+    aligned = align_pairs(ids.to(torch.int32), 4, 16)
+    out = torch.empty(10, 16, device=DEVICE, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="whole 16-byte units"):
+        grouped_gemm(x, w13, out, aligned, GemmConfig(16, 16, tma=True), 2, gated=True)
+
+
 def test_every_token_on_one_expert_and_experts_without_tokens():
     x, w13, w2, weights, _ = moe_inputs(33, 8, 2, seed=11)
     ids = torch.tensor([[5, 2]] * 33, device=DEVICE)  # experts 5 and 2 take every token; six take none

@@ -51,7 +51,7 @@ class MoeConfig(NamedTuple):
     def describe(self) -> str:
         """``block_m 16, up 64x128 g1 w4 s4, down ...``: the tiles (N x K), program grouping, warps and stages."""
         def gemm(c: GemmConfig) -> str:
-            return f"{c.block_n}x{c.block_k} g{c.group_m} w{c.num_warps} s{c.num_stages}"
+            return f"{c.block_n}x{c.block_k} g{c.group_m} w{c.num_warps} s{c.num_stages}{' tma' if c.tma else ''}"
 
         return f"block_m {self.block_m}, up {gemm(self.up)}, down {gemm(self.down)}"
 

@@ -13,6 +13,10 @@ gate/up result; each writes row ``pair`` of its output.
 - FP8 (``a`` and the weight ``float8_e4m3fn``): per-row ``a`` scales with per-channel
   weight scales are applied once after the K loop; block scales per ``BLOCK_K`` step
   (``BLOCK_K`` divides the block's ``bk``).
+- ``GemmConfig.tma`` (16- and 32-bit weights): the weight tiles come through a tensor descriptor (the Hopper
+  tensor memory accelerator's bulk copies, where the GPU has them) instead of one address per element;
+  rows past the block's expert or outputs past ``N`` only feed columns that are never stored, and the
+  descriptor fills keys past ``K`` with zeros.
 
 :func:`moe_sum` then adds each token's ``top_k`` rows in float32, weighted, in slot
 order (no atomics: the result does not depend on scheduling), skipping pairs whose
@@ -41,6 +45,7 @@ class GemmConfig(NamedTuple):
     group_m: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    tma: bool = False
 
     def as_dict(self) -> dict:
         return self._asdict()
@@ -56,13 +61,13 @@ def _act(gate, GELU_TANH: tl.constexpr):
 
 @triton.jit(do_not_specialize=["num_pairs", "max_blocks"])
 def _moe_gemm_kernel(
-    a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr,
+    a_ptr, b_ptr, b_desc, c_ptr, a_scale_ptr, b_scale_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr,
     N, K, num_pairs, max_blocks,
     stride_am, stride_be, stride_bn, stride_cm, stride_asm, stride_bse, stride_bsn, stride_bsk,
     A_ROW_DIV: tl.constexpr, PAIR_PER_BLOCK: tl.constexpr, HAS_MAP: tl.constexpr, GATED: tl.constexpr, GELU_TANH: tl.constexpr, QUANT: tl.constexpr,
     GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_PDL: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, B_TMA: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pdl_prologue(USE_PDL)
     pid = tl.program_id(0)
@@ -92,6 +97,8 @@ def _moe_gemm_kernel(
     a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :]
     b_ptrs = b_ptr + expert * stride_be + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None]
     up_offset = N * stride_bn
+    if B_TMA:  # the weight as [experts * rows, K]: this program's first row of it
+        b_row = (expert * (2 * N if GATED else N) + pid_n * BLOCK_N).to(tl.int32)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if QUANT == 2:
@@ -101,15 +108,21 @@ def _moe_gemm_kernel(
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
             a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+        else:
+            k_ok = offs_k < K - k0
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        if B_TMA:
+            b = b_desc.load([b_row, k0]).T
+            if GATED:
+                b_up = b_desc.load([b_row + N, k0]).T
+        elif EVEN_K:
             if EVEN_N:
                 b = tl.load(b_ptrs)
             else:
                 b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
         else:
-            k_ok = offs_k < K - k0
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-        if GATED:
+        if GATED and not B_TMA:
             if EVEN_K:
                 if EVEN_N:
                     b_up = tl.load(b_ptrs + up_offset)
@@ -172,19 +185,27 @@ def grouped_gemm(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, align
             raise ValueError(f"FP8 block scales of {block_size} need BLOCK_K dividing {group_k} and gate/up "
                              f"halves of whole blocks (N={n_out})")
     block_n = min(config.block_n, max(16, next_power_of_2(n_out)))
+    b_desc = None
+    if config.tma:
+        if quant or weight.element_size() == 1 or not weight.is_contiguous() or k * weight.element_size() % 16:
+            raise ValueError(f"grouped_gemm: tma tiles take contiguous 16- or 32-bit weights whose rows are whole "
+                             f"16-byte units, not {weight.dtype} of shape {tuple(weight.shape)}")
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        b_desc = TensorDescriptor.from_tensor(weight.view(-1, k), [block_n, block_k])
     grid = (aligned.max_blocks * triton.cdiv(n_out, block_n),)
     scale_strides = (0, 0, 0, 0)
     if quant:
         scale_strides = (a_scale.stride(0), w_scale.stride(0), w_scale.stride(1),
                          w_scale.stride(2) if w_scale.dim() == 3 else 0)
     _moe_gemm_kernel[grid](
-        a, weight, out, a_scale if quant else a, w_scale if quant else a,
+        a, weight, b_desc, out, a_scale if quant else a, w_scale if quant else a,
         aligned.sorted_pairs, aligned.block_expert, aligned.num_padded,
         n_out, k, aligned.num_pairs, aligned.max_blocks,
         a.stride(0), weight.stride(0), weight.stride(1), out.stride(0), *scale_strides,
         A_ROW_DIV=a_row_div, PAIR_PER_BLOCK=aligned.pair_per_block, HAS_MAP=aligned.has_map, GATED=gated, GELU_TANH=gelu_tanh, QUANT=quant, GROUP_N=group_n, GROUP_K=group_k,
         IEEE=a.dtype == torch.float32, UPCAST=_upcast(a), BLOCK_M=aligned.block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        GROUP_M=config.group_m, EVEN_K=k % block_k == 0, EVEN_N=n_out % block_n == 0,
+        GROUP_M=config.group_m, EVEN_K=k % block_k == 0, EVEN_N=n_out % block_n == 0, B_TMA=config.tma,
         num_warps=config.num_warps, num_stages=config.num_stages, **launch_kwargs(use_pdl(a.device)))
     return out
 
