@@ -86,7 +86,7 @@ def test_every_tuning_candidate_computes_the_layer(tokens):
     shape = layer_shape(x, w13, TOP_K, None)
     ran = 0
     for block_m in block_m_candidates(tokens, shape):
-        ups, downs = gemm_candidates(block_m, True), gemm_candidates(block_m, False)
+        ups, downs = gemm_candidates(block_m, True, True), gemm_candidates(block_m, False, True)
         pairs = [(up, downs[0]) for up in ups] + [(ups[0], down) for down in downs[1:]]
         for up, down in pairs:
             try:

@@ -527,6 +527,35 @@ def test_tuning_leaves_out_a_failed_bucket_and_tunes_a_rank_with_fewer_experts_t
     assert sorted(configs) == [1, 4] and timed
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+def test_tuning_times_descriptor_tiles_only_for_prefill_blocks_of_16_bit_weights(monkeypatch, fp8):
+    """Tiles reading the weights through a tensor descriptor join the candidates from ``block_m`` 64 up (the
+    compute-bound GEMMs), for 16- and 32-bit weights only: FP8 experts and rows of partial 16-byte units
+    would refuse them."""
+    from dovetail.triton import moe_tuner
+    from dovetail.triton.moe_configs import LayerShape
+
+    shape = LayerShape(experts=4, inter=32, hidden=64, top_k=2, dtype="bfloat16", quant="fp8" if fp8 else "none")
+    w13 = torch.randn(4, 64, 64, device=DEVICE).bfloat16()
+    w2 = torch.randn(4, 64, 32, device=DEVICE).bfloat16()
+    scales = None
+    if fp8:
+        (w13, s13), (w2, s2) = quantize_experts(w13, None), quantize_experts(w2, None)
+        scales = Fp8ExpertScales(s13, s2)
+    timed = {}
+    monkeypatch.setattr(moe_tuner, "_best", lambda candidates, run: (
+        timed.setdefault(len(timed), candidates)[0], 1.0))
+    moe_tuner.tune_bucket(256, shape, w13, w2, scales)  # 128 rows an expert: block_m 64, 32 and 128
+    with_descriptor = [sum(c.tma for c in candidates) for candidates in timed.values()]
+    if fp8:
+        assert with_descriptor == [0] * 6
+    else:
+        assert with_descriptor[:2] == [len(timed[0]) // 2, len(timed[1]) // 2] and with_descriptor[4:] != [0, 0]
+        assert with_descriptor[2:4] == [0, 0], "block_m 32 keeps to tiles read by address"
+    assert not moe_tuner.reads_through_descriptor(torch.empty(2, 8, 50, dtype=torch.bfloat16))
+    assert not moe_tuner.reads_through_descriptor(torch.empty(2, 64, 8, dtype=torch.bfloat16).transpose(1, 2))
+
+
 def test_routing_takes_one_program_only_for_the_tokens_of_one_tile(monkeypatch):
     """A few tokens are routed and aligned by one program; more, by many programs at once (routing one tile
     after another in a single program would be slower than the launch it saves)."""

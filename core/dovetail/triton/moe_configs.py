@@ -106,9 +106,21 @@ def block_m_candidates(tokens: int, shape: LayerShape) -> list[int]:
     return [128, 64]
 
 
-def gemm_candidates(block_m: int, gated: bool) -> list[GemmConfig]:
+def gemm_candidates(block_m: int, gated: bool, descriptors: bool = False) -> list[GemmConfig]:
     """GEMM tiles worth timing with ``block_m`` (the first is the default). Each fits the 227 KiB of shared memory
-    a Hopper multiprocessor gives one program, its software pipeline included (checked by compiling for sm_90)."""
+    a Hopper multiprocessor gives one program, its software pipeline included (checked by compiling for sm_90).
+
+    ``descriptors`` (weights that :func:`~dovetail.triton.moe_gemm.reads_through_descriptor` takes) adds, from
+    ``block_m`` 64 up, each tile once more with its weight tiles read through a tensor descriptor: there the
+    GEMMs are compute-bound and bulk copies leave the warps free for the products, while the few rows of
+    decode tiles stream their weights as fast either way (``benchmarks/kernels_moe.py --sweep-tiles --tma``)."""
+    tiles = _address_tiles(block_m, gated)
+    if descriptors and block_m >= 64:
+        tiles += [tile._replace(tma=True) for tile in tiles]
+    return tiles
+
+
+def _address_tiles(block_m: int, gated: bool) -> list[GemmConfig]:
     if block_m <= 16:
         return [GemmConfig(64, 128, 1, 4, 4), GemmConfig(32, 128, 1, 4, 4), GemmConfig(32, 256, 1, 4, 3),
                 GemmConfig(64, 64, 1, 4, 5), GemmConfig(128, 64, 1, 4, 4), GemmConfig(128, 128, 1, 8, 3),

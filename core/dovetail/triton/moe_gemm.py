@@ -166,6 +166,13 @@ def _moe_gemm_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
+def reads_through_descriptor(weight: torch.Tensor) -> bool:
+    """Whether ``GemmConfig.tma`` tiles can read this (unquantized) weight: contiguous, 16 or 32 bits an element,
+    rows of whole 16-byte units (what a tensor descriptor's strides must be)."""
+    size = weight.element_size()
+    return size in (2, 4) and weight.is_contiguous() and weight.shape[-1] * size % 16 == 0
+
+
 def grouped_gemm(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, aligned: AlignedPairs, config: GemmConfig,
                  a_row_div: int, gated: bool = False, gelu_tanh: bool = False, a_scale: torch.Tensor | None = None,
                  w_scale: torch.Tensor | None = None, block_size: tuple[int, int] | None = None) -> torch.Tensor:
@@ -187,7 +194,7 @@ def grouped_gemm(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, align
     block_n = min(config.block_n, max(16, next_power_of_2(n_out)))
     b_desc = None
     if config.tma:
-        if quant or weight.element_size() == 1 or not weight.is_contiguous() or k * weight.element_size() % 16:
+        if quant or not reads_through_descriptor(weight):
             raise ValueError(f"grouped_gemm: tma tiles take contiguous 16- or 32-bit weights whose rows are whole "
                              f"16-byte units, not {weight.dtype} of shape {tuple(weight.shape)}")
         from triton.tools.tensor_descriptor import TensorDescriptor

@@ -19,7 +19,7 @@ import torch
 from dovetail.triton.moe_align import align_pairs
 from dovetail.triton.moe_configs import (LayerShape, MoeConfig, block_m_candidates, default_config,
                                          gemm_candidates)
-from dovetail.triton.moe_gemm import GemmConfig, grouped_gemm
+from dovetail.triton.moe_gemm import GemmConfig, grouped_gemm, reads_through_descriptor
 
 logger = logging.getLogger("dovetail")
 
@@ -66,13 +66,14 @@ def tune_bucket(tokens: int, shape: LayerShape, w13: torch.Tensor, w2: torch.Ten
     down_out = torch.empty(pairs, shape.hidden, dtype=act_dtype, device=device)
     w13_scale = None if fp8 is None else fp8.w13
     w2_scale = None if fp8 is None else fp8.w2
+    descriptors = fp8 is None and reads_through_descriptor(w13) and reads_through_descriptor(w2)
     best: tuple[float, MoeConfig] | None = None
     for block_m in block_m_candidates(tokens, shape):
         aligned = align_pairs(ids, shape.experts, block_m)
-        up, up_ms = _best(gemm_candidates(block_m, True), lambda c: grouped_gemm(
+        up, up_ms = _best(gemm_candidates(block_m, True, descriptors), lambda c: grouped_gemm(
             x, w13, up_out, aligned, c, shape.top_k, gated=True, a_scale=x_scale, w_scale=w13_scale,
             block_size=block))
-        down, down_ms = _best(gemm_candidates(block_m, False), lambda c: grouped_gemm(
+        down, down_ms = _best(gemm_candidates(block_m, False, descriptors), lambda c: grouped_gemm(
             h, w2, down_out, aligned, c, 1, a_scale=h_scale, w_scale=w2_scale, block_size=block))
         if best is None or up_ms + down_ms < best[0]:
             best = (up_ms + down_ms, MoeConfig(block_m, up, down))
