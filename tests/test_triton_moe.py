@@ -219,6 +219,20 @@ def test_weight_tiles_through_a_tensor_descriptor(dtype, tokens, block_n, block_
     torch.testing.assert_close(fused_moe(x, w13, w2, weights, ids, config=by_descriptor), expected, atol=0, rtol=0)
 
 
+def test_descriptor_tiles_read_by_address_the_weights_a_descriptor_cannot_take():
+    """A tuned table's descriptor tiles meet weights of the layer's shape that are not contiguous (a view into a
+    wider tensor): the layer reads those by address and computes the same products."""
+    x, w13, w2, weights, ids = moe_inputs(40, 8, 2, hidden=48, inter=40, dtype=torch.bfloat16, seed=17)
+    wide = torch.zeros(*w13.shape[:2], 64, dtype=w13.dtype, device=DEVICE)
+    wide[..., :48] = w13
+    strided = wide[..., :48]
+    assert not strided.is_contiguous()
+    by_address = MoeConfig(16, GemmConfig(16, 32), GemmConfig(16, 32))
+    by_descriptor = MoeConfig(16, GemmConfig(16, 32, tma=True), GemmConfig(16, 32, tma=True))
+    expected = fused_moe(x, w13, w2, weights, ids, config=by_address)
+    torch.testing.assert_close(fused_moe(x, strided, w2, weights, ids, config=by_descriptor), expected, atol=0, rtol=0)
+
+
 def test_tensor_descriptor_tiles_refuse_rows_of_partial_16_byte_units():
     from dovetail.triton.moe_gemm import grouped_gemm
 

@@ -27,7 +27,7 @@ from dovetail.triton import interpreter_active
 from dovetail.triton.moe_align import align_pairs, one_pair_per_block, route_and_align
 from dovetail.triton.moe_configs import (MAX_CHUNK_TOKENS, ConfigTable, LayerShape, MoeConfig, bucket, buckets_up_to,
                                          default_config)
-from dovetail.triton.moe_gemm import GemmConfig, grouped_gemm, moe_sum
+from dovetail.triton.moe_gemm import GemmConfig, grouped_gemm, moe_sum, reads_through_descriptor
 from dovetail.triton.moe_routing import topk_softmax
 
 logger = logging.getLogger("dovetail")
@@ -175,7 +175,11 @@ def _fused_pass(x, w13, w2, topk_weights, topk_ids, aligned, activation, expert_
 
 
 def _gemm(a, weight, out, aligned, config: GemmConfig, a_row_div: int, **options) -> None:
-    """:func:`grouped_gemm`, retried with fewer pipeline stages where the GPU lacks the shared memory."""
+    """:func:`grouped_gemm`, retried with fewer pipeline stages where the GPU lacks the shared memory. A tile
+    tuned to read its weights through a tensor descriptor reads them by address where this weight cannot be
+    (the table holds one layer shape's tiles, whatever tensors of that shape they were tuned on)."""
+    if config.tma and not reads_through_descriptor(weight):
+        config = config._replace(tma=False)
     try:
         grouped_gemm(a, weight, out, aligned, config, a_row_div, **options)
     except Exception as exc:

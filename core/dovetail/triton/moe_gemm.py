@@ -168,9 +168,11 @@ def _moe_gemm_kernel(
 
 def reads_through_descriptor(weight: torch.Tensor) -> bool:
     """Whether ``GemmConfig.tma`` tiles can read this (unquantized) weight: contiguous, 16 or 32 bits an element,
-    rows of whole 16-byte units (what a tensor descriptor's strides must be)."""
+    rows of whole 16-byte units from a 16-byte aligned start (what a tensor descriptor's address and strides
+    must be)."""
     size = weight.element_size()
-    return size in (2, 4) and weight.is_contiguous() and weight.shape[-1] * size % 16 == 0
+    return (size in (2, 4) and weight.is_contiguous() and weight.shape[-1] * size % 16 == 0
+            and weight.data_ptr() % 16 == 0)
 
 
 def grouped_gemm(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, aligned: AlignedPairs, config: GemmConfig,
