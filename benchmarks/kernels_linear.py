@@ -1,7 +1,7 @@
 """The linear layers' kernels on a GPU: cuBLAS against the engine's GEMVs, 16-bit and FP8, shape by shape.
 
     python benchmarks/kernels_linear.py [--model llama-3.1-8b] [--ms 1,2,4,8,16,64,256] [--shapes qkv,o]
-        [--tp N] [--blas] [--tunable] [--configs] [--skinny] [--best N] [--json results.json]
+        [--tp N] [--blas] [--tunable] [--configs] [--best N] [--json results.json]
 
 For the projections of a named shape (qkv, o, gate_up, down of one layer, the LM head, a mixture of experts'
 router) and M tokens it
@@ -12,8 +12,6 @@ times, from CUDA graphs (how the engine runs decode):
   TunableOp (``F.linear tunableop``: every cuBLASLt algorithm timed for the shape, the fastest kept);
 - the platform's ``FusedOps.linear`` (what the engine's 16-bit layers call: a Triton GEMV where the platform
   chose one, else ``F.linear``) and :func:`dovetail.triton.gemv.gemv` with its default configuration;
-- :func:`dovetail.triton.skinny_gemm.skinny_gemm` (the weight on the tensor cores' wide side, at up to 256
-  rows) with its default configuration, and with ``--skinny`` a grid of ``SkinnyConfig``;
 - FP8 weights (e4m3, per-channel scales): the platform's ``QuantKernels.fp8_linear`` (what the engine's fp8
   layers call), the Triton :func:`~dovetail.triton.gemv.fp8_gemv` and ``torch._scaled_mm`` with per-token
   activation scales; ``--configs`` adds grids of ``GemvConfig`` for the Triton FP8 and 16-bit GEMVs (tensor-core
@@ -53,11 +51,6 @@ SHARED_MEMORY = 220 << 10
 #: dot, those of at most 16 rows more than the product has and that fit ``SHARED_MEMORY``.
 BF16_GRID = [(bm, bn, bk, stages) for bm in (16, 32, 64, 128) for bn in (32, 64, 128) for bk in (128, 256)
              for stages in (3, 4) if stages * (bm + bn) * bk * 2 <= SHARED_MEMORY]
-#: ``SkinnyConfig`` grid for ``--skinny``: (block_n, block_k, num_stages, programs a multiprocessor, prefetched
-#: tiles); 4 warps, 8 where the float32 accumulator (block_n x rows) passes 128 x 128; those whose stages fit
-#: ``SHARED_MEMORY``.
-SKINNY_GRID = [(bn, bk, stages, per_sm, prefetch) for bn in (64, 128) for bk in (64, 128) for stages in (3, 4, 6)
-               for per_sm in (1, 2) for prefetch in (0, 2) if (bk == 64) != (stages == 3)]
 #: Extra 16-bit register-sum configurations for ``--configs`` at up to 4 rows (the default there):
 #: (block_n, block_k, num_stages, split_k), 4 warps. Few output features (a TP rank's qkv, o and down) give
 #: few programs of ``block_n`` rows each; a narrower block or a split of K makes more of them.
@@ -140,10 +133,9 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def bench_shape(n: int, k: int, ms: list[int], ops, quant_kernels, configs: bool, blas: bool = False,
-                tunable: bool = False, skinny: bool = False) -> dict:
+                tunable: bool = False) -> dict:
     from dovetail.quantization import quant_ops
     from dovetail.quantization.fp8_scaled_mm import fp8_linear_scaled_mm
-    from dovetail.triton import next_power_of_2, skinny_gemm as sk
     from dovetail.triton.gemv import GemvConfig, fp8_gemv, gemv, split_k_for
 
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -171,16 +163,6 @@ def bench_shape(n: int, k: int, ms: list[int], ops, quant_kernels, configs: bool
         if blas:
             for library in ("cublas", "cublaslt"):
                 paths[f"F.linear {library}"] = (with_blas(library, linear), ref16)
-        if m <= sk.MAX_ROWS:
-            paths["skinny default"] = (lambda i: sk.skinny_gemm(x, ws[i % len(ws)]), ref16)
-        if skinny and m <= sk.MAX_ROWS:
-            rows_tile = max(16, next_power_of_2(m))
-            for bn, bk, stages, per_sm, prefetch in SKINNY_GRID:
-                if stages * (bn + rows_tile) * bk * 2 > SHARED_MEMORY:
-                    continue
-                cfg = sk.SkinnyConfig(bn, bk, 4 if bn * rows_tile <= 128 * 128 else 8, stages, 0, prefetch, per_sm)
-                paths[f"skinny n{bn} k{bk} s{stages} w{cfg.num_warps} p{per_sm} f{prefetch}"] = (
-                    lambda i, cfg=cfg: sk.skinny_gemm(x, ws[i % len(ws)], config=cfg), ref16)
         if tunable:
             paths["F.linear tunableop"] = (with_tunable_op(with_blas("cublaslt", linear)), ref16)
         if configs:
@@ -221,7 +203,6 @@ def main() -> None:
     p.add_argument("--blas", action="store_true", help="also F.linear under cuBLAS and under cuBLASLt")
     p.add_argument("--tunable", action="store_true", help="also F.linear under torch's TunableOp (cuBLASLt, tuned)")
     p.add_argument("--configs", action="store_true", help="also grids of Triton GEMV configurations (FP8, 16-bit)")
-    p.add_argument("--skinny", action="store_true", help="also a grid of skinny_gemm configurations (16-bit)")
     p.add_argument("--best", type=int, default=0,
                    help="print only the N fastest 16-bit and N fastest FP8 paths of each product")
     p.add_argument("--json", default=None)
@@ -246,7 +227,7 @@ def main() -> None:
     for name in args.shapes.split(","):
         n, k = rank_share(name, *projections(config)[name], args.tp)
         results["shapes"][name] = rows = bench_shape(n, k, ms, ops, quant_kernels, args.configs, args.blas,
-                                                     args.tunable, args.skinny)
+                                                     args.tunable)
         for m, row in rows.items():
             cells = []
             shown = row.items()
@@ -273,12 +254,8 @@ def main() -> None:
             step = {path: config.num_hidden_layers * sum(results["shapes"][s][m].get(path, {}).get("us", math.nan)
                                                          for s in layer)
                     for path in results["shapes"]["qkv"][m]}
-            best_skinny = [min((r["us"] for p, r in results["shapes"][s][m].items() if p.startswith("skinny") and "us" in r),
-                               default=math.nan) for s in layer]
-            step["skinny, each product's fastest"] = config.num_hidden_layers * sum(best_skinny)
             results.setdefault("decode_step_us", {})[m] = step
-            print(f"one step's layer linears, M={m}: " + ", ".join(f"{p} {us / 1000:.3f} ms" for p, us in step.items()
-                                                                   if not p.startswith("skinny n")))
+            print(f"one step's layer linears, M={m}: " + ", ".join(f"{p} {us / 1000:.3f} ms" for p, us in step.items()))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
