@@ -54,9 +54,9 @@ def test_a_captured_prefetch_leaves_the_products_exact():
     with torch.cuda.graph(graph):
         started = prefetch.start(weight)
         out.copy_(x @ weight.T)
-        if started:
-            prefetch.join()
-    assert started
+        restarted = prefetch.start(weight)  # joins the first
+        prefetch.join()  # a capture must end joined
+    assert started and restarted and not prefetch._pending
     for _ in range(3):
         x.copy_(torch.randn(x.shape, device=device, dtype=x.dtype, generator=gen))
         graph.replay()

@@ -113,12 +113,10 @@ class FlashInferFusedAllReduce:
             return None
         tokens, hidden = x.shape
         normed, summed = torch.empty_like(x), torch.empty_like(residual)
-        prefetching = self.prefetch.start(next_weight)
+        self.prefetch.start(next_weight)  # (joins the previous norm's prefetch; None only joins)
         self._fuse(allreduce_in=x, world_size=self.world_size, world_rank=self.rank, token_num=tokens,
                    hidden_dim=hidden, workspace_ptrs=self._pointers, launch_with_pdl=self._pdl,
                    trigger_completion_at_end=True, fp32_acc=True, pattern_code=self._pattern, use_oneshot=self.one_shot,
                    allreduce_out=None, residual_in=residual, residual_out=summed, norm_out=normed, quant_out=None,
                    scale_out=None, rms_gamma=weight, rms_eps=float(eps), scale_factor=None, layout_code=None)
-        if prefetching:
-            self.prefetch.join()
         return normed, summed

@@ -60,8 +60,12 @@ def prefetch_into_l2(tensor: torch.Tensor, max_bytes: int) -> None:
 
 
 class L2Prefetch:
-    """Prefetches a weight on a side stream of ``device`` beside the work issued between :meth:`start` and
-    :meth:`join`, inside CUDA-graph captures only; does nothing off Hopper and newer GPUs or with 0 bytes."""
+    """Prefetches a weight on a side stream of ``device``, inside CUDA-graph captures only; does nothing off Hopper
+    and newer GPUs or with 0 bytes.
+
+    The current stream joins the side stream only at the next :meth:`start` or :meth:`join`, so the prefetch kernel
+    (its bulk requests take a while to issue) never holds up the sum or the product after it; the caller joins
+    before a capture ends (the last norm of a forward, which names no next product, does)."""
 
     def __init__(self, device: torch.device, max_bytes: int | None = None):
         self.device = device
@@ -69,10 +73,12 @@ class L2Prefetch:
         if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:  # an sm_90 instruction
             self.max_bytes = 0
         self._side: torch.cuda.Stream | None = None
+        self._pending = False
 
     def start(self, weight: torch.Tensor | None) -> bool:
-        """Fork the side stream from the current one and prefetch ``weight`` there; True when it did (then call
-        :meth:`join` once the work to overlap is issued)."""
+        """Join an earlier prefetch, fork the side stream from the current one and prefetch ``weight`` there; True
+        when it did."""
+        self.join()
         if (not self.max_bytes or weight is None or not weight.is_cuda or not weight.is_contiguous()
                 or not torch.cuda.is_current_stream_capturing()):
             return False
@@ -81,8 +87,11 @@ class L2Prefetch:
         self._side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._side):
             prefetch_into_l2(weight, self.max_bytes)
+        self._pending = True
         return True
 
     def join(self) -> None:
-        """Make the current stream wait for the prefetch kernel (quick: it only issues requests)."""
-        torch.cuda.current_stream(self.device).wait_stream(self._side)
+        """Make the current stream wait for the last prefetch kernel, if one is not joined yet."""
+        if self._pending:
+            torch.cuda.current_stream(self.device).wait_stream(self._side)
+            self._pending = False
