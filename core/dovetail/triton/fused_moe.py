@@ -133,7 +133,7 @@ def routed_moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, 
             return weights, ids, one_pair_per_block(ids, block_m, expert_map)
         return route_and_align(logits, top_k, renormalize, w13.shape[0], block_m, expert_map)
 
-    unsummed = unsummed and expert_map is None and x.shape[0] <= MAX_CHUNK_TOKENS
+    unsummed = unsummed and expert_map is None and 0 < x.shape[0] <= MAX_CHUNK_TOKENS
     return _run(x, w13, w2, top_k, route, activation, fp8, config, expert_map, unsummed)
 
 
@@ -144,7 +144,7 @@ def _run(x, w13, w2, top_k: int, route, activation: str, fp8, config: MoeConfig 
     check_activation(activation)
     tokens = x.shape[0]
     shape = layer_shape(x, w13, top_k, fp8)
-    out = torch.empty_like(x)
+    out = None if unsummed else torch.empty_like(x)
     for start in range(0, tokens, MAX_CHUNK_TOKENS):
         end = min(tokens, start + MAX_CHUNK_TOKENS)
         chosen = config or select_config(end - start, shape, w13, w2, fp8)
