@@ -19,7 +19,6 @@ import torch
 from dovetail.errors import ConfigError
 from dovetail.platform import HostCopy, ProbeResult
 from dovetail.torch_device_platform import TorchDevicePlatform
-from dovetail_cuda import graph_upload
 from dovetail_cuda import probe as cuda_probe
 
 logger = logging.getLogger("dovetail")
@@ -126,13 +125,6 @@ class CudaPlatform(TorchDevicePlatform):
             yield
         finally:
             torch.backends.cuda.preferred_blas_library(library)
-
-    def capture_graph(self, fn, pool=None):
-        """Capture as torch does, then upload the graph, so that its first replay costs no more than the
-        next (:mod:`dovetail_cuda.graph_upload`)."""
-        graph, out = super().capture_graph(fn, pool)
-        graph_upload.upload(graph.graph)
-        return graph, out
 
     def capability(self, index: int | None = None) -> tuple[int, int]:
         """The compute capability of device ``index`` (None: the current one), e.g. ``(9, 0)`` on Hopper."""
