@@ -9,6 +9,7 @@ wrong buffer update, padding row or spare-block slot changes the tokens.
 from __future__ import annotations
 
 import argparse
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -114,6 +115,55 @@ def test_replayed_decode_steps_match_hf(tiny_llama_dir, hf_reference):
     assert replays[6] > 0 and replays[4] > 0 and replays[1] > 0, replays
     # The padding rows wrote only to the spare block, which no sequence owns.
     assert runner.spare_block == llm.llm_engine.num_blocks
+
+
+def replaying_engine(path, **kwargs):
+    llm = LLM(str(path), device="cpu", attention_backend="REFERENCE", max_num_seqs=6, **kwargs)
+    runner = llm.llm_engine.runner
+    for layer in runner.attention_layers:
+        layer.impl = DeviceOnlyDecodeImpl(layer.spec)
+    runner.platform, runner.use_graphs = ReplayPlatform(), True
+    runner.capture_graphs()
+    return llm
+
+
+def test_replayed_steps_read_their_inputs_from_the_step_in_flight(tiny_llama_dir, hf_reference, monkeypatch):
+    """With overlapped scheduling a step's inputs are the step in flight's sampled tokens, still on the device;
+    a token budget that leaves sequences out of some steps puts them in other rows there than in the step."""
+    from dovetail.engine.model_runner import DecodeGraphs
+
+    llm = replaying_engine(tiny_llama_dir, max_num_batched_tokens=8, async_scheduling=True)
+    moved = []
+    load = DecodeGraphs._load
+
+    def spy(self, requests, block_tables, size, pending=([], []), prev_tokens=None):
+        if pending[0] != pending[1]:
+            moved.append(pending)
+        return load(self, requests, block_tables, size, pending, prev_tokens)
+
+    monkeypatch.setattr(DecodeGraphs, "_load", spy)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    for out, (tokens, logprobs) in zip(outputs, hf_reference):
+        assert_greedy_matches(out.outputs[0].token_ids, tokens, logprobs)
+    assert moved, "no graph step read a pending token from another row"
+
+
+@pytest.mark.parametrize("dst, src", [([0, 2], [3, 1]), ([0, 1, 2], [2, 0, 3]), ([], [])])
+def test_a_graph_step_takes_host_inputs_and_pending_ones_each_from_its_place(tiny_llama_dir, dst, src):
+    """Rows ``dst`` of the step read row ``src`` of the tokens in flight; the others their host token; padding
+    rows token 0."""
+    graphs = replaying_engine(tiny_llama_dir).llm_engine.runner.graphs
+    contexts = (5, 9, 3)
+    requests = [SimpleNamespace(num_computed_tokens=c, all_token_ids=list(range(100, 101 + c))) for c in contexts]
+    in_flight = torch.tensor([70, 71, 72, 73])
+    with torch.inference_mode():  # as the runner's steps run
+        graphs._load(requests, [[1], [2], [3]], 4, (dst, src), in_flight)
+    expected = [100 + c for c in contexts] + [0]
+    for row, source in zip(dst, src):
+        expected[row] = int(in_flight[source])
+    ids, positions, _ = graphs._inputs(4).tolist()
+    assert ids == expected and positions == [*contexts, 0]
 
 
 def test_steps_above_the_largest_captured_size_run_eagerly(tiny_llama_dir, hf_reference):

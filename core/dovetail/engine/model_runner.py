@@ -368,9 +368,11 @@ class DecodeGraphs:
         self.sizes = sizes
         dev, n_max = runner.device, sizes[-1]
         self.width = -(-runner.max_model_len // runner.block_size)
-        # Token ids, positions and slots travel together in one copy; the graph derives the lengths.
-        self.inputs = torch.zeros(3, n_max, dtype=torch.long, device=dev)
-        self.input_ids, self.positions, self.slots = self.inputs
+        # One copy a step brings a size's token ids, positions and slots (contiguous, each size its own view)
+        # and the rows of the step in flight whose tokens are the inputs still pending; the graph derives the
+        # lengths. Each host-to-device copy or small kernel between two graphs costs the device several
+        # microseconds of idle, so the step's inputs take as few as they can.
+        self.staging = torch.zeros(5 * n_max, dtype=torch.long, device=dev)
         self.seq_lens = torch.ones(n_max, dtype=torch.int32, device=dev)
         self.query_start_loc = torch.arange(n_max + 1, dtype=torch.int32, device=dev)
         self.block_table = torch.full((n_max, self.width), runner.spare_block, dtype=torch.int32, device=dev)
@@ -383,10 +385,12 @@ class DecodeGraphs:
         for size in reversed(sizes):  # largest first: the smaller graphs reuse its memory
             metadata = runner.metadata_builder.build_for_graph(self._load([], [], size), size)
 
-            def logits_of(size=size, metadata=metadata):
-                torch.add(self.positions[:size], 1, out=self.seq_lens[:size])
+            input_ids, positions, _ = self._inputs(size)
+
+            def logits_of(size=size, metadata=metadata, input_ids=input_ids, positions=positions):
+                torch.add(positions, 1, out=self.seq_lens[:size])
                 with set_forward_context(metadata):
-                    return runner.sample_logits(runner.model(self.input_ids[:size], self.positions[:size]))
+                    return runner.sample_logits(runner.model(input_ids, positions))
 
             warm = logits_of()  # warm-up: lazy initialisation and autotuning happen outside the capture
             if self.head is not None:
@@ -419,19 +423,28 @@ class DecodeGraphs:
         columns of them and the greedy tokens)."""
         n = len(batch.requests)
         size = next(s for s in self.sizes if s >= n)
-        attn = self._load(batch.requests, block_tables, size)
-        fill_pending(self.input_ids, pending_inputs(batch), prev_tokens)
+        attn = self._load(batch.requests, block_tables, size, pending_inputs(batch), prev_tokens)
         self.runner.metadata_builder.build_for_graph(attn, size)
         self.graphs[size].replay()
         if self.head is not None:
             return ShardedLogits(self.head, self.logits[:n], self.greedy[:n])
         return self.logits[:n]
 
-    def _load(self, requests: list[RequestState], block_tables: list[list[int]], size: int) -> AttentionBatch:
-        """Write a decode batch padded to ``size`` into the static buffers; return its attention batch."""
+    def _inputs(self, size: int) -> torch.Tensor:
+        """The token ids, positions and slots ``[3, size]`` that the graph of ``size`` reads."""
+        return self.staging[:3 * size].view(3, size)
+
+    def _load(self, requests: list[RequestState], block_tables: list[list[int]], size: int,
+              pending: tuple[list[int], list[int]] = ([], []), prev_tokens: torch.Tensor | None = None,
+              ) -> AttentionBatch:
+        """Write a decode batch padded to ``size`` into the static buffers, with the tokens still pending read
+        from ``prev_tokens`` (:func:`fill_pending`); return its attention batch."""
         runner, bs, spare = self.runner, self.runner.block_size, self.runner.spare_block
         n = len(requests)
-        inputs = np.zeros((3, size), dtype=np.int64)
+        dst, src = pending
+        every_row = dst == list(range(n))  # the usual decode step: every input is the step in flight's token
+        staged = np.zeros(3 * size + len(src) + (0 if every_row else len(dst)), dtype=np.int64)
+        inputs = staged[:3 * size].reshape(3, size)
         ids, positions, slots = inputs
         positions[:n] = [req.num_computed_tokens for req in requests]
         ids[:n] = [req.all_token_ids[req.num_computed_tokens] if req.num_computed_tokens < len(req.all_token_ids)
@@ -440,11 +453,21 @@ class DecodeGraphs:
         slots[:] = table[np.arange(size), positions // bs].astype(np.int64) * bs + positions % bs
         seq_lens = torch.from_numpy((positions + 1).astype(np.int32))
         table = torch.from_numpy(table)
-        copy_to_device(self.inputs[:, :size], torch.from_numpy(inputs))
+        staged[3 * size:] = src if every_row else src + dst
+        copy_to_device(self.staging[:len(staged)], torch.from_numpy(staged))
+        if dst:
+            if prev_tokens is None:
+                raise RuntimeError("a sequence waits for a token of a step that is not in flight")
+            source = self.staging[3 * size:3 * size + len(src)]
+            if every_row:
+                torch.index_select(prev_tokens, 0, source, out=self._inputs(size)[0, :n])
+            else:
+                self._inputs(size)[0].index_copy_(0, self.staging[3 * size + len(src):len(staged)],
+                                                  prev_tokens.index_select(0, source))
         copy_to_device(self.block_table[:size, :table.shape[1]], table)
         if size not in self.views:
             self.views[size] = dict(query_start_loc=self.query_start_loc[:size + 1], seq_lens=self.seq_lens[:size],
-                                    block_table=self.block_table[:size], slot_mapping=self.slots[:size],
+                                    block_table=self.block_table[:size], slot_mapping=self._inputs(size)[2],
                                     query_start_loc_cpu=torch.arange(size + 1, dtype=torch.int32))
         return AttentionBatch(num_tokens=size, num_seqs=size, num_decodes=size, max_query_len=1,
                               max_seq_len=runner.max_model_len, seq_lens_cpu=seq_lens, block_size=bs,
