@@ -368,11 +368,11 @@ class DecodeGraphs:
         self.sizes = sizes
         dev, n_max = runner.device, sizes[-1]
         self.width = -(-runner.max_model_len // runner.block_size)
-        # One copy a step brings a size's token ids, positions and slots (contiguous, each size its own view)
-        # and the rows of the step in flight whose tokens are the inputs still pending; the graph derives the
-        # lengths. Each host-to-device copy or small kernel between two graphs costs the device several
-        # microseconds of idle, so the step's inputs take as few as they can.
-        self.staging = torch.zeros(5 * n_max, dtype=torch.long, device=dev)
+        # One copy a step brings a size's token ids, positions and slots (contiguous, each size its own view),
+        # the rows of the step in flight whose tokens are the inputs still pending, and the block tables; the
+        # graph derives the lengths. Each host-to-device copy or small kernel between two graphs costs the
+        # device several microseconds of idle, so the step's inputs take as few as they can.
+        self.staging = torch.zeros(n_max * (5 + self.width), dtype=torch.long, device=dev)
         self.seq_lens = torch.ones(n_max, dtype=torch.int32, device=dev)
         self.query_start_loc = torch.arange(n_max + 1, dtype=torch.int32, device=dev)
         self.block_table = torch.full((n_max, self.width), runner.spare_block, dtype=torch.int32, device=dev)
@@ -443,17 +443,20 @@ class DecodeGraphs:
         n = len(requests)
         dst, src = pending
         every_row = dst == list(range(n))  # the usual decode step: every input is the step in flight's token
-        staged = np.zeros(3 * size + len(src) + (0 if every_row else len(dst)), dtype=np.int64)
-        inputs = staged[:3 * size].reshape(3, size)
-        ids, positions, slots = inputs
+        table = block_table_array(list(block_tables) + [[spare]] * (size - n), fill=spare)
+        rows = 3 * size + len(src) + (0 if every_row else len(dst))  # then the block tables
+        staged = np.empty(rows + table.size, dtype=np.int64)
+        ids, positions, slots = staged[:3 * size].reshape(3, size)
+        positions[:] = 0
         positions[:n] = [req.num_computed_tokens for req in requests]
+        ids[:] = 0
         ids[:n] = [req.all_token_ids[req.num_computed_tokens] if req.num_computed_tokens < len(req.all_token_ids)
                    else 0 for req in requests]
-        table = block_table_array(list(block_tables) + [[spare]] * (size - n), fill=spare)
         slots[:] = table[np.arange(size), positions // bs].astype(np.int64) * bs + positions % bs
+        staged[3 * size:rows] = src if every_row else src + dst
+        staged[rows:] = table.ravel()
         seq_lens = torch.from_numpy((positions + 1).astype(np.int32))
         table = torch.from_numpy(table)
-        staged[3 * size:] = src if every_row else src + dst
         copy_to_device(self.staging[:len(staged)], torch.from_numpy(staged))
         if dst:
             if prev_tokens is None:
@@ -462,9 +465,9 @@ class DecodeGraphs:
             if every_row:
                 torch.index_select(prev_tokens, 0, source, out=self._inputs(size)[0, :n])
             else:
-                self._inputs(size)[0].index_copy_(0, self.staging[3 * size + len(src):len(staged)],
+                self._inputs(size)[0].index_copy_(0, self.staging[3 * size + len(src):rows],
                                                   prev_tokens.index_select(0, source))
-        copy_to_device(self.block_table[:size, :table.shape[1]], table)
+        self.block_table[:size, :table.shape[1]].copy_(self.staging[rows:len(staged)].view(table.shape))
         if size not in self.views:
             self.views[size] = dict(query_start_loc=self.query_start_loc[:size + 1], seq_lens=self.seq_lens[:size],
                                     block_table=self.block_table[:size], slot_mapping=self._inputs(size)[2],
