@@ -31,6 +31,8 @@
 #   HF_B1_PROMPTS  how many of B1's 256 requests HF runs                    default: 64
 #   VLLM_TP    vLLM's tensor-parallel size                                  default: 1
 #   TIMEOUT    seconds each benchmark command may take                      default: 300
+#   POWER=1    log `nvidia-smi dmon` (power, clocks, power-cap violations) beside each bench command into
+#              $OUT/raw/power_N.txt and print its busy samples' summary: whether the cards ran at their power cap
 #   TEST_TIMEOUT  seconds the tests may take                                default: 580
 #   SKIP_INSTALL=1  the machine was set up by an earlier call
 #   COMMIT     the commit recorded with each figure                        default: git's HEAD here
@@ -69,6 +71,7 @@ TESTS=${TESTS:-"-m gpu -rs tests"}
 HF_B1_PROMPTS=${HF_B1_PROMPTS:-64}
 VLLM_TP=${VLLM_TP:-1}
 TIMEOUT=${TIMEOUT:-300}
+POWER=${POWER:-0}
 TEST_TIMEOUT=${TEST_TIMEOUT:-580}
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 # NVLink multicast stays off on hosts that run without it, in every process started from here.
@@ -173,6 +176,19 @@ run_tests() {
     >>"$OUT/results.jsonl"
 }
 
+power_summary() {  # power_summary FILE: the samples of `nvidia-smi dmon -s pucv` with the SMs busy
+  python3 - "$1" <<'PY'
+import statistics, sys
+rows = [line.split() for line in open(sys.argv[1]) if line.strip() and not line.startswith("#")]
+busy = [r for r in rows if len(r) >= 15 and r[5].isdigit() and int(r[5]) >= 90]
+if busy:
+    watts, clocks = [float(r[2]) for r in busy], [int(r[12]) for r in busy]
+    capped = sum(r[13] not in ("0", "-") for r in busy) / len(busy)
+    print(f"power: {len(busy)} busy samples (all GPUs), median {statistics.median(watts):.0f} W, SM clock median "
+          f"{statistics.median(clocks)} MHz ({min(clocks)}-{max(clocks)}), {100 * capped:.0f}% at the power cap")
+PY
+}
+
 run_bench() {
   local round model backend variant kind args word n=0
   IFS='|' read -r -a variants <<<"$FLAGS"
@@ -191,12 +207,21 @@ run_bench() {
             for word in $variant; do
               if [ ${#flags[@]} -eq 0 ] && [[ $word =~ ^[A-Z_][A-Z0-9_]*= ]]; then envs+=("$word"); else flags+=("$word"); fi
             done
+            local dmon=""
+            if [ "$POWER" = 1 ]; then
+              nvidia-smi dmon -s pucv -d 1 -o T >"$OUT/raw/power_$n.txt" 2>&1 &
+              dmon=$!
+            fi
             if timeout "$TIMEOUT" env "${envs[@]}" dovetail --log-level WARNING "${args[@]}" "${flags[@]}" \
                 >/dev/null 2>>"$OUT/bench.log"; then
               record "$kind" "$model" "$backend" "$variant" "$round" "$OUT/raw/bench_$n.json"
               tail -1 "$OUT/results.jsonl" | cut -c1-220
             else
               echo "failed; the end of $OUT/bench.log:"; tail -5 "$OUT/bench.log"
+            fi
+            if [ -n "$dmon" ]; then
+              kill "$dmon" 2>/dev/null; wait "$dmon" 2>/dev/null
+              power_summary "$OUT/raw/power_$n.txt"
             fi
           done
         done

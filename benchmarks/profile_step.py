@@ -16,8 +16,9 @@ time.
 ``--trace FILE`` reads a trace that ``dovetail bench ... --profile`` wrote (one per rank, under
 ``DOVETAIL_TORCH_PROFILER_DIR``; a whole B1 as the engine runs it, graphs included) instead of running a model:
 the device's busy share of the span, each kernel's summed time and the groups', the idle time by the
-length of the gap it fell in, the short gaps' idle time by the kernels on either side, and the longest gaps
-with the kernels on either side and the host's longest calls meanwhile. With programmatic
+length of the gap it fell in, the short gaps' idle time by the kernels on either side, the time between one
+graph replay and the next (where a decode step's inputs are copied), and the longest gaps with the kernels on
+either side and the host's longest calls meanwhile. With programmatic
 dependent launch a kernel starts before its predecessor ends and waits, so a short kernel's time there
 includes some of the one before it.
 
@@ -35,6 +36,7 @@ import bisect
 import collections
 import functools
 import json
+import statistics
 import time
 
 import torch
@@ -233,6 +235,7 @@ def trace_summary(path: str) -> dict:
     for name, t in by_name.items():
         groups[group_of(name)] += t / 1e6
     return {"trace": path, "span_s": (end - start) / 1e6, "busy_s": busy / 1e6, "kernel_s": total / 1e6,
+            "between_graphs": _between_graphs(events, trace_events),
             "groups_s": dict(groups), "idle_s_by_gap_us": {f"<{limit:g}": idle[limit] / 1e6 for limit in GAP_CLASSES},
             "kernels": [{"name": name, "s": t / 1e6, "calls": calls[name]} for name, t in by_name.most_common()],
             "short_idle_between": [{"after": a, "before": b, "s": t / 1e6}
@@ -240,6 +243,30 @@ def trace_summary(path: str) -> dict:
             "longest_gaps": [{"us": gap, "at_s": (at - start) / 1e6, "after": a, "before": b,
                               "host": _host_calls_during(host_events, host_starts, at, at + gap)}
                              for gap, at, a, b in sorted(long_gaps, reverse=True)[:15]]}
+
+
+def _between_graphs(events: list, trace_events: list) -> dict | None:
+    """The device's time from one graph replay's last kernel to the next one's first (the step's inputs copied
+    and prepared between them): how many intervals, their median and total, and the median count of copies and
+    kernels in one. None when the trace has no graph replays."""
+    launches = {e["args"]["correlation"] for e in trace_events if e.get("name") == "cudaGraphLaunch"
+                and e.get("ph") == "X" and "correlation" in e.get("args", {})}
+    spans: dict[int, list[float]] = {}
+    for e in events:
+        correlation = e.get("args", {}).get("correlation")
+        if correlation in launches:
+            first_last = spans.setdefault(correlation, [e["ts"], e["ts"] + e["dur"]])
+            first_last[0], first_last[1] = min(first_last[0], e["ts"]), max(first_last[1], e["ts"] + e["dur"])
+    ordered = sorted(spans.values())
+    if len(ordered) < 2:
+        return None
+    starts = [e["ts"] for e in events]
+    intervals, ops = [], []
+    for (_, end), (begin, _) in zip(ordered, ordered[1:]):
+        intervals.append(begin - end)
+        ops.append(bisect.bisect_left(starts, begin) - bisect.bisect_left(starts, end))
+    return {"intervals": len(intervals), "median_us": statistics.median(intervals), "total_s": sum(intervals) / 1e6,
+            "median_ops": statistics.median(ops)}
 
 
 def _host_calls_during(host_events: list, starts: list, begin: float, end: float, most: int = 4) -> list[str]:
@@ -268,6 +295,10 @@ def print_trace_summary(summary: dict) -> None:
     print("  idle in gaps under 20 µs, by the kernels on either side:")
     for pair in summary["short_idle_between"]:
         print(f"{pair['s'] * 1e3:8.1f} ms  {pair['after'][:60]}  ->  {pair['before'][:60]}")
+    between = summary["between_graphs"]
+    if between:
+        print(f"  between graph replays: {between['intervals']} intervals, median {between['median_us']:.1f} µs "
+              f"({between['median_ops']:g} copies and kernels), {between['total_s'] * 1e3:.1f} ms in all")
     print("  the longest gaps: µs, when (s into the span), the kernels on either side, the host's longest calls then:")
     for gap in summary["longest_gaps"]:
         print(f"{gap['us']:8.0f} us at {gap['at_s']:7.3f} s  {gap['after'][:40]}  ->  {gap['before'][:40]}  | "

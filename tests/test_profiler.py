@@ -138,3 +138,33 @@ def test_the_trace_summary_adds_busy_time_once_and_classes_the_idle_gaps(tmp_pat
                                                                      "_paged_attention_kernel")
     assert gap["host"] == ["aten::mm 1500us", "cudaStreamSynchronize 1400us"], \
         "the host's calls by their time within the gap, the one spanning far more than the gap left out"
+    assert summary["between_graphs"] is None, "no graph replays in this trace"
+
+
+def test_the_trace_summary_times_what_runs_between_graph_replays(tmp_path):
+    """The interval from one replay's last kernel to the next replay's first, and the copies and kernels the
+    step's inputs take in it, found by the replays' launch correlation ids."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "profile_step", Path(__file__).resolve().parents[1] / "benchmarks" / "profile_step.py")
+    profile_step = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(profile_step)
+
+    def op(name, ts, dur, correlation, cat="kernel"):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "args": {"correlation": correlation}}
+
+    def launch(correlation, ts):
+        return {"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": ts, "dur": 5,
+                "args": {"correlation": correlation}}
+
+    events = [launch(1, 0), op("gemm", 10, 50, 1), op("norm", 60, 10, 1),  # replay 1 ends at 70
+              op("Memcpy HtoD", 80, 2, 7, "gpu_memcpy"), op("index_select", 90, 2, 8),
+              launch(2, 20), op("gemm", 100, 50, 2), op("norm", 155, 5, 2),  # 30 µs after replay 1, 2 ops
+              op("Memcpy HtoD", 170, 2, 9, "gpu_memcpy"), launch(3, 160), op("gemm", 220, 30, 3)]  # 60 µs, 1 op
+    path = tmp_path / "rank0.1.pt.trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    between = profile_step.trace_summary(str(path))["between_graphs"]
+    assert between == {"intervals": 2, "median_us": 45.0, "total_s": pytest.approx(90e-6), "median_ops": 1.5}
