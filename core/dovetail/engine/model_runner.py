@@ -372,7 +372,7 @@ class DecodeGraphs:
         # the rows of the step in flight whose tokens are the inputs still pending, and the block tables; the
         # graph derives the lengths. Each host-to-device copy or small kernel between two graphs costs the
         # device several microseconds of idle, so the step's inputs take as few as they can.
-        self.staging = torch.zeros(n_max * (5 + self.width), dtype=torch.long, device=dev)
+        self.staging = torch.zeros(n_max * 5 + -(-n_max * self.width // 2), dtype=torch.long, device=dev)
         self.seq_lens = torch.ones(n_max, dtype=torch.int32, device=dev)
         self.query_start_loc = torch.arange(n_max + 1, dtype=torch.int32, device=dev)
         self.block_table = torch.full((n_max, self.width), runner.spare_block, dtype=torch.int32, device=dev)
@@ -444,8 +444,8 @@ class DecodeGraphs:
         dst, src = pending
         every_row = dst == list(range(n))  # the usual decode step: every input is the step in flight's token
         table = block_table_array(list(block_tables) + [[spare]] * (size - n), fill=spare)
-        rows = 3 * size + len(src) + (0 if every_row else len(dst))  # then the block tables
-        staged = np.empty(rows + table.size, dtype=np.int64)
+        rows = 3 * size + len(src) + (0 if every_row else len(dst))  # then the block tables, two to a row
+        staged = np.empty(rows + -(-table.size // 2), dtype=np.int64)
         ids, positions, slots = staged[:3 * size].reshape(3, size)
         positions[:] = 0
         positions[:n] = [req.num_computed_tokens for req in requests]
@@ -454,7 +454,7 @@ class DecodeGraphs:
                    else 0 for req in requests]
         slots[:] = table[np.arange(size), positions // bs].astype(np.int64) * bs + positions % bs
         staged[3 * size:rows] = src if every_row else src + dst
-        staged[rows:] = table.ravel()
+        staged.view(np.int32)[2 * rows:2 * rows + table.size] = table.ravel()
         seq_lens = torch.from_numpy((positions + 1).astype(np.int32))
         table = torch.from_numpy(table)
         copy_to_device(self.staging[:len(staged)], torch.from_numpy(staged))
@@ -467,7 +467,8 @@ class DecodeGraphs:
             else:
                 self._inputs(size)[0].index_copy_(0, self.staging[3 * size + len(src):rows],
                                                   prev_tokens.index_select(0, source))
-        self.block_table[:size, :table.shape[1]].copy_(self.staging[rows:len(staged)].view(table.shape))
+        tables = self.staging.view(torch.int32)[2 * rows:2 * rows + table.numel()]
+        self.block_table[:size, :table.shape[1]].copy_(tables.view(table.shape))
         if size not in self.views:
             self.views[size] = dict(query_start_loc=self.query_start_loc[:size + 1], seq_lens=self.seq_lens[:size],
                                     block_table=self.block_table[:size], slot_mapping=self._inputs(size)[2],
