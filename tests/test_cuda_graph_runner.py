@@ -152,8 +152,9 @@ def test_replayed_steps_read_their_inputs_from_the_step_in_flight(tiny_llama_dir
 @pytest.mark.parametrize("dst, src", [([0, 2], [3, 1]), ([0, 1, 2], [2, 0, 3]), ([], [])])
 def test_a_graph_step_takes_host_inputs_and_pending_ones_each_from_its_place(tiny_llama_dir, dst, src):
     """Rows ``dst`` of the step read row ``src`` of the tokens in flight; the others their host token; padding
-    rows token 0."""
-    graphs = replaying_engine(tiny_llama_dir).llm_engine.runner.graphs
+    rows token 0. The block tables and slots come in the same copy."""
+    runner = replaying_engine(tiny_llama_dir).llm_engine.runner
+    graphs, bs, spare = runner.graphs, runner.block_size, runner.spare_block
     contexts = (5, 9, 3)
     requests = [SimpleNamespace(num_computed_tokens=c, all_token_ids=list(range(100, 101 + c))) for c in contexts]
     in_flight = torch.tensor([70, 71, 72, 73])
@@ -162,8 +163,10 @@ def test_a_graph_step_takes_host_inputs_and_pending_ones_each_from_its_place(tin
     expected = [100 + c for c in contexts] + [0]
     for row, source in zip(dst, src):
         expected[row] = int(in_flight[source])
-    ids, positions, _ = graphs._inputs(4).tolist()
+    ids, positions, slots = graphs._inputs(4).tolist()
     assert ids == expected and positions == [*contexts, 0]
+    assert graphs.block_table[:4, 0].tolist() == [1, 2, 3, spare]
+    assert slots == [block * bs + c for block, c in zip((1, 2, 3), contexts)] + [spare * bs]
 
 
 def test_steps_above_the_largest_captured_size_run_eagerly(tiny_llama_dir, hf_reference):
