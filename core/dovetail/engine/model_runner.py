@@ -92,13 +92,22 @@ def pending_inputs(batch: ScheduledBatch) -> tuple[list[int], list[int]]:
 def fill_pending(input_ids: torch.Tensor, rows: tuple[list[int], list[int]], prev_tokens: torch.Tensor | None):
     """Copy the in-flight step's sampled tokens into ``input_ids`` on the device, without the host."""
     dst, src = rows
-    if not dst:
-        return
+    if dst:
+        device = input_ids.device
+        place_pending(input_ids, values_to_device(dst, torch.long, device), values_to_device(src, torch.long, device),
+                      prev_tokens)
+
+
+def place_pending(input_ids: torch.Tensor, index: torch.Tensor | None, source: torch.Tensor,
+                  prev_tokens: torch.Tensor | None) -> None:
+    """Rows ``index`` of ``input_ids`` take rows ``source`` of the in-flight step's tokens ``prev_tokens``
+    (device index tensors); ``index`` None: its first ``len(source)`` rows, in one gather."""
     if prev_tokens is None:
         raise RuntimeError("a sequence waits for a token of a step that is not in flight")
-    index = values_to_device(dst, torch.long, input_ids.device)
-    source = values_to_device(src, torch.long, prev_tokens.device)
-    input_ids.index_copy_(0, index, prev_tokens.index_select(0, source))
+    if index is None:
+        torch.index_select(prev_tokens, 0, source, out=input_ids[:source.numel()])
+    else:
+        input_ids.index_copy_(0, index, prev_tokens.index_select(0, source))
 
 
 def block_table_array(block_tables: list[list[int]], rows: int | None = None, fill: int = 0) -> np.ndarray:
@@ -438,18 +447,16 @@ class DecodeGraphs:
               pending: tuple[list[int], list[int]] = ([], []), prev_tokens: torch.Tensor | None = None,
               ) -> AttentionBatch:
         """Write a decode batch padded to ``size`` into the static buffers, with the tokens still pending read
-        from ``prev_tokens`` (:func:`fill_pending`); return its attention batch."""
+        from ``prev_tokens`` (:func:`place_pending`); return its attention batch."""
         runner, bs, spare = self.runner, self.runner.block_size, self.runner.spare_block
         n = len(requests)
         dst, src = pending
         every_row = dst == list(range(n))  # the usual decode step: every input is the step in flight's token
         table = block_table_array(list(block_tables) + [[spare]] * (size - n), fill=spare)
         rows = 3 * size + len(src) + (0 if every_row else len(dst))  # then the block tables, two to a row
-        staged = np.empty(rows + -(-table.size // 2), dtype=np.int64)
+        staged = np.zeros(rows + -(-table.size // 2), dtype=np.int64)
         ids, positions, slots = staged[:3 * size].reshape(3, size)
-        positions[:] = 0
         positions[:n] = [req.num_computed_tokens for req in requests]
-        ids[:] = 0
         ids[:n] = [req.all_token_ids[req.num_computed_tokens] if req.num_computed_tokens < len(req.all_token_ids)
                    else 0 for req in requests]
         slots[:] = table[np.arange(size), positions // bs].astype(np.int64) * bs + positions % bs
@@ -459,14 +466,8 @@ class DecodeGraphs:
         table = torch.from_numpy(table)
         copy_to_device(self.staging[:len(staged)], torch.from_numpy(staged))
         if dst:
-            if prev_tokens is None:
-                raise RuntimeError("a sequence waits for a token of a step that is not in flight")
-            source = self.staging[3 * size:3 * size + len(src)]
-            if every_row:
-                torch.index_select(prev_tokens, 0, source, out=self._inputs(size)[0, :n])
-            else:
-                self._inputs(size)[0].index_copy_(0, self.staging[3 * size + len(src):rows],
-                                                  prev_tokens.index_select(0, source))
+            place_pending(self._inputs(size)[0], None if every_row else self.staging[3 * size + len(src):rows],
+                          self.staging[3 * size:3 * size + len(src)], prev_tokens)
         tables = self.staging.view(torch.int32)[2 * rows:2 * rows + table.numel()]
         self.block_table[:size, :table.shape[1]].copy_(tables.view(table.shape))
         if size not in self.views:
