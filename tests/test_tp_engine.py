@@ -84,8 +84,11 @@ def check_against_hf_and_one_rank(path, world_size: int = 2) -> LLM:
     one = _greedy(single)
     llm = LLM(str(path), tensor_parallel_size=world_size, **COMMON)
     assert llm.llm_engine.executor.name == "mp" and llm.llm_engine.world_size == world_size
-    assert_sharded(single.llm_engine.executor.worker.describe()["parameters"],
-                   llm.llm_engine.executor.collective_rpc("describe"))
+    ranks = llm.llm_engine.executor.collective_rpc("describe")
+    assert_sharded(single.llm_engine.executor.worker.describe()["parameters"], ranks)
+    # Each rank's own process freezes its heap once the rank is up; an in-process rank only while generating.
+    assert all(info["heap_frozen"] for info in ranks)
+    assert not single.llm_engine.executor.worker.describe()["heap_frozen"]
     many = _greedy(llm)
     for ours, single, (tokens, logprobs) in zip(many, one, references):
         assert_greedy_matches(ours, tokens, logprobs)

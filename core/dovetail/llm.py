@@ -8,6 +8,7 @@ from typing import Any, Sequence, Union
 from tqdm.auto import tqdm
 
 from dovetail.config import EngineArgs
+from dovetail.engine.frozen_heap import frozen_heap
 from dovetail.engine.llm_engine import LLMEngine, PromptType
 from dovetail.errors import RequestError
 from dovetail.outputs import RequestOutput
@@ -150,12 +151,13 @@ class LLM:
         results: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
         try:
-            while pending or engine.has_unfinished_requests():  # also drains a step in flight
-                for out in engine.step():
-                    if out.finished and out.request_id in pending:
-                        results[out.request_id] = out
-                        pending.discard(out.request_id)
-                        bar.update(1)
+            with frozen_heap():
+                while pending or engine.has_unfinished_requests():  # also drains a step in flight
+                    for out in engine.step():
+                        if out.finished and out.request_id in pending:
+                            results[out.request_id] = out
+                            pending.discard(out.request_id)
+                            bar.update(1)
         except BaseException:
             engine.abort_request(list(pending))
             raise

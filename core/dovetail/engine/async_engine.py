@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Sequence
 
+from dovetail.engine.frozen_heap import frozen_heap
 from dovetail.engine.llm_engine import LLMEngine, PromptType
 from dovetail.errors import DovetailError, WorkerError
 from dovetail.outputs import RequestOutput
@@ -255,14 +256,15 @@ class AsyncLLMEngine:
     def _run(self) -> None:
         engine = self.engine
         try:
-            while True:
-                if not self._drain_commands(block=not engine.has_unfinished_requests()):
-                    break
-                if self.failure is None and engine.has_unfinished_requests():
-                    self._step()
-                self._stats = dict(engine.stats())
-                if self.failure is not None:
-                    break
+            with frozen_heap():
+                while True:
+                    if not self._drain_commands(block=not engine.has_unfinished_requests()):
+                        break
+                    if self.failure is None and engine.has_unfinished_requests():
+                        self._step()
+                    self._stats = dict(engine.stats())
+                    if self.failure is not None:
+                        break
         finally:
             self._accepting = False
             self._abort_all(EngineStoppedError("the engine stopped before the request finished"))

@@ -22,6 +22,7 @@ import torch
 from dovetail import distributed, model_loader, selection
 from dovetail.attention.backend import AttentionRequirements
 from dovetail.config import EngineConfig
+from dovetail.engine import frozen_heap
 from dovetail.engine.laps import Laps
 from dovetail.engine.model_runner import ModelRunner
 from dovetail.engine.profiler import StepProfiler
@@ -87,13 +88,19 @@ class _Launched:
 
 
 class Worker:
-    """One rank: builds the model on its device, sizes and holds the KV cache, runs and samples each step."""
+    """One rank: builds the model on its device, sizes and holds the KV cache, runs and samples each step.
+
+    ``owns_process``: the rank runs in a process of its own (the ``mp`` and ``ray`` executors), whose heap is
+    frozen out of the garbage collector's full passes once the rank is up (:mod:`dovetail.engine.frozen_heap`).
+    """
 
     def __init__(self, spec: WorkerSpec, rank: int = 0, world_size: int = 1,
                  distributed_init_method: str | None = None, local_rank: int | None = None,
-                 platform: Platform | None = None, startup_phases: dict[str, float] | None = None):
+                 platform: Platform | None = None, startup_phases: dict[str, float] | None = None,
+                 owns_process: bool = False):
         laps = Laps(startup_phases)
         self.spec, self.rank, self.world_size = spec, rank, world_size
+        self.owns_process = owns_process
         config = spec.config
         manager = get_plugin_manager()
         if platform is None:
@@ -194,9 +201,11 @@ class Worker:
         return int(num_blocks)
 
     def initialize_cache(self, num_blocks: int) -> None:
-        """Allocate ``num_blocks`` blocks per layer and capture the decode graphs."""
+        """Allocate ``num_blocks`` blocks per layer and capture the decode graphs: the last of the rank's start-up."""
         self.runner.allocate_kv_cache(num_blocks)
         self.runner.capture_graphs()
+        if self.owns_process:
+            frozen_heap.freeze_for_good()
 
     # -- the step -----------------------------------------------------------------------------
 
@@ -282,10 +291,11 @@ class Worker:
         return {name: round(seconds, 2) for name, seconds in self.startup_phases.items()}
 
     def describe(self) -> dict:
-        """This rank's device, captured graph sizes, steps run as micro-batches and parameter shapes (for logs
-        and tests)."""
+        """This rank's device, captured graph sizes, steps run as micro-batches, parameter shapes and whether its
+        heap is frozen (for logs and tests)."""
         graphs = self.runner.graphs
         return {"rank": self.rank, "world_size": self.world_size, "device": str(self.device),
+                "heap_frozen": frozen_heap.is_frozen(),
                 "graph_sizes": list(graphs.sizes) if graphs is not None else None,
                 "micro_batched_steps": self.runner.micro_batched_steps,
                 "parameters": {name: tuple(p.shape) for name, p in self.model.named_parameters()}}

@@ -93,7 +93,7 @@ def _worker_main(rank: int, world_size: int, init_method: str, conn, parent_pid:
         if not isinstance(spec, WorkerSpec):  # stopped before it was given work
             return
         phases = {"process_start_s": max(0.0, ready - started_at), "spec_wait_s": time.time() - ready}
-        worker = Worker(spec, rank, world_size, init_method, startup_phases=phases)
+        worker = Worker(spec, rank, world_size, init_method, startup_phases=phases, owns_process=True)
         conn.send((True, None, 0))
         while True:
             call, method, args, reply = pickle.loads(conn.recv_bytes())

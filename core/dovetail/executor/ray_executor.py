@@ -49,7 +49,8 @@ class RayWorkerActor:
         import os
 
         phases = {"process_start_s": max(0.0, time.time() - started_at)}  # the actor's process, its imports
-        self.worker = Worker(spec, rank, world_size, init_method, local_rank=0, startup_phases=phases)
+        self.worker = Worker(spec, rank, world_size, init_method, local_rank=0, startup_phases=phases,
+                             owns_process=True)
         return os.getpid()
 
     def call(self, method: str, *args: Any) -> Any:
