@@ -1,8 +1,8 @@
 """Python's full garbage collections kept off the long-lived heap while an engine generates.
 
 A full collection walks every object the collector tracks. Once torch, transformers and a model are imported and
-built, that is hundreds of thousands of objects and about a quarter of a second, during which the process
-launches nothing and the device waits for it (one such pause stood in the middle of a TP=2 B1 run's trace).
+built, that is hundreds of thousands of objects, and while it runs the process launches nothing and the device
+waits for it (benchmarks/RESULTS.md has such a pause in a B1 trace).
 Those objects live as long as the engine, so they are moved to the collector's permanent generation
 (``gc.freeze``, which costs nothing to do or undo), and collections walk only what the requests allocate:
 
