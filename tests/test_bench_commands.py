@@ -89,13 +89,20 @@ def test_throughput_with_a_text_prompt_reports_the_time_to_queue(tmp_path):
     assert 0 < dovetail["enqueue_seconds"] < dovetail["seconds"]
 
 
-def test_latency_reports_decode_time_per_token(tiny_llama_dir, tmp_path):
+def test_latency_reports_decode_time_per_token(tiny_llama_dir, tmp_path, monkeypatch):
+    from dovetail.engine import frozen_heap
+    from dovetail.engine.llm_engine import LLMEngine
+
+    frozen, step = [], LLMEngine.step
+    monkeypatch.setattr(LLMEngine, "step", lambda self: frozen.append(frozen_heap.is_frozen()) or step(self))
     out = tmp_path / "latency.json"
     rc = main(["--log-level", "WARNING", "bench", "latency", "--model", str(tiny_llama_dir), "--device", "cpu",
                "--input-len", "12", "--output-len", "6", "--repeats", "2", "--output-json", str(out)])
     assert rc == 0
     result = json.loads(out.read_text())["dovetail"]
     assert result["ms_per_token"] > 0 and len(result["ms_per_token_runs"]) == 2
+    assert frozen[-12:] == [True] * 12, "the timed steps run with the heap frozen, as LLM.generate's do"
+    assert not frozen_heap.is_frozen()
 
 
 def test_moe_shapes_are_qwen3_30b_a3b_and_its_first_half():

@@ -6,6 +6,7 @@ import time
 
 from dovetail.bench.common import add_common_arguments, build_llm, emit, environment, profiled
 from dovetail.bench.workload import random_requests
+from dovetail.engine.frozen_heap import frozen_heap
 
 
 def add_parser(sub) -> None:
@@ -41,7 +42,7 @@ def run(args) -> int:
     prompt = random_requests(1, (args.input_len, args.input_len), (1, 1), engine.vocab_size,
                              args.workload_seed)[0].prompt_token_ids
     _decode_ms(engine, prompt, 8, "warmup")
-    with profiled(llm, args.profile) as summaries:
+    with profiled(llm, args.profile) as summaries, frozen_heap():  # as LLM.generate runs its steps
         runs = [_decode_ms(engine, prompt, args.output_len, f"r{i}") for i in range(args.repeats)]
     result = {
         "benchmark": "latency", "model": args.model or "c1", "engine_args": kwargs, "environment": environment(engine.platform),
