@@ -40,6 +40,7 @@ sampled = llm.generate(prompts, SamplingParams(temperature=1.0, seed=5, max_toke
 result["logprob_steps"] = [len(o.outputs[0].logprobs) for o in sampled]
 digests = engine.executor.collective_rpc("token_digest")
 result["ranks_agree"] = all(d == digests[0] for d in digests) and len(digests) == 2
+result["heaps_frozen"] = [info["heap_frozen"] for info in engine.executor.collective_rpc("describe")]
 result["cpus"] = int(ray.cluster_resources()["CPU"])
 if result["cpus"] < 4:  # the model's four heads allow four ranks at most
     try:
@@ -72,6 +73,7 @@ def test_ray_tp2_matches_one_rank(tiny_llama_dir, tmp_path):
     assert result["executor"] == "ray" and len(result["pids"]) == 2
     assert result["greedy"] == one
     assert result["logprob_steps"] == [6, 6, 6] and result["ranks_agree"]
+    assert result["heaps_frozen"] == [True, True], "each actor's process freezes its heap once its rank is up"
     if result["cpus"] < 4:
         assert result["too_many"] == (f"tensor_parallel_size: 4 ranks need 4 CPU in the Ray cluster, but it has "
                                       f"{result['cpus']}")
