@@ -33,9 +33,9 @@ def frozen_heap() -> Iterator[None]:
     if _frozen:
         yield
         return
-    gc.freeze()
     _frozen = True
-    try:
+    try:  # freezing inside: an interrupt right after it still finds the heap given back
+        gc.freeze()
         yield
     finally:
         gc.unfreeze()
