@@ -24,18 +24,22 @@ def long_context_dir(tmp_path_factory):
                                   tiny_models.tiny_llama_config(max_position_embeddings=8192))
 
 
-def _worker_pids(server_pid: int) -> list[int]:
-    """The server's worker processes (spawned children; multiprocessing's resource tracker is not one)."""
+def _children(pid: int) -> list[int]:
     pids = []
-    for task in os.listdir(f"/proc/{server_pid}/task"):
-        with open(f"/proc/{server_pid}/task/{task}/children") as f:
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
             pids += [int(p) for p in f.read().split()]
+    return sorted(pids)
+
+
+def _worker_pids(server_pid: int) -> list[int]:
+    """The server's worker processes: the children of the fork server the server started (neither the fork
+    server nor multiprocessing's resource tracker is a worker)."""
     workers = []
-    for pid in sorted(pids):
+    for pid in _children(server_pid):
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            cmdline = f.read().decode(errors="replace")
-        if "multiprocessing-fork" in cmdline and "resource_tracker" not in cmdline:
-            workers.append(pid)
+            if b"forkserver" in f.read():
+                workers += _children(pid)
     return workers
 
 

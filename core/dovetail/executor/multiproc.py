@@ -1,8 +1,11 @@
 """The ``mp`` executor: one worker process per device on this host (the default with several ranks).
 
-Workers are started with ``spawn`` as the engine begins, so that their imports and the reading of the
-model's configuration overlap the engine's own configuration; they then get their spec and build their
-part of the model. They talk to the engine over one pipe each:
+Workers are started as the engine begins, so that their imports and the reading of the model's
+configuration overlap the engine's own configuration; they then get their spec and build their part of the
+model. They are forked from multiprocessing's fork server, which imports what every rank needs
+(:mod:`dovetail.worker_imports`) once per engine process; a rank then starts with those in place instead
+of importing them itself, seconds of CPU a rank. The fork server never touches a device, so each rank
+still opens its own, and each takes the engine's environment as it is when the rank starts. They talk to the engine over one pipe each:
 a call is pickled once and written to every rank's pipe; rank 0 answers the
 steps, every rank answers the collective calls. While it waits, the engine
 watches every pipe and every process, so a rank that raises (its error comes
@@ -49,9 +52,9 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def _main_module_hidden():
-    """Start processes without ``spawn`` re-running the user's script in each child.
+    """Start processes without re-running the user's script in each child.
 
-    ``spawn`` imports the parent's ``__main__`` in every child; a script that builds an
+    ``spawn`` and ``forkserver`` import the parent's ``__main__`` in every child; a script that builds an
     engine at top level (no ``if __name__ == "__main__":`` guard) would build it again
     there. The workers need nothing from ``__main__``, so it is hidden while they start.
     """
@@ -69,21 +72,23 @@ def _main_module_hidden():
             setattr(main, name, value)
 
 
-def _exit_with_parent(parent_pid: int) -> None:
-    """Exit this worker within a second of the engine's process ending, however it ended."""
+def _exit_with_engine(engine_alive) -> None:
+    """Exit this worker as soon as the engine's process ends, however it ended: only the engine holds the
+    other end of ``engine_alive`` and never writes to it, so the pipe reads as closed exactly then. (The
+    worker's parent is the fork server, not the engine, so its parent process id tells nothing.)"""
     def watch():
-        while True:
-            time.sleep(0.5)
-            if os.getppid() != parent_pid:
-                os._exit(1)
+        multiprocessing.connection.wait([engine_alive])
+        os._exit(1)
 
-    threading.Thread(target=watch, name="dovetail-parent-watch", daemon=True).start()
+    threading.Thread(target=watch, name="dovetail-engine-watch", daemon=True).start()
 
 
-def _worker_main(rank: int, world_size: int, init_method: str, conn, parent_pid: int, log_level: int,
-                 started_at: float, model_path: str) -> None:
+def _worker_main(rank: int, world_size: int, init_method: str, conn, engine_alive, environment: dict,
+                 log_level: int, started_at: float, model_path: str) -> None:
+    os.environ.clear()  # the engine's environment now, not the fork server's from when it started
+    os.environ.update(environment)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the engine's to handle
-    _exit_with_parent(parent_pid)
+    _exit_with_engine(engine_alive)
     logging.basicConfig(level=log_level, format=f"%(levelname)s rank {rank} %(name)s: %(message)s")
     worker = None
     try:
@@ -148,7 +153,7 @@ def _describe_exit(code: int | None) -> str:
     return f"exited with status {code}"
 
 
-def _stop(processes: list, conns: list, wake) -> None:
+def _stop(processes: list, conns: list, wake, engine_alive) -> None:
     """Ask the workers to stop, then terminate and kill whatever is still alive."""
     with contextlib.suppress(Exception):
         wake.send_bytes(b"")  # the watcher is not to report these exits
@@ -167,7 +172,7 @@ def _stop(processes: list, conns: list, wake) -> None:
         if proc.is_alive():
             proc.kill()
             proc.join(2)
-    for conn in conns:
+    for conn in [*conns, engine_alive]:
         with contextlib.suppress(Exception):
             conn.close()
 
@@ -197,24 +202,27 @@ class MultiprocExecutor(RemoteExecutor):
 
     def __init__(self, world_size: int, model_path: str):
         self.world_size = world_size
-        ctx = multiprocessing.get_context("spawn")
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(["dovetail.worker_imports"])  # for the fork server this process starts first
         init_method = f"tcp://127.0.0.1:{free_port()}"
         self._processes: list = []
         self._conns: list = []
         self._calls = 0  # calls sent so far; an answer carries its call's number
         wake_r, wake_w = ctx.Pipe(duplex=False)
-        self._finalizer = weakref.finalize(self, _stop, self._processes, self._conns, wake_w)
+        alive_r, alive_w = ctx.Pipe(duplex=False)
+        self._finalizer = weakref.finalize(self, _stop, self._processes, self._conns, wake_w, alive_w)
         log_level = logging.getLogger("dovetail").getEffectiveLevel()
         with _main_module_hidden():
             for rank in range(world_size):
                 parent_end, child_end = ctx.Pipe()
                 proc = ctx.Process(target=_worker_main, name=f"dovetail-worker-{rank}", daemon=True,
-                                   args=(rank, world_size, init_method, child_end, os.getpid(), log_level,
-                                         time.time(), model_path))
+                                   args=(rank, world_size, init_method, child_end, alive_r, dict(os.environ),
+                                         log_level, time.time(), model_path))
                 proc.start()
                 child_end.close()
                 self._processes.append(proc)
                 self._conns.append(parent_end)
+        alive_r.close()
         self._wake_reader = wake_r
         self._built = False
 

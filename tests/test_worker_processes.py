@@ -1,0 +1,103 @@
+"""The ``mp`` executor's worker processes: forked from a fork server that started with an older environment,
+each still runs with the engine's environment as it is when the ranks start, and each exits when the engine's
+process is gone, however it ended, even while it waits on another rank in a collective."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from dovetail import LLM
+from dovetail.errors import ConfigError
+from fake_plugins import install_fake_plugin
+from test_tp_engine import COMMON
+from test_tp_failures import _wait_gone
+
+ENV_CHECK = '''
+import os
+
+from dovetail.errors import ConfigError
+from dovetail.hookspecs import hookimpl
+from dovetail.platform import ProbeResult
+from dovetail_cpu.platform import CpuPlatform
+
+
+def probe():
+    return ProbeResult.ok("the CPU")
+
+
+class EnvCheck(CpuPlatform):
+    """The CPU, refusing to open a rank's device while ENV_CHECK is set (only the ranks open one)."""
+
+    name = "envcheck"
+
+    def set_device(self, index):
+        if os.environ.get("ENV_CHECK"):
+            raise ConfigError(f"this rank runs with ENV_CHECK={os.environ['ENV_CHECK']}")
+        return super().set_device(index)
+
+
+DOVETAIL_PLUGIN_API = ">=1.0,<2"
+
+
+@hookimpl
+def register_platforms(register):
+    register(name="envcheck", cls="envcheck_mod:EnvCheck", probe="envcheck_mod:probe", priority=-1)
+'''
+
+
+def test_ranks_run_with_the_engines_environment_of_their_start(tiny_llama_dir, tmp_path, monkeypatch):
+    install_fake_plugin(tmp_path / "plugin", monkeypatch, "envcheck", "envcheck_mod", ENV_CHECK)
+    monkeypatch.delenv("ENV_CHECK", raising=False)
+    kwargs = dict(COMMON, device="envcheck", tensor_parallel_size=2)
+    LLM(str(tiny_llama_dir), **kwargs).llm_engine.shutdown()  # the fork server is up, without ENV_CHECK
+    monkeypatch.setenv("ENV_CHECK", "set after the fork server started")
+    with pytest.raises(ConfigError, match="this rank runs with ENV_CHECK=set after the fork server started"):
+        LLM(str(tiny_llama_dir), **kwargs)
+
+
+GENERATE_FOREVER = '''
+import sys
+from dovetail import LLM, SamplingParams
+
+llm = LLM(sys.argv[1], device="cpu", attention_backend="REFERENCE", tensor_parallel_size=2, max_model_len=128)
+print("PIDS", *llm.llm_engine.executor.pids, flush=True)
+while True:
+    llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=100, ignore_eos=True), use_tqdm=False)
+'''
+
+
+def test_a_rank_waiting_in_a_collective_exits_when_the_engine_is_killed(tiny_llama_dir, tmp_path):
+    """Rank 1 is stopped, so rank 0 waits for it in the step's first all-reduce; then the engine's process is
+    killed, with no chance to stop its ranks. Rank 0 must still go (it reads nothing from its pipe while it
+    waits), before rank 1 is let go."""
+    script = tmp_path / "generate_forever.py"
+    script.write_text(textwrap.dedent(GENERATE_FOREVER))
+    proc = subprocess.Popen([sys.executable, str(script), str(tiny_llama_dir)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    pids = []
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("PIDS"), proc.stderr.read() if proc.poll() is not None else line
+        pids = [int(p) for p in line.split()[1:]]
+        time.sleep(1.0)  # let it generate
+        os.kill(pids[1], signal.SIGSTOP)
+        time.sleep(0.5)
+        proc.kill()
+        proc.wait(timeout=30)
+        _wait_gone(pids[:1])
+    finally:
+        for pid in pids[1:]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    _wait_gone(pids)
