@@ -5,6 +5,7 @@ process is gone, however it ended, even while it waits on another rank in a coll
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -15,7 +16,7 @@ import time
 import pytest
 
 from dovetail import LLM
-from dovetail.errors import ConfigError
+from dovetail.errors import ConfigError, WorkerError
 from fake_plugins import install_fake_plugin
 from test_tp_engine import COMMON
 from test_tp_failures import _wait_gone
@@ -23,7 +24,7 @@ from test_tp_failures import _wait_gone
 ENV_CHECK = '''
 import os
 
-from dovetail.errors import ConfigError
+from dovetail.errors import ConfigError, WorkerError
 from dovetail.hookspecs import hookimpl
 from dovetail.platform import ProbeResult
 from dovetail_cpu.platform import CpuPlatform
@@ -101,3 +102,12 @@ def test_a_rank_waiting_in_a_collective_exits_when_the_engine_is_killed(tiny_lla
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     _wait_gone(pids)
+
+
+def test_ranks_that_cannot_be_started_fail_the_engine_with_the_reason(tiny_llama_dir, monkeypatch):
+    def refuse(self):
+        raise OSError("no more processes")
+
+    monkeypatch.setattr(multiprocessing.get_context("forkserver").Process, "start", refuse)
+    with pytest.raises(WorkerError, match="the worker processes did not start: OSError: no more processes"):
+        LLM(str(tiny_llama_dir), tensor_parallel_size=2, **COMMON)

@@ -56,7 +56,8 @@ def _main_module_hidden():
 
     ``spawn`` and ``forkserver`` import the parent's ``__main__`` in every child; a script that builds an
     engine at top level (no ``if __name__ == "__main__":`` guard) would build it again
-    there. The workers need nothing from ``__main__``, so it is hidden while they start.
+    there. The workers need nothing from ``__main__``, so it is hidden while they start (in the thread that
+    starts them; the engine's own thread, configuring meanwhile, reads neither attribute).
     """
     main = sys.modules.get("__main__")
     saved = {name: getattr(main, name) for name in ("__file__", "__spec__") if hasattr(main, name)}
@@ -153,8 +154,30 @@ def _describe_exit(code: int | None) -> str:
     return f"exited with status {code}"
 
 
-def _stop(processes: list, conns: list, wake, engine_alive) -> None:
+def _start_ranks(ctx, world_size: int, init_method: str, engine_alive, environment: dict, log_level: int,
+                 started_at: float, model_path: str, processes: list, conns: list, errors: list) -> None:
+    """Start a process for each rank, appending it and the engine's end of its pipe to ``processes`` and
+    ``conns`` (in a thread of the engine's: the first start waits for the fork server's imports)."""
+    try:
+        with _main_module_hidden():
+            for rank in range(world_size):
+                parent_end, child_end = ctx.Pipe()
+                proc = ctx.Process(target=_worker_main, name=f"dovetail-worker-{rank}", daemon=True,
+                                   args=(rank, world_size, init_method, child_end, engine_alive, environment,
+                                         log_level, started_at, model_path))
+                proc.start()
+                child_end.close()
+                processes.append(proc)
+                conns.append(parent_end)
+    except BaseException as exc:
+        errors.append(exc)
+    finally:
+        engine_alive.close()
+
+
+def _stop(starting: threading.Thread, processes: list, conns: list, wake, engine_alive) -> None:
     """Ask the workers to stop, then terminate and kill whatever is still alive."""
+    starting.join()
     with contextlib.suppress(Exception):
         wake.send_bytes(b"")  # the watcher is not to report these exits
     stop = pickle.dumps((0, None, (), _NONE))
@@ -204,30 +227,34 @@ class MultiprocExecutor(RemoteExecutor):
         self.world_size = world_size
         ctx = multiprocessing.get_context("forkserver")
         ctx.set_forkserver_preload(["dovetail.worker_imports"])  # for the fork server this process starts first
-        init_method = f"tcp://127.0.0.1:{free_port()}"
         self._processes: list = []
         self._conns: list = []
         self._calls = 0  # calls sent so far; an answer carries its call's number
+        self._start_errors: list = []
         wake_r, wake_w = ctx.Pipe(duplex=False)
         alive_r, alive_w = ctx.Pipe(duplex=False)
-        self._finalizer = weakref.finalize(self, _stop, self._processes, self._conns, wake_w, alive_w)
-        log_level = logging.getLogger("dovetail").getEffectiveLevel()
-        with _main_module_hidden():
-            for rank in range(world_size):
-                parent_end, child_end = ctx.Pipe()
-                proc = ctx.Process(target=_worker_main, name=f"dovetail-worker-{rank}", daemon=True,
-                                   args=(rank, world_size, init_method, child_end, alive_r, dict(os.environ),
-                                         log_level, time.time(), model_path))
-                proc.start()
-                child_end.close()
-                self._processes.append(proc)
-                self._conns.append(parent_end)
-        alive_r.close()
+        args = (ctx, world_size, f"tcp://127.0.0.1:{free_port()}", alive_r, dict(os.environ),
+                logging.getLogger("dovetail").getEffectiveLevel(), time.time(), model_path)
+        # A first start waits for the fork server's imports: the engine configures meanwhile.
+        self._starting = threading.Thread(target=_start_ranks, args=(*args, self._processes, self._conns,
+                                                                    self._start_errors),
+                                          name="dovetail-worker-start", daemon=True)
+        self._finalizer = weakref.finalize(self, _stop, self._starting, self._processes, self._conns, wake_w,
+                                           alive_w)
+        self._starting.start()
         self._wake_reader = wake_r
         self._built = False
 
+    def _started(self) -> None:
+        """Wait until every rank's process has started; a WorkerError if one could not be."""
+        self._starting.join()
+        if self._start_errors:
+            exc = self._start_errors[0]
+            raise self._fail(WorkerError(f"the worker processes did not start: {type(exc).__name__}: {exc}"))
+
     def build(self, spec: WorkerSpec) -> None:
         """Give every rank ``spec`` and wait until each has built its part of the model."""
+        self._started()
         self._write_to_every_rank(pickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL),
                                   "stopped before it was given its work")
         self._receive(range(self.world_size))
@@ -240,6 +267,7 @@ class MultiprocExecutor(RemoteExecutor):
 
     @property
     def pids(self) -> list[int]:
+        self._starting.join()
         return [p.pid for p in self._processes]
 
     # -- calls -------------------------------------------------------------------------------
@@ -338,6 +366,7 @@ class MultiprocExecutor(RemoteExecutor):
         return WorkerError(f"worker rank {rank} failed: {last}", rank)
 
     def _stop_ranks(self) -> None:
+        self._starting.join()
         for proc in self._processes:
             if proc.is_alive():
                 proc.terminate()
