@@ -134,7 +134,7 @@ while True:
 
 @pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
 def test_no_worker_outlives_ctrl_c_or_sigterm(tiny_llama_dir, tmp_path, how):
-    """A script without a ``__main__`` guard (spawn must not run it again in the workers), stopped while it
+    """A script without a ``__main__`` guard (the workers must not run it again as they start), stopped while it
     generates: Ctrl-C reaches the whole process group, SIGTERM only the engine's process."""
     script = tmp_path / "generate_forever.py"
     script.write_text(textwrap.dedent(SCRIPT))

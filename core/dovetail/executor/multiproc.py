@@ -5,14 +5,14 @@ configuration overlap the engine's own configuration; they then get their spec a
 model. They are forked from multiprocessing's fork server, which imports what every rank needs
 (:mod:`dovetail.worker_imports`) once per engine process; a rank then starts with those in place instead
 of importing them itself, seconds of CPU a rank. The fork server never touches a device, so each rank
-still opens its own, and each takes the engine's environment as it is when the rank starts. They talk to the engine over one pipe each:
-a call is pickled once and written to every rank's pipe; rank 0 answers the
-steps, every rank answers the collective calls. While it waits, the engine
-watches every pipe and every process, so a rank that raises (its error comes
-down its pipe) or dies (killed, out of memory, a communication failure that
-aborts it) fails the engine at once with the rank named, and the other ranks
-are stopped. Workers ignore Ctrl-C (the engine shuts them down) and exit by
-themselves when the engine process is gone, so none is left behind.
+still opens its own, and each takes the engine's environment as it is when the rank starts.
+
+They talk to the engine over one pipe each: a call is pickled once and written to every rank's pipe;
+rank 0 answers the steps, every rank answers the collective calls. While it waits, the engine watches
+every pipe and every process, so a rank that raises (its error comes down its pipe) or dies (killed, out of
+memory, a communication failure that aborts it) fails the engine at once with the rank named, and the
+other ranks are stopped. Workers ignore Ctrl-C (the engine shuts them down) and exit by themselves when
+the engine process is gone, so none is left behind.
 """
 
 from __future__ import annotations
