@@ -19,6 +19,7 @@ from dovetail import LLM
 from dovetail.errors import ConfigError, WorkerError
 from fake_plugins import install_fake_plugin
 from test_tp_engine import COMMON
+from test_tp_failures import SCRIPT as GENERATE_FOREVER
 from test_tp_failures import _wait_gone
 
 ENV_CHECK = '''
@@ -62,17 +63,6 @@ def test_ranks_run_with_the_engines_environment_of_their_start(tiny_llama_dir, t
     monkeypatch.setenv("ENV_CHECK", "set after the fork server started")
     with pytest.raises(ConfigError, match="this rank runs with ENV_CHECK=set after the fork server started"):
         LLM(str(tiny_llama_dir), **kwargs)
-
-
-GENERATE_FOREVER = '''
-import sys
-from dovetail import LLM, SamplingParams
-
-llm = LLM(sys.argv[1], device="cpu", attention_backend="REFERENCE", tensor_parallel_size=2, max_model_len=128)
-print("PIDS", *llm.llm_engine.executor.pids, flush=True)
-while True:
-    llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=100, ignore_eos=True), use_tqdm=False)
-'''
 
 
 def test_a_rank_waiting_in_a_collective_exits_when_the_engine_is_killed(tiny_llama_dir, tmp_path):
