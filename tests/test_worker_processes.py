@@ -25,7 +25,7 @@ from test_tp_failures import _wait_gone
 ENV_CHECK = '''
 import os
 
-from dovetail.errors import ConfigError, WorkerError
+from dovetail.errors import ConfigError
 from dovetail.hookspecs import hookimpl
 from dovetail.platform import ProbeResult
 from dovetail_cpu.platform import CpuPlatform
