@@ -3,6 +3,7 @@ with its rank named, and neither an error nor Ctrl-C nor SIGTERM leaves a worker
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import signal
@@ -132,29 +133,37 @@ while True:
 '''
 
 
-@pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
-def test_no_worker_outlives_ctrl_c_or_sigterm(tiny_llama_dir, tmp_path, how):
-    """A script without a ``__main__`` guard (the workers must not run it again as they start), stopped while it
-    generates: Ctrl-C reaches the whole process group, SIGTERM only the engine's process."""
+@contextlib.contextmanager
+def generating_forever(tmp_path, model_dir):
+    """:data:`SCRIPT` in a session of its own, generating: yields its process and its ranks' pids, and kills
+    whatever of the session is left when the engine's process is still running afterwards."""
     script = tmp_path / "generate_forever.py"
     script.write_text(textwrap.dedent(SCRIPT))
-    proc = subprocess.Popen([sys.executable, str(script), str(tiny_llama_dir)], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, str(script), str(model_dir)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         line = proc.stdout.readline()
         assert line.startswith("PIDS"), proc.stderr.read() if proc.poll() is not None else line
         pids = [int(p) for p in line.split()[1:]]
         time.sleep(1.0)  # let it generate
+        yield proc, pids
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
+def test_no_worker_outlives_ctrl_c_or_sigterm(tiny_llama_dir, tmp_path, how):
+    """A script without a ``__main__`` guard (the workers must not run it again as they start), stopped while it
+    generates: Ctrl-C reaches the whole process group, SIGTERM only the engine's process."""
+    with generating_forever(tmp_path, tiny_llama_dir) as (proc, pids):
         if how == "ctrl-c":
             os.killpg(proc.pid, signal.SIGINT)
         else:
             proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
         _wait_gone(pids)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 CTRL_C_BETWEEN_RANKS = '''

@@ -8,9 +8,6 @@ import contextlib
 import multiprocessing
 import os
 import signal
-import subprocess
-import sys
-import textwrap
 import time
 
 import pytest
@@ -19,8 +16,7 @@ from dovetail import LLM
 from dovetail.errors import ConfigError, WorkerError
 from fake_plugins import install_fake_plugin
 from test_tp_engine import COMMON
-from test_tp_failures import SCRIPT as GENERATE_FOREVER
-from test_tp_failures import _wait_gone
+from test_tp_failures import _wait_gone, generating_forever
 
 ENV_CHECK = '''
 import os
@@ -69,28 +65,18 @@ def test_a_rank_waiting_in_a_collective_exits_when_the_engine_is_killed(tiny_lla
     """Rank 1 is stopped, so rank 0 waits for it in the step's first all-reduce; then the engine's process is
     killed, with no chance to stop its ranks. Rank 0 must still go (it reads nothing from its pipe while it
     waits), before rank 1 is let go."""
-    script = tmp_path / "generate_forever.py"
-    script.write_text(textwrap.dedent(GENERATE_FOREVER))
-    proc = subprocess.Popen([sys.executable, str(script), str(tiny_llama_dir)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
     pids = []
     try:
-        line = proc.stdout.readline()
-        assert line.startswith("PIDS"), proc.stderr.read() if proc.poll() is not None else line
-        pids = [int(p) for p in line.split()[1:]]
-        time.sleep(1.0)  # let it generate
-        os.kill(pids[1], signal.SIGSTOP)
-        time.sleep(0.5)
-        proc.kill()
-        proc.wait(timeout=30)
-        _wait_gone(pids[:1])
+        with generating_forever(tmp_path, tiny_llama_dir) as (proc, pids):
+            os.kill(pids[1], signal.SIGSTOP)
+            time.sleep(0.5)
+            proc.kill()
+            proc.wait(timeout=30)
+            _wait_gone(pids[:1])
     finally:
         for pid in pids[1:]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
     _wait_gone(pids)
 
 
