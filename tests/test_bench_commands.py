@@ -72,6 +72,22 @@ def test_step_stats_charge_every_step_of_the_timed_run(tiny_llama_dir, tmp_path)
     assert stats["steps"] == sum(g["steps"] for g in groups.values())
     assert 0 < sum(g["seconds"] for g in groups.values()) <= stats["seconds"] <= result["seconds"]
     assert all(name == "prefill" or name.startswith("decode ") for name in groups)
+    assert set(stats["stalls"]) == {"steps", "extra_seconds", "longest"}
+
+
+def test_step_stats_find_a_decode_step_that_waited_longer_than_its_neighbours():
+    from dovetail.bench.step_stats import stalls
+
+    rng = random.Random(3)
+    # Steps slowly getting shorter as the batch shrinks, with some noise; step 30 waited 12 ms more.
+    decodes = [(i, 256 - i, 0.009 - 2e-5 * i + rng.uniform(-2e-4, 2e-4), float(i)) for i in range(60)]
+    assert stalls(decodes)["steps"] == 0
+    decodes[30] = (30, 226, decodes[30][2] + 0.012, 30.0)
+    found = stalls(decodes)
+    assert found["steps"] == 1
+    [stall] = found["longest"]
+    assert (stall["step"], stall["sequences"], stall["ended_at"]) == (30, 226, 30.0)
+    assert abs(found["extra_seconds"] - 0.012) < 5e-4
 
 
 def test_throughput_with_a_text_prompt_reports_the_time_to_queue(tmp_path):

@@ -8,15 +8,28 @@ by the first of them; when the devices are the bottleneck that is the batch's de
 Steps are grouped into those with prompt tokens (prefill, possibly with decodes beside them) and decode-only
 steps by their number of sequences, so a run's time can be set against each group's bound (weights read
 once a step, the KV cache read by attention).
+
+Stalls: a decode step that takes much longer than the decode steps around it (whose batches barely differ)
+waited on something other than its own work, such as the host (a garbage collection, an allocation) or a
+peer rank. ``stalls`` counts the decode steps over ``STALL_RATIO`` times the median of their neighbours,
+their time beyond that median, and the longest of them, with when they ended (``time.perf_counter``, so they
+can be matched with other logs of the host), without a profiler, whose own work adds stalls.
 """
 
 from __future__ import annotations
 
 import contextlib
+import statistics
 import time
 
 #: Upper edges of the decode-only groups, by sequences in the step.
 DECODE_GROUPS = (1, 8, 32, 64, 128, 192, 256, 512, 1024)
+#: A decode step is a stall above this multiple of the median of the ``STALL_NEIGHBOURS`` decode steps on
+#: either side of it.
+STALL_RATIO = 1.5
+STALL_NEIGHBOURS = 8
+#: How many of the longest stalls the summary lists.
+STALLS_LISTED = 10
 
 
 def _group(num_seqs: int) -> str:
@@ -68,12 +81,15 @@ def summarize(launched: list[tuple[int, int, int]], returns: list[float], start:
     overlap) and sum them by group."""
     marks = [start] + returns
     groups: dict[str, dict] = {}
+    decodes: list[tuple[int, int, float, float]] = []  # (step, sequences, seconds, end) of decode-only steps
     shift = 1 if overlap else 0
     for i in range(len(returns) - shift):
         seqs, prompt_tokens, decode_tokens = launched[i] if i < len(launched) else (0, 0, 0)
         if seqs == 0:
             continue
         seconds = marks[i + 1 + shift] - marks[i + shift]
+        if not prompt_tokens:
+            decodes.append((i, seqs, seconds, marks[i + 1 + shift]))
         name = "prefill" if prompt_tokens else _group(seqs)
         g = groups.setdefault(name, {"steps": 0, "seconds": 0.0, "prompt_tokens": 0, "decode_tokens": 0})
         g["steps"] += 1
@@ -83,7 +99,25 @@ def summarize(launched: list[tuple[int, int, int]], returns: list[float], start:
     for g in groups.values():
         g["ms_per_step"] = 1e3 * g["seconds"] / g["steps"]
     total = marks[-1] - start
-    return {"seconds": total, "steps": sum(g["steps"] for g in groups.values()), "groups": groups}
+    return {"seconds": total, "steps": sum(g["steps"] for g in groups.values()), "groups": groups,
+            "stalls": stalls(decodes)}
+
+
+def stalls(decodes: list[tuple[int, int, float, float]]) -> dict:
+    """The decode steps over ``STALL_RATIO`` times their neighbours' median: how many, their time beyond
+    it, and the longest."""
+    found = []
+    for j, (step, seqs, seconds, end) in enumerate(decodes):
+        around = [d[2] for d in decodes[max(0, j - STALL_NEIGHBOURS):j] + decodes[j + 1:j + 1 + STALL_NEIGHBOURS]]
+        if not around:
+            continue
+        usual = statistics.median(around)
+        if seconds > STALL_RATIO * usual:
+            found.append({"step": step, "sequences": seqs, "ms": 1e3 * seconds, "usual_ms": 1e3 * usual,
+                          "ended_at": end})
+    found.sort(key=lambda f: f["usual_ms"] - f["ms"])
+    return {"steps": len(found), "extra_seconds": sum(f["ms"] - f["usual_ms"] for f in found) / 1e3,
+            "longest": found[:STALLS_LISTED]}
 
 
 def format_summary(summary: dict) -> str:
@@ -93,4 +127,10 @@ def format_summary(summary: dict) -> str:
     for name, g in sorted(summary["groups"].items(), key=lambda kv: -kv[1]["seconds"]):
         lines.append(f"  {name:16s} {g['steps']:6d} steps {g['seconds']:8.3f} s {g['seconds'] / total:6.1%} "
                      f"{g['ms_per_step']:8.3f} ms/step  prompt {g['prompt_tokens']} decode {g['decode_tokens']}")
+    stalled = summary.get("stalls")
+    if stalled and stalled["steps"]:
+        lines.append(f"  stalls: {stalled['steps']} decode steps over {STALL_RATIO}x their neighbours' median, "
+                     f"{1e3 * stalled['extra_seconds']:.1f} ms beyond it; the longest: " + ", ".join(
+                         f"step {f['step']} ({f['sequences']} seqs) {f['ms']:.1f} ms, usually {f['usual_ms']:.1f}"
+                         for f in stalled["longest"][:3]))
     return "\n".join(lines)
