@@ -218,6 +218,8 @@ def select_quant_method(platform: Platform, dtype: torch.dtype, requested: str |
 
 @dataclass
 class ModelChoice:
+    """The model class chosen for a checkpoint's architecture, and the plugin (and its path) that registered it."""
+
     architecture: str
     cls: type
     plugin: str

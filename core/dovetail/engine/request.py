@@ -11,6 +11,8 @@ from dovetail.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):
+    """Where a request is in the scheduler: queued, running, preempted (its KV cache given back) or finished."""
+
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"

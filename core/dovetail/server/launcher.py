@@ -79,6 +79,9 @@ def serve(model: str, engine_kwargs: dict, settings: ServerSettings, host: str =
     timers: list[threading.Timer] = []
 
     class Server(uvicorn.Server):
+        """uvicorn's server, whose first SIGINT/SIGTERM also stops new requests and bounds the running
+        ones' time by ``shutdown_timeout``."""
+
         def handle_exit(self, sig, frame):
             first = not self.should_exit
             super().handle_exit(sig, frame)

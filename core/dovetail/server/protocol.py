@@ -244,6 +244,8 @@ class ChatTool(_Body):
 
 
 class NamedFunction(_Body):
+    """The ``function`` of a ``tool_choice`` that names one: its ``name``."""
+
     name: str
 
 
