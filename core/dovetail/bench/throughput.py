@@ -6,7 +6,8 @@ time ``LLM.generate`` took to queue every request (from the call to the last
 request's arrival). ``--prompt TEXT`` gives every request that text instead of
 random token ids, so that queueing includes tokenising. ``--structured-output
 json`` adds the same run under a JSON schema (:mod:`dovetail.bench.structured`). ``--step-stats`` adds
-where the timed run's wall time went, by kind of step (:mod:`dovetail.bench.step_stats`).
+where the timed run's wall time went, by kind of step, and the decode steps that stalled
+(:mod:`dovetail.bench.step_stats`).
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ def add_parser(sub) -> None:
                         "and the grammar's compile time (a named shape gets a synthetic tokenizer)")
     p.add_argument("--step-stats", action="store_true",
                    help="report the timed run's wall time by kind of step: prefill, and decode-only steps by "
-                        "their number of sequences")
+                        "their number of sequences; and the decode steps that stalled (much longer than their "
+                        "neighbours)")
     p.set_defaults(func=run)
 
 
