@@ -83,3 +83,35 @@ def test_tp2_random_sampling_is_identical_on_both_gpus(tmp_path):
         assert digests[0] == digests[1]
     finally:
         llm.llm_engine.shutdown()
+
+
+def test_ray_tp2_shows_each_actor_both_gpus_and_matches_hf_and_mp(tmp_path):
+    """Ray gives each actor one GPU; the executor shows it both (its node's ranks'), so the all-reduce kernel is
+    the one the ``mp`` executor picks (NVLink's where the GPUs have it), and bfloat16 tokens equal ``mp``'s."""
+    pytest.importorskip("ray", reason="the ray executor needs Ray (pip install 'dovetail[ray]')")
+    path = save_checkpoint(tmp_path, MODELS["llama"]())
+    hf = load_hf(path)
+    references = [hf_greedy(hf, p, MAX_TOKENS) for p in PROMPTS]
+    del hf
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    runs = {}
+    for backend, dtype in (("ray", "float32"), ("mp", "bfloat16"), ("ray", "bfloat16")):
+        llm = LLM(str(path), tensor_parallel_size=2, distributed_executor_backend=backend,
+                  **{**ENGINE, "dtype": dtype})
+        try:
+            assert llm.llm_engine.executor.name == backend
+            info = llm.llm_engine.executor.collective_rpc("describe")
+            tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            runs[backend, dtype] = tokens, info
+        finally:
+            llm.llm_engine.shutdown()
+        gc.collect()
+        torch.cuda.empty_cache()
+    tokens, info = runs["ray", "float32"]
+    assert [i["device"] for i in info] == ["cuda:0", "cuda:1"] and [i["visible_devices"] for i in info] == [2, 2]
+    for mine, (reference, logprobs) in zip(tokens, references):
+        assert_greedy_matches(mine, reference, logprobs)
+    (mp_tokens, mp_info), (ray_tokens, ray_info) = runs["mp", "bfloat16"], runs["ray", "bfloat16"]
+    assert [i["all_reduce"] for i in ray_info] == [i["all_reduce"] for i in mp_info]
+    assert ray_tokens == mp_tokens

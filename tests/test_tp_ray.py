@@ -1,4 +1,5 @@
-"""The ``ray`` executor at TP=2 on the CPU with a local Ray cluster: greedy tokens as one rank, ranks agree.
+"""The ``ray`` executor at TP=2 on the CPU with a local Ray cluster: greedy tokens as one rank, ranks agree, with
+the next step queued before the last one's output is taken (async scheduling).
 
 Ray runs in a child process with a deadline, so a Ray that cannot start on a starved machine fails this
 test instead of hanging the suite.
@@ -16,9 +17,8 @@ import textwrap
 import pytest
 
 from dovetail import LLM
+from dovetail.executor.ray_executor import devices_per_node
 from test_tp_engine import COMMON, _greedy
-
-pytest.importorskip("ray", reason="the ray executor needs Ray (pip install 'dovetail[ray]')")
 
 DEADLINE_S = 300
 
@@ -30,7 +30,7 @@ from dovetail.errors import ConfigError
 
 common = json.loads(sys.argv[2])
 prompts = [{"prompt_token_ids": p} for p in json.loads(sys.argv[3])]
-llm = LLM(sys.argv[1], tensor_parallel_size=2, distributed_executor_backend="ray", **common)
+llm = LLM(sys.argv[1], tensor_parallel_size=2, distributed_executor_backend="ray", async_scheduling=True, **common)
 engine = llm.llm_engine
 result = {"executor": engine.executor.name, "pids": engine.executor.pids}
 greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -40,7 +40,9 @@ sampled = llm.generate(prompts, SamplingParams(temperature=1.0, seed=5, max_toke
 result["logprob_steps"] = [len(o.outputs[0].logprobs) for o in sampled]
 digests = engine.executor.collective_rpc("token_digest")
 result["ranks_agree"] = all(d == digests[0] for d in digests) and len(digests) == 2
-result["heaps_frozen"] = [info["heap_frozen"] for info in engine.executor.collective_rpc("describe")]
+described = engine.executor.collective_rpc("describe")
+result["heaps_frozen"] = [info["heap_frozen"] for info in described]
+result["all_reduce"] = [info["all_reduce"] for info in described]
 result["cpus"] = int(ray.cluster_resources()["CPU"])
 if result["cpus"] < 4:  # the model's four heads allow four ranks at most
     try:
@@ -53,7 +55,17 @@ print("RESULT " + json.dumps(result), flush=True)
 '''
 
 
+def test_actors_on_one_node_are_shown_every_device_their_node_holds():
+    """Ray gives each actor one GPU; a peer-to-peer all-reduce needs the others on its node visible too."""
+    placements = [("a", ["3"]), ("b", ["0"]), ("a", ["1"]), ("b", ["GPU-x"]), ("a", ["10"])]
+    assert devices_per_node(placements) == [(["1", "3", "10"], 1), (["0", "GPU-x"], 0), (["1", "3", "10"], 0),
+                                            (["0", "GPU-x"], 1), (["1", "3", "10"], 2)]
+    assert devices_per_node([("a", []), ("a", [])]) is None, "CPU actors hold no device ids"
+    assert devices_per_node([("a", ["0", "1"])]) is None
+
+
 def test_ray_tp2_matches_one_rank(tiny_llama_dir, tmp_path):
+    pytest.importorskip("ray", reason="the ray executor needs Ray (pip install 'dovetail[ray]')")
     prompts = [[5, 6, 7, 8, 9, 10], list(range(20, 47)), [42, 17] * 9 + [3]]
     one = _greedy(LLM(str(tiny_llama_dir), **COMMON), prompts)
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # a local Ray of its own
@@ -74,6 +86,7 @@ def test_ray_tp2_matches_one_rank(tiny_llama_dir, tmp_path):
     assert result["greedy"] == one
     assert result["logprob_steps"] == [6, 6, 6] and result["ranks_agree"]
     assert result["heaps_frozen"] == [True, True], "each actor's process freezes its heap once its rank is up"
+    assert result["all_reduce"] == ["backend", "backend"], "the CPU platform sums through gloo"
     if result["cpus"] < 4:
         assert result["too_many"] == (f"tensor_parallel_size: 4 ranks need 4 CPU in the Ray cluster, but it has "
                                       f"{result['cpus']}")

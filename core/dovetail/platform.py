@@ -100,6 +100,11 @@ class Platform(ABC):
     - ``supports_graph_capture``: whether decode steps can be captured and
       replayed (CUDA graphs); the engine disables capture otherwise.
     - ``ray_device_key``: the Ray resource a rank's actor reserves (``"GPU"``).
+    - ``visible_devices_env``: the variable that limits which devices a
+      process sees (``CUDA_VISIBLE_DEVICES``), or None. Ray gives each actor
+      only its own device; where this is set, the ``ray`` executor widens it
+      so that the actors on one machine see each other's devices, which a
+      peer-to-peer all-reduce needs.
 
     The engine makes one instance per process, after selection, with no
     arguments. The constructor may touch the device; the class body and the
@@ -117,6 +122,8 @@ class Platform(ABC):
     graph_memory_reserve: ClassVar[int] = 0
     #: The Ray resource one rank takes (``GPU``, ``CPU`` or a custom resource) under ``--distributed-executor-backend ray``.
     ray_device_key: ClassVar[str] = "GPU"
+    #: The environment variable naming the devices a process sees (None: Ray's one device per actor stays).
+    visible_devices_env: ClassVar[str | None] = None
 
     # -- discovery -------------------------------------------------------------------
 

@@ -82,6 +82,14 @@ def is_initialized() -> bool:
     return _group is not None
 
 
+def all_reduce_kernel_name() -> Optional[str]:
+    """The class of the platform's all-reduce kernel in use, ``"backend"`` where the backend's sums everything,
+    None with one rank (for logs and tests)."""
+    if _size == 1:
+        return None
+    return type(_all_reduce_kernel).__name__ if _all_reduce_kernel is not None else "backend"
+
+
 def tp_size() -> int:
     return _size
 

@@ -291,11 +291,12 @@ class Worker:
         return {name: round(seconds, 2) for name, seconds in self.startup_phases.items()}
 
     def describe(self) -> dict:
-        """This rank's device, captured graph sizes, steps run as micro-batches, parameter shapes and whether its
-        heap is frozen (for logs and tests)."""
+        """This rank's device and how many its process sees, its all-reduce kernel, captured graph sizes, steps
+        run as micro-batches, parameter shapes and whether its heap is frozen (for logs and tests)."""
         graphs = self.runner.graphs
         return {"rank": self.rank, "world_size": self.world_size, "device": str(self.device),
-                "heap_frozen": frozen_heap.is_frozen(),
+                "visible_devices": self.platform.device_count(),
+                "all_reduce": distributed.all_reduce_kernel_name(), "heap_frozen": frozen_heap.is_frozen(),
                 "graph_sizes": list(graphs.sizes) if graphs is not None else None,
                 "micro_batched_steps": self.runner.micro_batched_steps,
                 "parameters": {name: tuple(p.shape) for name, p in self.model.named_parameters()}}

@@ -3,8 +3,11 @@
 The engine joins the Ray cluster it finds (``RAY_ADDRESS``, or the one ``ray
 start --head`` runs on this machine) and otherwise starts a local one. Each
 rank's actor reserves one of the platform's Ray resource (``ray_device_key``:
-``GPU``, or ``CPU`` on the CPU); Ray makes that device the actor's only
-visible one, so every rank uses its device 0. Ranks meet over
+``GPU``, or ``CPU`` on the CPU). Ray makes that device the actor's only
+visible one; where the platform names its variable for that
+(``visible_devices_env``), each actor is shown every device its machine's
+actors hold, as :mod:`~dovetail.executor.mp` ranks see them, and uses its own
+by index: a peer-to-peer all-reduce needs the peer's device. Ranks meet over
 torch.distributed at the address of rank 0's node. A step description is put
 in Ray's object store once and read by every actor. Every call's result is
 awaited from every rank, so an actor that dies or raises fails the engine with
@@ -45,16 +48,45 @@ class RayWorkerActor:
             s.bind(("", 0))
             return ip, s.getsockname()[1]
 
-    def start(self, spec: WorkerSpec, rank: int, world_size: int, init_method: str, started_at: float) -> int:
+    def placement(self, key: str) -> tuple[str, list[str]]:
+        """This actor's node and the ids of the ``key`` devices Ray gave it (none for ``CPU``)."""
+        import ray
+
+        context = ray.get_runtime_context()
+        return context.get_node_id(), [str(i) for i in context.get_accelerator_ids().get(key, [])]
+
+    def start(self, spec: WorkerSpec, rank: int, world_size: int, init_method: str, started_at: float,
+              visible_devices: tuple[str, str] | None = None, local_rank: int = 0) -> int:
+        """Build this rank's worker; ``visible_devices`` (variable, value) is set first, before the device
+        starts, and ``local_rank`` is then this rank's device among them."""
         import os
 
         phases = {"process_start_s": max(0.0, time.time() - started_at)}  # the actor's process, its imports
-        self.worker = Worker(spec, rank, world_size, init_method, local_rank=0, startup_phases=phases,
+        if visible_devices is not None:
+            os.environ[visible_devices[0]] = visible_devices[1]
+        self.worker = Worker(spec, rank, world_size, init_method, local_rank=local_rank, startup_phases=phases,
                              owns_process=True)
         return os.getpid()
 
     def call(self, method: str, *args: Any) -> Any:
         return getattr(self.worker, method)(*args)
+
+
+def devices_per_node(placements: list[tuple[str, list[str]]]) -> list[tuple[list[str], int]] | None:
+    """Given each rank's (node, device ids) from :meth:`RayWorkerActor.placement`: for each rank, the ids of
+    every device its node's ranks hold, in Ray's order, and the index of its own among them. None unless every
+    rank holds exactly one device."""
+    if not placements or any(len(ids) != 1 for _, ids in placements):
+        return None
+    on_node: dict[str, set[str]] = {}
+    for node, ids in placements:
+        on_node.setdefault(node, set()).update(ids)
+
+    def ray_order(device: str):
+        return (0, int(device), "") if device.isdigit() else (1, 0, device)
+
+    shown = {node: sorted(ids, key=ray_order) for node, ids in on_node.items()}
+    return [(shown[node], shown[node].index(ids[0])) for node, ids in placements]
 
 
 def _import_ray():
@@ -107,13 +139,23 @@ class RayExecutor(RemoteExecutor):
                                                       **resources).remote())
             ip, port = self._gather([self._actors[0].address.remote()], [0])[0]
             init_method = f"tcp://{ip}:{port}"
-            self.pids = self._gather([a.start.remote(spec, rank, world_size, init_method, started_at)
-                                      for rank, a in enumerate(self._actors)], range(world_size))
+            placements = self._gather([a.placement.remote(key) for a in self._actors], range(world_size))
+            shared = devices_per_node(placements) if platform.visible_devices_env else None
+            starts = []
+            for rank, actor in enumerate(self._actors):
+                visible, local_rank = None, 0
+                if shared is not None:
+                    visible = (platform.visible_devices_env, ",".join(shared[rank][0]))
+                    local_rank = shared[rank][1]
+                starts.append(actor.start.remote(spec, rank, world_size, init_method, started_at, visible,
+                                                 local_rank))
+            self.pids = self._gather(starts, range(world_size))
         except BaseException:
             self.shutdown()
             raise
-        logger.info("ray executor: %d actors (pids %s) meeting at %s", world_size,
-                    ", ".join(map(str, self.pids)), init_method)
+        logger.info("ray executor: %d actors (pids %s) meeting at %s; %s", world_size,
+                    ", ".join(map(str, self.pids)), init_method,
+                    "each sees its node's ranks' devices" if shared is not None else "each sees its own device")
 
     # -- calls -------------------------------------------------------------------------------
 
@@ -167,8 +209,8 @@ class RayExecutor(RemoteExecutor):
         self._check_alive()
         launched, self._launched = self._launched, []
         refs = self._call_every_rank("take_output")
-        ranks = list(range(self.world_size))
-        results = self._gather(launched + refs, (ranks if launched else []) + ranks)
+        ranks = list(range(self.world_size))  # each call queued one ref per rank, in rank order
+        results = self._gather(launched + refs, ranks * (len(launched) // self.world_size) + ranks)
         return results[len(launched)]
 
     # -- failures and shutdown ----------------------------------------------------------------

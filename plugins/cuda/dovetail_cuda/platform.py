@@ -98,6 +98,7 @@ class CudaPlatform(TorchDevicePlatform):
     dist_backend = "nccl"
     supports_graph_capture = True
     graph_memory_reserve = 1 << 30
+    visible_devices_env = "CUDA_VISIBLE_DEVICES"
 
     @classmethod
     def probe(cls) -> ProbeResult:
