@@ -7,12 +7,16 @@ test instead of hanging the suite.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
+import time
 
 import pytest
 
@@ -55,6 +59,21 @@ print("RESULT " + json.dumps(result), flush=True)
 '''
 
 
+def _run(script: str, args: list[str], env: dict[str, str]) -> dict:
+    """Run ``script`` in a process group of its own with a deadline; the JSON of its ``RESULT`` line."""
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(script), *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=DEADLINE_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"the ray executor did not finish in {DEADLINE_S}s:\n{output[-3000:]}")
+    lines = [line for line in output.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, output[-3000:]
+    return json.loads(lines[-1][len("RESULT "):])
+
+
 def test_actors_on_one_node_are_shown_every_device_their_node_holds():
     """Ray gives each actor one GPU; a peer-to-peer all-reduce needs the others on its node visible too."""
     placements = [("a", ["3"]), ("b", ["0"]), ("a", ["1"]), ("b", ["GPU-x"]), ("a", ["10"])]
@@ -70,18 +89,7 @@ def test_ray_tp2_matches_one_rank(tiny_llama_dir, tmp_path):
     one = _greedy(LLM(str(tiny_llama_dir), **COMMON), prompts)
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # a local Ray of its own
     env["RAY_memory_monitor_refresh_ms"] = "0"  # Ray's own OOM killer would count other processes' memory
-    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(SCRIPT), str(tiny_llama_dir), json.dumps(COMMON),
-                             json.dumps(prompts)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env, start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=DEADLINE_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"the ray executor did not finish in {DEADLINE_S}s:\n{output[-3000:]}")
-    lines = [line for line in output.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, output[-3000:]
-    result = json.loads(lines[-1][len("RESULT "):])
+    result = _run(SCRIPT, [str(tiny_llama_dir), json.dumps(COMMON), json.dumps(prompts)], env)
     assert result["executor"] == "ray" and len(result["pids"]) == 2
     assert result["greedy"] == one
     assert result["logprob_steps"] == [6, 6, 6] and result["ranks_agree"]
@@ -91,3 +99,74 @@ def test_ray_tp2_matches_one_rank(tiny_llama_dir, tmp_path):
         assert result["too_many"] == (f"tensor_parallel_size: 4 ranks need 4 CPU in the Ray cluster, but it has "
                                       f"{result['cpus']}")
     assert result["ray_stopped"], "the engine stops the local Ray it started"
+
+
+JOIN_SCRIPT = '''
+import json, sys, time
+import ray
+from dovetail import LLM, SamplingParams
+
+def alive_nodes():
+    ray.init()
+    try:
+        return sum(node["Alive"] for node in ray.nodes())
+    finally:
+        ray.shutdown()
+
+deadline = time.monotonic() + 60
+while alive_nodes() < 2 and time.monotonic() < deadline:
+    time.sleep(1)
+common = json.loads(sys.argv[2])
+prompts = [{"prompt_token_ids": p} for p in json.loads(sys.argv[3])]
+llm = LLM(sys.argv[1], tensor_parallel_size=2, distributed_executor_backend="ray", **common)
+engine = llm.llm_engine
+result = {"nodes": engine.executor.nodes}
+greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+result["greedy"] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+engine.shutdown()
+result["alive_after"] = alive_nodes()
+print("RESULT " + json.dumps(result), flush=True)
+'''
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_ray_tp2_joins_a_running_two_node_cluster_and_leaves_it_running(tiny_llama_dir):
+    """``ray start --head`` and a second node joined to it (``ray start --address``), one CPU each, on this
+    host: the engine joins them through ``RAY_ADDRESS``, its ranks land on the two nodes and meet across them,
+    and stopping the engine leaves the cluster up."""
+    pytest.importorskip("ray", reason="the ray executor needs Ray (pip install 'dovetail[ray]')")
+    ray_cli = shutil.which("ray", path=os.path.dirname(sys.executable)) or shutil.which("ray")
+    if ray_cli is None:
+        pytest.skip("the ray command is not installed beside this Python")
+    prompts = [[5, 6, 7, 8, 9, 10], list(range(20, 47))]
+    one = _greedy(LLM(str(tiny_llama_dir), **COMMON), prompts)
+    port = _free_port()
+    temp_dir = tempfile.mkdtemp(prefix="dt-ray-", dir="/tmp")  # Ray's socket paths must stay short
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(RAY_memory_monitor_refresh_ms="0", RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")
+    common = ["--num-cpus", "1", "--disable-usage-stats", "--block"]
+    nodes = [subprocess.Popen([ray_cli, "start", "--head", "--port", str(port), "--include-dashboard", "false",
+                               "--temp-dir", temp_dir, *common], env=env, start_new_session=True,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+    try:
+        nodes.append(subprocess.Popen([ray_cli, "start", "--address", f"127.0.0.1:{port}", *common], env=env,
+                                      start_new_session=True, stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.DEVNULL))
+        result = _run(JOIN_SCRIPT, [str(tiny_llama_dir), json.dumps(COMMON), json.dumps(prompts)],
+                      {**env, "RAY_ADDRESS": f"127.0.0.1:{port}"})
+    finally:
+        for node in reversed(nodes):  # each node's processes are its process group
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(node.pid, signal.SIGKILL)
+            node.wait()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+    assert len(result["nodes"]) == 2 and len(set(result["nodes"])) == 2, "one rank on each node"
+    assert result["greedy"] == one
+    assert result["alive_after"] == 2, "the engine leaves a cluster it joined running"

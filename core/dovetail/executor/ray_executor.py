@@ -112,6 +112,7 @@ class RayExecutor(RemoteExecutor):
         self._actors: list = []
         self._launched: list = []  # the refs of the step queued last, awaited with its output
         self._placement = None
+        self.nodes: list[str] = []  # each rank's Ray node id
         self._own_ray = not ray.is_initialized()
         if self._own_ray:
             ray.init(include_dashboard=False, logging_level=logging.WARNING)
@@ -141,6 +142,7 @@ class RayExecutor(RemoteExecutor):
             init_method = f"tcp://{ip}:{port}"
             placements = self._gather([a.placement.remote(key) for a in self._actors], range(world_size))
             shared = devices_per_node(placements) if platform.visible_devices_env else None
+            self.nodes = [node for node, _ in placements]
             starts = []
             for rank, actor in enumerate(self._actors):
                 visible, local_rank = None, 0
@@ -153,8 +155,8 @@ class RayExecutor(RemoteExecutor):
         except BaseException:
             self.shutdown()
             raise
-        logger.info("ray executor: %d actors (pids %s) meeting at %s; %s", world_size,
-                    ", ".join(map(str, self.pids)), init_method,
+        logger.info("ray executor: %d actors (pids %s) on %d node(s), meeting at %s; %s", world_size,
+                    ", ".join(map(str, self.pids)), len(set(self.nodes)), init_method,
                     "each sees its node's ranks' devices" if shared is not None else "each sees its own device")
 
     # -- calls -------------------------------------------------------------------------------
