@@ -1,5 +1,6 @@
 """The ``ray`` executor at TP=2 on the CPU with a local Ray cluster: greedy tokens as one rank, ranks agree, with
-the next step queued before the last one's output is taken (async scheduling).
+the next step queued before the last one's output is taken (async scheduling); a killed actor stops the engine
+naming its rank.
 
 Ray runs in a child process with a deadline, so a Ray that cannot start on a starved machine fails this
 test instead of hanging the suite.
@@ -53,6 +54,32 @@ if result["cpus"] < 4:  # the model's four heads allow four ranks at most
         LLM(sys.argv[1], tensor_parallel_size=4, distributed_executor_backend="ray", **common)
     except ConfigError as exc:
         result["too_many"] = str(exc)
+import os, signal, time
+from dovetail.errors import WorkerError
+pids = engine.executor.pids
+engine.add_request("long", {"prompt_token_ids": list(range(10, 40))},
+                   SamplingParams(temperature=0, max_tokens=90, ignore_eos=True))
+for _ in range(3):
+    engine.step()
+os.kill(pids[1], signal.SIGKILL)
+killed_at = time.monotonic()
+try:
+    while engine.has_unfinished_requests():
+        engine.step()
+except WorkerError as exc:
+    result["killed"] = [str(exc), exc.rank, round(time.monotonic() - killed_at, 1)]
+
+def gone(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+deadline = time.monotonic() + 20
+while not all(map(gone, pids)) and time.monotonic() < deadline:
+    time.sleep(0.2)
+result["actors_gone"] = all(map(gone, pids))
 engine.shutdown()
 result["ray_stopped"] = not ray.is_initialized()
 print("RESULT " + json.dumps(result), flush=True)
@@ -98,6 +125,10 @@ def test_ray_tp2_matches_one_rank(tiny_llama_dir, tmp_path):
     if result["cpus"] < 4:
         assert result["too_many"] == (f"tensor_parallel_size: 4 ranks need 4 CPU in the Ray cluster, but it has "
                                       f"{result['cpus']}")
+    message, rank, seconds = result["killed"]
+    assert rank == 1 and message.startswith("worker rank 1 (Ray actor) died"), message
+    assert seconds < 30, "a killed actor stops the engine within seconds, not at a timeout"
+    assert result["actors_gone"], "the executor kills the other actor once one died"
     assert result["ray_stopped"], "the engine stops the local Ray it started"
 
 

@@ -17,6 +17,7 @@ its rank named, and the executor then kills the others.
 from __future__ import annotations
 
 import logging
+import pickle
 import time
 from typing import Any
 
@@ -29,6 +30,9 @@ from dovetail.platform import Platform
 logger = logging.getLogger("dovetail")
 
 INSTALL_HINT = "pip install 'dovetail[ray]'"
+#: A pickled step description up to this size travels inside each call; a larger one goes once into Ray's
+#: object store (Ray would copy it there for every call).
+INLINE_STEP_BYTES = 100_000
 
 
 class RayWorkerActor:
@@ -71,6 +75,15 @@ class RayWorkerActor:
     def call(self, method: str, *args: Any) -> Any:
         return getattr(self.worker, method)(*args)
 
+    def execute(self, step: bytes) -> None:
+        """:meth:`Worker.execute_model` on a pickled step description."""
+        self.worker.execute_model(pickle.loads(step))
+
+    def execute_then_take(self, step: bytes) -> StepOutput | None:
+        """Launch a pickled step, then take the oldest launched step's output: one Ray call where two were."""
+        self.worker.execute_model(pickle.loads(step))
+        return self.worker.take_output()
+
 
 def devices_per_node(placements: list[tuple[str, list[str]]]) -> list[tuple[list[str], int]] | None:
     """Given each rank's (node, device ids) from :meth:`RayWorkerActor.placement`: for each rank, the ids of
@@ -110,7 +123,8 @@ class RayExecutor(RemoteExecutor):
 
         self.world_size = world_size
         self._actors: list = []
-        self._launched: list = []  # the refs of the step queued last, awaited with its output
+        self._launched: list = []  # the refs of the calls sent since the last output, awaited with it
+        self._deferred: Any = None  # the pickled step (or its ref) that the next take_output carries
         self._placement = None
         self.nodes: list[str] = []  # each rank's Ray node id
         self._own_ray = not ray.is_initialized()
@@ -190,27 +204,47 @@ class RayExecutor(RemoteExecutor):
                         from None
         return results
 
-    def _call_every_rank(self, method: str, *args: Any) -> list:
-        """Submit ``method`` to every actor, or to none if Ctrl-C comes first; the refs in rank order."""
+    def _call_actors(self, actor_method: str, *args: Any) -> list:
+        """Submit ``actor_method`` to every actor, or to none if Ctrl-C comes first; the refs in rank order."""
         with ctrl_c_held():
-            return [a.call.remote(method, *args) for a in self._actors]
+            return [getattr(a, actor_method).remote(*args) for a in self._actors]
+
+    def _call_every_rank(self, method: str, *args: Any) -> list:
+        """Every rank's worker's ``method``; the refs in rank order."""
+        return self._call_actors("call", method, *args)
+
+    def _send_deferred_step(self) -> None:
+        """Send the step :meth:`execute_model` kept back, on its own, before any other call."""
+        if self._deferred is not None:
+            step, self._deferred = self._deferred, None
+            self._launched += self._call_actors("execute", step)
 
     def collective_rpc(self, method: str, *args: Any) -> list[Any]:
         self._check_alive()
+        self._send_deferred_step()
         return self._gather(self._call_every_rank(method, *args), range(self.world_size))
 
     def execute_model(self, step: StepDescription) -> None:
+        """Keep the step back until the next call: the engine takes the step before it right after launching
+        this one, and that call carries it (each Ray call costs the driver and every actor time)."""
         self._check_alive()
-        self._launched += self._call_every_rank("execute_model", self.ray.put(step))
+        self._send_deferred_step()
+        payload = pickle.dumps(step, protocol=pickle.HIGHEST_PROTOCOL)
+        self._deferred = payload if len(payload) <= INLINE_STEP_BYTES else self.ray.put(payload)
 
     def sample_with_bitmask(self, token_bitmask, bitmask_rows) -> None:
         self._check_alive()
+        self._send_deferred_step()
         self._launched += self._call_every_rank("sample_with_bitmask", token_bitmask, bitmask_rows)
 
     def take_output(self) -> StepOutput:
         self._check_alive()
         launched, self._launched = self._launched, []
-        refs = self._call_every_rank("take_output")
+        if self._deferred is not None:
+            step, self._deferred = self._deferred, None
+            refs = self._call_actors("execute_then_take", step)
+        else:
+            refs = self._call_every_rank("take_output")
         ranks = list(range(self.world_size))  # each call queued one ref per rank, in rank order
         results = self._gather(launched + refs, ranks * (len(launched) // self.world_size) + ranks)
         return results[len(launched)]
@@ -219,6 +253,7 @@ class RayExecutor(RemoteExecutor):
 
     def shutdown(self) -> None:
         ray = self.ray
+        self._deferred = None
         if not ray.is_initialized():
             return
         for actor in self._actors:
