@@ -279,6 +279,12 @@ class Worker:
             return None
         return StepOutput(result.token_ids, result.logprobs, launched.prompt_logprobs)
 
+    def execute_then_take(self, step: StepDescription) -> StepOutput | None:
+        """:meth:`execute_model` on ``step``, then :meth:`take_output` (of the oldest step launched): an
+        executor sends a step with the call for the output of the one before, one message a step."""
+        self.execute_model(step)
+        return self.take_output()
+
     def reset(self) -> None:
         """Forget every request and launched step (after a failed step, whose requests the engine aborts)."""
         self.requests.clear()

@@ -80,9 +80,8 @@ class RayWorkerActor:
         self.worker.execute_model(pickle.loads(step))
 
     def execute_then_take(self, step: bytes) -> StepOutput | None:
-        """Launch a pickled step, then take the oldest launched step's output: one Ray call where two were."""
-        self.worker.execute_model(pickle.loads(step))
-        return self.worker.take_output()
+        """:meth:`Worker.execute_then_take` on a pickled step description."""
+        return self.worker.execute_then_take(pickle.loads(step))
 
 
 def devices_per_node(placements: list[tuple[str, list[str]]]) -> list[tuple[list[str], int]] | None:
