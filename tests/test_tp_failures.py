@@ -184,7 +184,7 @@ def send_then_ctrl_c(self, buf, *args):
     """Ctrl-C lands just after a step reached rank 0, before it reaches rank 1."""
     global armed
     send_bytes(self, buf, *args)
-    if armed and self is rank0 and b"execute_" in bytes(buf):  # execute_model or execute_then_take
+    if armed and self is rank0 and b"execute_model" in bytes(buf):
         armed = False
         signal.raise_signal(signal.SIGINT)
 

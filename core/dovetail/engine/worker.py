@@ -280,8 +280,8 @@ class Worker:
         return StepOutput(result.token_ids, result.logprobs, launched.prompt_logprobs)
 
     def execute_then_take(self, step: StepDescription) -> StepOutput | None:
-        """:meth:`execute_model` on ``step``, then :meth:`take_output` (of the oldest step launched): an
-        executor sends a step with the call for the output of the one before, one message a step."""
+        """:meth:`execute_model` on ``step``, then :meth:`take_output` (of the oldest step launched): the ``ray``
+        executor sends a step with the call for the output of the one before, one Ray call a step."""
         self.execute_model(step)
         return self.take_output()
 

@@ -230,7 +230,6 @@ class MultiprocExecutor(RemoteExecutor):
         self._processes: list = []
         self._conns: list = []
         self._calls = 0  # calls sent so far; an answer carries its call's number
-        self._deferred: StepDescription | None = None  # the step the next call carries
         self._start_errors: list = []
         wake_r, wake_w = ctx.Pipe(duplex=False)
         alive_r, alive_w = ctx.Pipe(duplex=False)
@@ -274,16 +273,6 @@ class MultiprocExecutor(RemoteExecutor):
     # -- calls -------------------------------------------------------------------------------
 
     def _send(self, method: str, args: tuple, reply: int) -> None:
-        """Send a call, after the step :meth:`execute_model` kept back, if any."""
-        self._send_deferred_step()
-        self._post(method, args, reply)
-
-    def _send_deferred_step(self) -> None:
-        if self._deferred is not None:
-            step, self._deferred = self._deferred, None
-            self._post("execute_model", (step,), _NONE)
-
-    def _post(self, method: str, args: tuple, reply: int) -> None:
         self._check_alive()
         self._calls += 1
         self._write_to_every_rank(pickle.dumps((self._calls, method, args, reply), protocol=pickle.HIGHEST_PROTOCOL),
@@ -343,21 +332,13 @@ class MultiprocExecutor(RemoteExecutor):
         return self._receive(range(self.world_size))
 
     def execute_model(self, step: StepDescription) -> None:
-        """Keep the step back until the next call: the engine takes the step before it right after launching
-        this one, and that message carries it (one message a step instead of two)."""
-        self._check_alive()
-        self._send_deferred_step()
-        self._deferred = step
+        self._send("execute_model", (step,), _NONE)
 
     def sample_with_bitmask(self, token_bitmask, bitmask_rows) -> None:
         self._send("sample_with_bitmask", (token_bitmask, bitmask_rows), _NONE)
 
     def take_output(self) -> StepOutput:
-        if self._deferred is not None:
-            step, self._deferred = self._deferred, None
-            self._post("execute_then_take", (step,), _DRIVER)
-        else:
-            self._send("take_output", (), _DRIVER)
+        self._send("take_output", (), _DRIVER)
         return self._receive([0])[0]
 
     # -- failures ----------------------------------------------------------------------------
