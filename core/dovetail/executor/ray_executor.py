@@ -8,8 +8,10 @@ visible one; where the platform names its variable for that
 (``visible_devices_env``), each actor is shown every device its machine's
 actors hold, as :mod:`~dovetail.executor.mp` ranks see them, and uses its own
 by index: a peer-to-peer all-reduce needs the peer's device. Ranks meet over
-torch.distributed at the address of rank 0's node. A step description is put
-in Ray's object store once and read by every actor. Every call's result is
+torch.distributed at the address of rank 0's node. A step's description is
+pickled once and travels with the call that takes the output of the step
+before it, one Ray call a rank a step (a large one goes once through Ray's
+object store). Every call's result is
 awaited from every rank, so an actor that dies or raises fails the engine with
 its rank named, and the executor then kills the others.
 """
