@@ -54,6 +54,16 @@ def test_cpu_platform_contract_and_fused_ops():
     assert testing.check_platform(CpuPlatform) is not None
 
 
+def test_platform_check_catches_a_visible_devices_variable_that_is_no_name():
+    from dovetail_cpu.platform import CpuPlatform
+
+    class Spaced(CpuPlatform):
+        visible_devices_env = "CUDA VISIBLE DEVICES"
+
+    with pytest.raises(AssertionError, match="visible_devices_env"):
+        testing.check_platform(Spaced)
+
+
 def test_fused_ops_check_catches_a_wrong_op():
     from dovetail.ops import FusedOps
 

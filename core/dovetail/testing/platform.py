@@ -18,6 +18,9 @@ def check_platform(platform_cls: type[Platform]) -> Platform | None:
     for attr in ("name", "device_type", "dist_backend"):
         value = getattr(platform_cls, attr, None)
         assert isinstance(value, str) and value, f"{platform_cls.__name__}.{attr} must be a non-empty string"
+    env = getattr(platform_cls, "visible_devices_env", None)
+    assert env is None or (isinstance(env, str) and env.isidentifier()), \
+        f"{platform_cls.__name__}.visible_devices_env must be None or an environment variable's name"
     result = platform_cls.probe()
     assert isinstance(result, ProbeResult), f"{platform_cls.__name__}.probe() must return a ProbeResult"
     if not result.usable:
