@@ -56,6 +56,19 @@ def assert_workers_gone(pids: list[int]) -> None:
         assert state == "Z", f"worker process {pid} is still running (state {state})"
 
 
+def kill_rank_one_mid_generation(engine) -> list[int]:
+    """Start a 90-token request on ``engine`` (TP=2), run three steps, SIGKILL rank 1; every rank's pid."""
+    import signal
+
+    pids = engine.executor.pids
+    engine.add_request("long", {"prompt_token_ids": list(range(10, 40))},
+                       SamplingParams(temperature=0, max_tokens=90, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    os.kill(pids[1], signal.SIGKILL)
+    return pids
+
+
 def assert_sharded(whole: dict, ranks: list[dict]) -> None:
     """Each rank holds a part of the large weights (attention, dense MLP, embedding): a parameter is either
     the whole one or smaller in one dimension, by about the number of ranks."""

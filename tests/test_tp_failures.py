@@ -18,7 +18,7 @@ from dovetail import LLM, SamplingParams
 from dovetail.engine.step import StepDescription
 from dovetail.errors import ConfigError, WorkerError
 from fake_plugins import install_fake_plugin
-from test_tp_engine import COMMON, assert_workers_gone
+from test_tp_engine import COMMON, assert_workers_gone, kill_rank_one_mid_generation
 from tiny_models import assert_greedy_matches, hf_greedy
 
 
@@ -90,12 +90,7 @@ def test_more_ranks_than_devices_names_both_counts(tiny_llama_dir, tmp_path, mon
 def test_a_killed_worker_stops_the_engine_naming_the_rank(tiny_llama_dir):
     llm = LLM(str(tiny_llama_dir), tensor_parallel_size=2, **COMMON)
     engine = llm.llm_engine
-    pids = engine.executor.pids
-    engine.add_request("long", {"prompt_token_ids": list(range(10, 40))},
-                       SamplingParams(temperature=0, max_tokens=90, ignore_eos=True))
-    for _ in range(3):
-        engine.step()
-    os.kill(pids[1], signal.SIGKILL)
+    pids = kill_rank_one_mid_generation(engine)
     _wait_gone(pids[1:])  # the kernel takes a moment to end a process; meanwhile steps may still finish
     with pytest.raises(WorkerError, match=r"worker rank 1 \(pid \d+\) was killed by SIGKILL") as info:
         while engine.has_unfinished_requests():

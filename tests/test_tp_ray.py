@@ -54,14 +54,11 @@ if result["cpus"] < 4:  # the model's four heads allow four ranks at most
         LLM(sys.argv[1], tensor_parallel_size=4, distributed_executor_backend="ray", **common)
     except ConfigError as exc:
         result["too_many"] = str(exc)
-import os, signal, time
+import os, time
 from dovetail.errors import WorkerError
-pids = engine.executor.pids
-engine.add_request("long", {"prompt_token_ids": list(range(10, 40))},
-                   SamplingParams(temperature=0, max_tokens=90, ignore_eos=True))
-for _ in range(3):
-    engine.step()
-os.kill(pids[1], signal.SIGKILL)
+sys.path.insert(0, sys.argv[4])
+from test_tp_engine import kill_rank_one_mid_generation
+pids = kill_rank_one_mid_generation(engine)
 killed_at = time.monotonic()
 try:
     while engine.has_unfinished_requests():
@@ -116,7 +113,8 @@ def test_ray_tp2_matches_one_rank(tiny_llama_dir, tmp_path):
     one = _greedy(LLM(str(tiny_llama_dir), **COMMON), prompts)
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # a local Ray of its own
     env["RAY_memory_monitor_refresh_ms"] = "0"  # Ray's own OOM killer would count other processes' memory
-    result = _run(SCRIPT, [str(tiny_llama_dir), json.dumps(COMMON), json.dumps(prompts)], env)
+    result = _run(SCRIPT, [str(tiny_llama_dir), json.dumps(COMMON), json.dumps(prompts), os.path.dirname(__file__)],
+                  env)
     assert result["executor"] == "ray" and len(result["pids"]) == 2
     assert result["greedy"] == one
     assert result["logprob_steps"] == [6, 6, 6] and result["ranks_agree"]
