@@ -1,6 +1,7 @@
 """The ``ray`` executor at TP=2 on the CPU with a local Ray cluster: greedy tokens as one rank, ranks agree, with
 the next step queued before the last one's output is taken (async scheduling); a killed actor stops the engine
-naming its rank.
+naming its rank. Then an engine joining a running cluster of two Ray nodes (``ray start``, one CPU each),
+with a rank on each.
 
 Ray runs in a child process with a deadline, so a Ray that cannot start on a starved machine fails this
 test instead of hanging the suite.
@@ -22,6 +23,7 @@ import time
 import pytest
 
 from dovetail import LLM
+from dovetail.executor.multiproc import free_port
 from dovetail.executor.ray_executor import devices_per_node
 from test_tp_engine import COMMON, _greedy
 
@@ -54,10 +56,11 @@ if result["cpus"] < 4:  # the model's four heads allow four ranks at most
         LLM(sys.argv[1], tensor_parallel_size=4, distributed_executor_backend="ray", **common)
     except ConfigError as exc:
         result["too_many"] = str(exc)
-import os, time
+import time
 from dovetail.errors import WorkerError
 sys.path.insert(0, sys.argv[4])
 from test_tp_engine import kill_rank_one_mid_generation
+from test_tp_failures import _wait_gone
 pids = kill_rank_one_mid_generation(engine)
 killed_at = time.monotonic()
 try:
@@ -65,18 +68,11 @@ try:
         engine.step()
 except WorkerError as exc:
     result["killed"] = [str(exc), exc.rank, round(time.monotonic() - killed_at, 1)]
-
-def gone(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
-
-deadline = time.monotonic() + 20
-while not all(map(gone, pids)) and time.monotonic() < deadline:
-    time.sleep(0.2)
-result["actors_gone"] = all(map(gone, pids))
+try:
+    _wait_gone(pids)
+    result["actors_gone"] = True
+except AssertionError:
+    result["actors_gone"] = False
 engine.shutdown()
 result["ray_stopped"] = not ray.is_initialized()
 print("RESULT " + json.dumps(result), flush=True)
@@ -158,14 +154,6 @@ print("RESULT " + json.dumps(result), flush=True)
 '''
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_ray_tp2_joins_a_running_two_node_cluster_and_leaves_it_running(tiny_llama_dir):
     """``ray start --head`` and a second node joined to it (``ray start --address``), one CPU each, on this
     host: the engine joins them through ``RAY_ADDRESS``, its ranks land on the two nodes and meet across them,
@@ -176,7 +164,7 @@ def test_ray_tp2_joins_a_running_two_node_cluster_and_leaves_it_running(tiny_lla
         pytest.skip("the ray command is not installed beside this Python")
     prompts = [[5, 6, 7, 8, 9, 10], list(range(20, 47))]
     one = _greedy(LLM(str(tiny_llama_dir), **COMMON), prompts)
-    port = _free_port()
+    port = free_port()
     temp_dir = tempfile.mkdtemp(prefix="dt-ray-", dir="/tmp")  # Ray's socket paths must stay short
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update(RAY_memory_monitor_refresh_ms="0", RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")
