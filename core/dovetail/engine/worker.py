@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -87,6 +88,20 @@ class _Launched:
     prompt_logprobs: dict
 
 
+def host_threads(platform: Platform, owns_process: bool, environ=os.environ) -> int | None:
+    """How many threads torch's host pool gets in a rank's process: one for a rank with a process of its own
+    on an accelerator, unless ``OMP_NUM_THREADS`` says otherwise; None leaves the count as it is.
+
+    Such a rank's host work is one thread preparing inputs and launching kernels. A larger pool wakes for every
+    host copy above torch's grain size (a decode step's block tables), and its idle threads then spin, taking
+    cores from the other ranks and the engine while they launch. On the CPU the threads are the platform's to
+    share out among the ranks.
+    """
+    if not owns_process or not platform.is_accelerator or environ.get("OMP_NUM_THREADS", "").strip():
+        return None
+    return 1
+
+
 class Worker:
     """One rank: builds the model on its device, sizes and holds the KV cache, runs and samples each step.
 
@@ -107,6 +122,9 @@ class Worker:
             platform = selection.create_platform(config.device.device, manager)
             platform.check_and_update_config(config)
         self.platform = platform
+        threads = host_threads(platform, owns_process)
+        if threads is not None and torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
         self.local_rank = rank if local_rank is None else local_rank
         platform.set_device(self.local_rank)
         self.device = platform.device(self.local_rank)
@@ -298,11 +316,13 @@ class Worker:
 
     def describe(self) -> dict:
         """This rank's device and how many its process sees, its all-reduce kernel, captured graph sizes, steps
-        run as micro-batches, parameter shapes and whether its heap is frozen (for logs and tests)."""
+        run as micro-batches, parameter shapes, whether its heap is frozen and its host threads (for logs and
+        tests)."""
         graphs = self.runner.graphs
         return {"rank": self.rank, "world_size": self.world_size, "device": str(self.device),
                 "visible_devices": self.platform.device_count(),
                 "all_reduce": distributed.all_reduce_kernel_name(), "heap_frozen": frozen_heap.is_frozen(),
+                "host_threads": torch.get_num_threads(),
                 "graph_sizes": list(graphs.sizes) if graphs is not None else None,
                 "micro_batched_steps": self.runner.micro_batched_steps,
                 "parameters": {name: tuple(p.shape) for name, p in self.model.named_parameters()}}
