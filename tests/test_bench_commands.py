@@ -73,6 +73,29 @@ def test_step_stats_charge_every_step_of_the_timed_run(tiny_llama_dir, tmp_path)
     assert 0 < sum(g["seconds"] for g in groups.values()) <= stats["seconds"] <= result["seconds"]
     assert all(name == "prefill" or name.startswith("decode ") for name in groups)
     assert set(stats["stalls"]) == {"steps", "extra_seconds", "longest"}
+    # What grew in the engine's process and in its one rank (the same process here) over the timed run.
+    engine, [rank] = stats["counters"]["engine"], stats["counters"]["ranks"]
+    for counted in (engine, rank):
+        assert counted["cpu_s"] > 0 and counted["minor_faults"] >= 0
+        assert counted["gc_collections"] >= 0 and counted["involuntary_switches"] >= 0
+
+
+def test_process_counters_count_what_the_process_did_between_two_reads():
+    import gc
+    import mmap
+
+    from dovetail.bench.step_stats import _format_counters
+    from dovetail.engine.process_counters import counters_since, process_counters
+
+    before = process_counters()
+    gc.collect()
+    with mmap.mmap(-1, 64 << 20) as fresh:  # pages of its own, each faulted in as it is first written
+        for offset in range(0, len(fresh), mmap.PAGESIZE):
+            fresh[offset] = 1
+    grown = counters_since(before, process_counters())
+    assert grown["gc_collections"] >= 1 and grown["minor_faults"] >= 1000 and grown["cpu_s"] >= 0
+    text = _format_counters({**grown, "alloc_retries": 2})
+    assert f"{grown['gc_collections']:,.0f} collections" in text and "2 allocator retries" in text
 
 
 def test_step_stats_find_a_decode_step_that_waited_longer_than_its_neighbours():

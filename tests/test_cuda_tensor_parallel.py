@@ -4,6 +4,7 @@ NCCL): greedy float32 tokens against HF and one GPU, with the decode steps repla
 from __future__ import annotations
 
 import gc
+import os
 
 import pytest
 import torch
@@ -114,4 +115,6 @@ def test_ray_tp2_shows_each_actor_both_gpus_and_matches_hf_and_mp(tmp_path):
         assert_greedy_matches(mine, reference, logprobs)
     (mp_tokens, mp_info), (ray_tokens, ray_info) = runs["mp", "bfloat16"], runs["ray", "bfloat16"]
     assert [i["all_reduce"] for i in ray_info] == [i["all_reduce"] for i in mp_info]
+    if not os.environ.get("OMP_NUM_THREADS"):
+        assert [i["host_threads"] for i in mp_info] == [1, 1]
     assert ray_tokens == mp_tokens

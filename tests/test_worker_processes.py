@@ -87,3 +87,17 @@ def test_ranks_that_cannot_be_started_fail_the_engine_with_the_reason(tiny_llama
     monkeypatch.setattr(multiprocessing.get_context("forkserver").Process, "start", refuse)
     with pytest.raises(WorkerError, match="the worker processes did not start: OSError: no more processes"):
         LLM(str(tiny_llama_dir), tensor_parallel_size=2, **COMMON)
+
+
+def test_a_rank_of_its_own_on_an_accelerator_runs_one_host_thread_unless_omp_says_otherwise():
+    from types import SimpleNamespace
+
+    from dovetail.engine.worker import host_threads
+    from dovetail_cpu.platform import CpuPlatform
+
+    gpu = SimpleNamespace(is_accelerator=True)
+    assert host_threads(gpu, owns_process=True, environ={}) == 1
+    assert host_threads(gpu, owns_process=True, environ={"OMP_NUM_THREADS": "8"}) is None
+    assert host_threads(gpu, owns_process=False, environ={}) is None  # the engine's own process: left as it is
+    assert host_threads(CpuPlatform(), owns_process=True, environ={}) is None  # the CPU platform shares its cores out
+

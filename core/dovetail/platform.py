@@ -169,7 +169,9 @@ class Platform(ABC):
         """Free memory of device ``index`` (None: the current device) in bytes."""
 
     def memory_stats(self, index: int | None = None) -> dict[str, int]:
-        """Allocator statistics in bytes; at least ``allocated`` and ``peak_allocated`` when known."""
+        """Allocator statistics: at least ``allocated`` and ``peak_allocated`` (bytes) when known; where the
+        allocator counts them, ``alloc_retries`` (allocations that first had to give cached memory back to the
+        device, which waits for it), ``device_allocs`` and ``device_frees``."""
         return {}
 
     def default_batch_limits(self, usage: str) -> tuple[int, int]:

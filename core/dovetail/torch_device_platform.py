@@ -14,6 +14,10 @@ import torch
 
 from dovetail.platform import DeviceGraph, Platform
 
+#: The caching allocator's counts :meth:`TorchDevicePlatform.memory_stats` reports, by torch's names.
+_ALLOCATOR_COUNTS = {"alloc_retries": "num_alloc_retries", "device_allocs": "num_device_alloc",
+                     "device_frees": "num_device_free"}
+
 logger = logging.getLogger("dovetail")
 
 
@@ -57,8 +61,10 @@ class TorchDevicePlatform(Platform):
 
     def memory_stats(self, index: int | None = None) -> dict[str, int]:
         runtime = self.runtime
+        counts = runtime.memory_stats(index)
         return {"allocated": runtime.memory_allocated(index), "peak_allocated": runtime.max_memory_allocated(index),
-                "reserved": runtime.memory_reserved(index)}
+                "reserved": runtime.memory_reserved(index),
+                **{name: counts[key] for name, key in _ALLOCATOR_COUNTS.items() if key in counts}}
 
     def reset_peak_memory_stats(self, index: int | None = None) -> None:
         self.runtime.reset_peak_memory_stats(index)

@@ -13,7 +13,10 @@ Stalls: a decode step that takes much longer than the decode steps around it (wh
 waited on something other than its own work, such as the host (a garbage collection, an allocation) or a
 peer rank. ``stalls`` counts the decode steps over ``STALL_RATIO`` times the median of their neighbours,
 their time beyond that median, and the longest of them, with when they ended (``time.perf_counter``, so they
-can be matched with other logs of the host), without a profiler, whose own work adds stalls.
+can be matched with other logs of the host), without a profiler, whose own work adds stalls. ``counters``
+then says what grew in each process over the run (:mod:`dovetail.engine.process_counters`): the engine's and
+each rank's collections, involuntary context switches and page faults, and each rank's device allocator
+retries, each of which waits for the device.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
+
+from dovetail.engine.process_counters import counters_since, process_counters
 
 #: Upper edges of the decode-only groups, by sequences in the step.
 DECODE_GROUPS = (1, 8, 32, 64, 128, 192, 256, 512, 1024)
@@ -67,6 +72,7 @@ def recorded_steps(engine, enabled: bool = True):
         returns.append(time.perf_counter())
         return outputs
 
+    ranks_before, engine_before = engine.executor.collective_rpc("counters"), process_counters()
     scheduler.schedule, engine.step = recording_schedule, recording_step
     start = time.perf_counter()
     try:
@@ -74,6 +80,9 @@ def recorded_steps(engine, enabled: bool = True):
     finally:
         del scheduler.schedule, engine.step  # back to the class's methods
         summary.update(summarize(launched, returns, start, engine.overlap))
+        summary["counters"] = {
+            "engine": counters_since(engine_before, process_counters()),
+            "ranks": [counters_since(b, a) for b, a in zip(ranks_before, engine.executor.collective_rpc("counters"))]}
 
 
 def summarize(launched: list[tuple[int, int, int]], returns: list[float], start: float, overlap: bool) -> dict:
@@ -133,4 +142,21 @@ def format_summary(summary: dict) -> str:
                      f"{1e3 * stalled['extra_seconds']:.1f} ms beyond it; the longest: " + ", ".join(
                          f"step {f['step']} ({f['sequences']} seqs) {f['ms']:.1f} ms, usually {f['usual_ms']:.1f}"
                          for f in stalled["longest"][:3]))
+    counted = summary.get("counters")
+    if counted:
+        lines.append(f"  engine process: {_format_counters(counted['engine'])}")
+        lines.extend(f"  rank {rank}: {_format_counters(c)}" for rank, c in enumerate(counted["ranks"]))
     return "\n".join(lines)
+
+
+_COUNTER_WORDS = (("gc_collections", "collections"), ("involuntary_switches", "involuntary switches"),
+                  ("minor_faults", "minor faults"), ("major_faults", "major faults"),
+                  ("alloc_retries", "allocator retries"), ("device_allocs", "device allocations"),
+                  ("device_frees", "device frees"))
+
+
+def _format_counters(counters: dict[str, float]) -> str:
+    words = [f"{counters[name]:,.0f} {word}" for name, word in _COUNTER_WORDS if name in counters]
+    if "cpu_s" in counters:
+        words.append(f"{counters['cpu_s']:.2f} CPU s")
+    return ", ".join(words)

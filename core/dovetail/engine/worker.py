@@ -26,6 +26,7 @@ from dovetail.config import EngineConfig
 from dovetail.engine import frozen_heap
 from dovetail.engine.laps import Laps
 from dovetail.engine.model_runner import ModelRunner
+from dovetail.engine.process_counters import process_counters
 from dovetail.engine.profiler import StepProfiler
 from dovetail.engine.request_state import RequestState
 from dovetail.engine.sampler import PendingSample, launch_sample, prompt_logprobs
@@ -326,6 +327,14 @@ class Worker:
                 "graph_sizes": list(graphs.sizes) if graphs is not None else None,
                 "micro_batched_steps": self.runner.micro_batched_steps,
                 "parameters": {name: tuple(p.shape) for name, p in self.model.named_parameters()}}
+
+    def counters(self) -> dict[str, float]:
+        """This rank's process counters (:mod:`dovetail.engine.process_counters`) and its device allocator's counts
+        (``alloc_retries``, ``device_allocs``, ``device_frees`` where the platform reports them)."""
+        allocator = self.platform.memory_stats(self.local_rank)
+        return {**process_counters(),
+                **{name: allocator[name] for name in ("alloc_retries", "device_allocs", "device_frees")
+                   if name in allocator}}
 
     def start_profile(self, directory: str) -> None:
         self.profiler.start(directory)
