@@ -113,6 +113,39 @@ def test_step_stats_find_a_decode_step_that_waited_longer_than_its_neighbours():
     assert abs(found["extra_seconds"] - 0.012) < 5e-4
 
 
+def test_a_stall_names_the_longest_wait_of_each_process_within_it():
+    from dovetail.bench.step_stats import explain_stalls
+
+    # Steps of 9 ms; the step ending at 0.050 took 21 ms, 12 of them with rank 1 waiting for its tokens.
+    engine = [("scheduled", 0.010), ("returned", 0.020), ("scheduled", 0.029), ("returned", 0.050)]
+    rank0 = [("take", 0.021), ("tokens", 0.028), ("execute", 0.030), ("take", 0.031), ("tokens", 0.049)]
+    rank1 = [("take", 0.021), ("tokens", 0.027), ("execute", 0.030), ("launched", 0.036), ("take", 0.036),
+             ("tokens", 0.048), ("execute", 0.060)]
+    [stall] = longest = [{"step": 4, "sequences": 200, "ms": 21.0, "usual_ms": 9.0, "ended_at": 0.050}]
+    explain_stalls(longest, engine, [rank0, rank1])
+    assert stall["waits"] == {"engine": ("scheduled", "returned", 21.0), "rank 0": ("take", "tokens", 18.0),
+                              "rank 1": ("take", "tokens", 12.0)}
+
+
+def test_a_rank_notes_each_point_of_its_steps_only_while_its_timeline_is_on(tiny_llama_dir):
+    from dovetail import LLM, SamplingParams
+
+    llm = LLM(str(tiny_llama_dir), device="cpu", max_model_len=64, async_scheduling=True)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    executor = llm.llm_engine.executor
+    executor.collective_rpc("start_timeline")
+    llm.generate([[1, 2, 3], [4, 5]], params, use_tqdm=False)
+    [marks] = executor.collective_rpc("stop_timeline")
+    llm.generate([[1, 2, 3]], params, use_tqdm=False)
+    assert executor.collective_rpc("stop_timeline") == [[]]
+    names = [name for name, _ in marks]
+    times = [t for _, t in marks]
+    assert times == sorted(times)
+    # Four steps (one prefill, three decodes), each launched, then its tokens taken, one step behind.
+    assert names.count("execute") == names.count("launched") == 4 and names.count("tokens") == 4
+    assert names[:4] == ["execute", "launched", "execute", "launched"] and names[4:6] == ["take", "tokens"]
+
+
 def test_throughput_with_a_text_prompt_reports_the_time_to_queue(tmp_path):
     from dovetail.llm import default_model
 

@@ -16,7 +16,9 @@ their time beyond that median, and the longest of them, with when they ended (``
 can be matched with other logs of the host), without a profiler, whose own work adds stalls. ``counters``
 then says what grew in each process over the run (:mod:`dovetail.engine.process_counters`): the engine's and
 each rank's collections, involuntary context switches and page faults, and each rank's device allocator
-retries, each of which waits for the device.
+retries, each of which waits for the device. Each listed stall also names, for the engine's process and each
+rank, the longest gap between two of its marks within the stall (:mod:`dovetail.engine.step_timeline`), which
+says whom the step waited for.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import statistics
 import time
 
 from dovetail.engine.process_counters import counters_since, process_counters
+from dovetail.engine.step_timeline import StepTimeline, longest_gap
 
 #: Upper edges of the decode-only groups, by sequences in the step.
 DECODE_GROUPS = (1, 8, 32, 64, 128, 192, 256, 512, 1024)
@@ -57,9 +60,12 @@ def recorded_steps(engine, enabled: bool = True):
     schedule, step = scheduler.schedule, engine.step
     launched: list[tuple[int, int, int]] = []  # (sequences, prompt tokens, decode tokens) of each batch
     returns: list[float] = []
+    timeline = StepTimeline()
 
     def recording_schedule():
+        timeline.mark("schedule")
         batch = schedule()
+        timeline.mark("scheduled")
         if batch:
             decodes = sum(1 for n in batch.num_new_tokens if n == 1)
             launched.append((len(batch.requests), batch.total_tokens - decodes, decodes))
@@ -70,9 +76,12 @@ def recorded_steps(engine, enabled: bool = True):
     def recording_step():
         outputs = step()
         returns.append(time.perf_counter())
+        timeline.mark("returned")
         return outputs
 
     ranks_before, engine_before = engine.executor.collective_rpc("counters"), process_counters()
+    engine.executor.collective_rpc("start_timeline")
+    timeline.start()
     scheduler.schedule, engine.step = recording_schedule, recording_step
     start = time.perf_counter()
     try:
@@ -80,6 +89,7 @@ def recorded_steps(engine, enabled: bool = True):
     finally:
         del scheduler.schedule, engine.step  # back to the class's methods
         summary.update(summarize(launched, returns, start, engine.overlap))
+        explain_stalls(summary["stalls"]["longest"], timeline.stop(), engine.executor.collective_rpc("stop_timeline"))
         summary["counters"] = {
             "engine": counters_since(engine_before, process_counters()),
             "ranks": [counters_since(b, a) for b, a in zip(ranks_before, engine.executor.collective_rpc("counters"))]}
@@ -129,6 +139,20 @@ def stalls(decodes: list[tuple[int, int, float, float]]) -> dict:
             "longest": found[:STALLS_LISTED]}
 
 
+def explain_stalls(longest: list[dict], engine_marks: list, rank_marks: list[list]) -> None:
+    """Add to each stall the longest gap between two marks of each process within it: ``waits`` maps
+    ``engine`` and ``rank R`` to (from, to, ms)."""
+    for stall in longest:
+        end = stall["ended_at"]
+        begin = end - stall["ms"] / 1e3
+        waits = {}
+        for name, marks in [("engine", engine_marks)] + [(f"rank {r}", m) for r, m in enumerate(rank_marks)]:
+            gap = longest_gap(marks, begin, end)
+            if gap is not None:
+                waits[name] = (gap[0], gap[1], round(1e3 * gap[2], 2))
+        stall["waits"] = waits
+
+
 def format_summary(summary: dict) -> str:
     """A few lines for the log: each group's steps, seconds, share and milliseconds a step."""
     total = summary["seconds"] or 1.0
@@ -142,6 +166,10 @@ def format_summary(summary: dict) -> str:
                      f"{1e3 * stalled['extra_seconds']:.1f} ms beyond it; the longest: " + ", ".join(
                          f"step {f['step']} ({f['sequences']} seqs) {f['ms']:.1f} ms, usually {f['usual_ms']:.1f}"
                          for f in stalled["longest"][:3]))
+        for f in stalled["longest"][:3]:
+            if f.get("waits"):
+                lines.append(f"    step {f['step']} waited: " + "; ".join(
+                    f"{who} {a} to {b} {ms:.1f} ms" for who, (a, b, ms) in f["waits"].items()))
     counted = summary.get("counters")
     if counted:
         lines.append(f"  engine process: {_format_counters(counted['engine'])}")

@@ -31,6 +31,7 @@ from dovetail.engine.profiler import StepProfiler
 from dovetail.engine.request_state import RequestState
 from dovetail.engine.sampler import PendingSample, launch_sample, prompt_logprobs
 from dovetail.engine.scheduler import ScheduledBatch
+from dovetail.engine.step_timeline import StepTimeline
 from dovetail.engine.sharded_logits import ShardedLogits
 from dovetail.engine.step import EMPTY_OUTPUT, StepDescription, StepOutput, apply_token_bitmask
 from dovetail.errors import ConfigError
@@ -164,6 +165,7 @@ class Worker:
         self._last_tokens: torch.Tensor | None = None
         self._unsampled: torch.Tensor | None = None  # the logits of a step whose bitmask is still to come
         self.profiler = StepProfiler(rank, platform.device_type)
+        self.timeline = StepTimeline()
         laps.mark("runner_s")
         #: Seconds of this rank's start-up: what its executor measured before (``startup_phases``: its process
         #: coming up, imports included, and waiting for its work), then the device and the process group, the
@@ -231,6 +233,7 @@ class Worker:
     def execute_model(self, step: StepDescription) -> None:
         """Update the request mirrors, run the model on the step and queue its sampling; nothing waits
         for the device. Rows whose last token is still on the device read it from the last step's tokens."""
+        self.timeline.mark("execute")
         requests = self.requests
         for request_id in step.finished_request_ids:
             requests.pop(request_id, None)
@@ -256,6 +259,7 @@ class Worker:
             self._unsampled = logits.sample_logits  # the bitmask follows (sample_with_bitmask)
             return
         self._sample(logits.sample_logits, step.token_bitmask, step.bitmask_rows)
+        self.timeline.mark("launched")
 
     def sample_with_bitmask(self, token_bitmask: Optional[torch.Tensor], bitmask_rows: Optional[list[int]]) -> None:
         """Sample the step launched last with ``sample_later``, under ``token_bitmask`` (or none)."""
@@ -285,11 +289,13 @@ class Worker:
     def take_output(self) -> StepOutput | None:
         """Wait for the oldest launched step's tokens, add them to the mirrors and return them
         (the driver rank returns them; the others return None)."""
+        self.timeline.mark("take")
         launched = self._launched.popleft()
         if launched.sample is None:
             output = EMPTY_OUTPUT if not launched.prompt_logprobs else StepOutput([], [], launched.prompt_logprobs)
             return output if self.rank == 0 else None
         result = launched.sample.result()
+        self.timeline.mark("tokens")
         for state, token in zip(launched.rows, result.token_ids):
             state.num_pending -= 1
             state.output_token_ids.append(token)
@@ -335,6 +341,14 @@ class Worker:
         return {**process_counters(),
                 **{name: allocator[name] for name in ("alloc_retries", "device_allocs", "device_frees")
                    if name in allocator}}
+
+    def start_timeline(self) -> None:
+        """Start noting when this rank reaches each point of its steps (:mod:`dovetail.engine.step_timeline`)."""
+        self.timeline.start()
+
+    def stop_timeline(self) -> list[tuple[str, float]]:
+        """Stop noting; the marks noted since :meth:`start_timeline`."""
+        return self.timeline.stop()
 
     def start_profile(self, directory: str) -> None:
         self.profiler.start(directory)
