@@ -171,7 +171,8 @@ class Platform(ABC):
     def memory_stats(self, index: int | None = None) -> dict[str, int]:
         """Allocator statistics: at least ``allocated`` and ``peak_allocated`` (bytes) when known; where the
         allocator counts them, ``alloc_retries`` (allocations that first had to give cached memory back to the
-        device, which waits for it), ``device_allocs`` and ``device_frees``."""
+        device, which waits for it), ``device_allocs`` and ``device_frees``; ``host_allocs`` and ``host_alloc_us``
+        for pinned host memory (blocks made, microseconds spent making them)."""
         return {}
 
     def default_batch_limits(self, usage: str) -> tuple[int, int]:

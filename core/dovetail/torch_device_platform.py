@@ -17,6 +17,8 @@ from dovetail.platform import DeviceGraph, Platform
 #: The caching allocator's counts :meth:`TorchDevicePlatform.memory_stats` reports, by torch's names.
 _ALLOCATOR_COUNTS = {"alloc_retries": "num_alloc_retries", "device_allocs": "num_device_alloc",
                      "device_frees": "num_device_free"}
+#: The pinned host allocator's, where the device module has one.
+_HOST_ALLOCATOR_COUNTS = {"host_allocs": "num_host_alloc", "host_alloc_us": "host_alloc_time.total"}
 
 logger = logging.getLogger("dovetail")
 
@@ -62,9 +64,11 @@ class TorchDevicePlatform(Platform):
     def memory_stats(self, index: int | None = None) -> dict[str, int]:
         runtime = self.runtime
         counts = runtime.memory_stats(index)
+        host = runtime.host_memory_stats() if hasattr(runtime, "host_memory_stats") else {}
         return {"allocated": runtime.memory_allocated(index), "peak_allocated": runtime.max_memory_allocated(index),
                 "reserved": runtime.memory_reserved(index),
-                **{name: counts[key] for name, key in _ALLOCATOR_COUNTS.items() if key in counts}}
+                **{name: counts[key] for name, key in _ALLOCATOR_COUNTS.items() if key in counts},
+                **{name: host[key] for name, key in _HOST_ALLOCATOR_COUNTS.items() if key in host}}
 
     def reset_peak_memory_stats(self, index: int | None = None) -> None:
         self.runtime.reset_peak_memory_stats(index)

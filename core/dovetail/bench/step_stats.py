@@ -180,11 +180,13 @@ def format_summary(summary: dict) -> str:
 _COUNTER_WORDS = (("gc_collections", "collections"), ("involuntary_switches", "involuntary switches"),
                   ("minor_faults", "minor faults"), ("major_faults", "major faults"),
                   ("alloc_retries", "allocator retries"), ("device_allocs", "device allocations"),
-                  ("device_frees", "device frees"))
+                  ("device_frees", "device frees"), ("host_allocs", "pinned host allocations"))
 
 
 def _format_counters(counters: dict[str, float]) -> str:
     words = [f"{counters[name]:,.0f} {word}" for name, word in _COUNTER_WORDS if name in counters]
+    if "host_alloc_us" in counters:
+        words.append(f"{counters['host_alloc_us'] / 1e3:.1f} ms making them")
     if "cpu_s" in counters:
         words.append(f"{counters['cpu_s']:.2f} CPU s")
     return ", ".join(words)

@@ -104,6 +104,10 @@ def host_threads(platform: Platform, owns_process: bool, environ=os.environ) -> 
     return 1
 
 
+#: The allocator counts of :meth:`Platform.memory_stats` a rank's :meth:`Worker.counters` reports.
+ALLOCATOR_COUNTERS = ("alloc_retries", "device_allocs", "device_frees", "host_allocs", "host_alloc_us")
+
+
 class Worker:
     """One rank: builds the model on its device, sizes and holds the KV cache, runs and samples each step.
 
@@ -336,11 +340,10 @@ class Worker:
 
     def counters(self) -> dict[str, float]:
         """This rank's process counters (:mod:`dovetail.engine.process_counters`) and its device allocator's counts
-        (``alloc_retries``, ``device_allocs``, ``device_frees`` where the platform reports them)."""
+        (``alloc_retries``, ``device_allocs``, ``device_frees``, ``host_allocs``, ``host_alloc_us`` where the
+        platform reports them)."""
         allocator = self.platform.memory_stats(self.local_rank)
-        return {**process_counters(),
-                **{name: allocator[name] for name in ("alloc_retries", "device_allocs", "device_frees")
-                   if name in allocator}}
+        return {**process_counters(), **{name: allocator[name] for name in ALLOCATOR_COUNTERS if name in allocator}}
 
     def start_timeline(self) -> None:
         """Start noting when this rank reaches each point of its steps (:mod:`dovetail.engine.step_timeline`)."""
