@@ -3,11 +3,9 @@ the device's queued work is done) and stay as they are on the CPU."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
-from dovetail import device_copy
-from dovetail.device_copy import copy_to_device, reserve_pinned_blocks, to_device, values_to_device
+from dovetail.device_copy import copy_to_device, to_device, values_to_device
 
 
 def _count_pinning(monkeypatch) -> list[torch.Tensor]:
@@ -42,35 +40,3 @@ def test_a_cpu_copy_needs_no_pinning(monkeypatch):
     copy_to_device(dst, host)
     assert torch.equal(dst, host) and not pinned
     assert torch.equal(values_to_device([3, 1, 2], torch.long, "cpu"), torch.tensor([3, 1, 2])) and not pinned
-
-
-def test_pinned_blocks_are_reserved_at_every_power_of_two_up_to_the_largest(monkeypatch):
-    made = []
-    real_empty = torch.empty
-
-    def empty(size, dtype=None, pin_memory=False):
-        assert pin_memory and dtype == torch.uint8
-        made.append(size)
-        return real_empty(size, dtype=dtype)
-
-    monkeypatch.setattr(device_copy.torch, "empty", empty)
-    reserved = reserve_pinned_blocks(3000, "meta", per_size=3)
-    assert made == [512] * 3 + [1024] * 3 + [2048] * 3 + [4096] * 3 and reserved == 3 * (512 + 1024 + 2048 + 4096)
-    made.clear()
-    assert reserve_pinned_blocks(3000, "cpu") == 0 and not made  # nothing to pin for the CPU
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_a_copy_of_a_reserved_size_makes_no_new_pinned_block():
-    reserve_pinned_blocks(300_000, "cuda")
-    before = torch.cuda.host_memory_stats()["num_host_alloc"]
-    dst = torch.empty(300_000 // 8, dtype=torch.long, device="cuda")
-    for n in (100, 5_000, 37_000):  # 800 B, 40 kB, 296 kB: three of the reserved sizes, twice each
-        for _ in range(2):
-            source = torch.randint(0, 1 << 40, (n,))
-            copy_to_device(dst[:n], source)
-            torch.cuda.synchronize()
-            assert torch.equal(dst[:n].cpu(), source)
-    assert torch.cuda.host_memory_stats()["num_host_alloc"] == before
-

@@ -214,13 +214,6 @@ class ModelRunner:
             except NotImplementedError as exc:
                 logger.warning("decode steps run eagerly: %s (the platform declares supports_graph_capture)", exc)
 
-    def largest_host_input_bytes(self, max_num_batched_tokens: int) -> int:
-        """The largest host array a step copies to the device: a token-long column of a prefill step, a block
-        table, or a decode graph's staged inputs."""
-        width = -(-self.max_model_len // self.block_size)
-        seqs = max(self.max_num_seqs, max(self.graph_sizes, default=0))
-        return 8 * max(max_num_batched_tokens, seqs * 5 + -(-seqs * width // 2), -(-seqs * width // 2))
-
     # -- inputs ------------------------------------------------------------------------------
 
     def prepare(self, batch: ScheduledBatch, block_tables: list[list[int]]):

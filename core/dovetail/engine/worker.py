@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from dovetail import device_copy, distributed, model_loader, selection
+from dovetail import distributed, model_loader, selection
 from dovetail.attention.backend import AttentionRequirements
 from dovetail.config import EngineConfig
 from dovetail.engine import frozen_heap
@@ -229,10 +229,6 @@ class Worker:
         """Allocate ``num_blocks`` blocks per layer and capture the decode graphs: the last of the rank's start-up."""
         self.runner.allocate_kv_cache(num_blocks)
         self.runner.capture_graphs()
-        if self.platform.is_accelerator:
-            largest = self.runner.largest_host_input_bytes(self.spec.config.scheduler.max_num_batched_tokens)
-            reserved = device_copy.reserve_pinned_blocks(largest, self.device)
-            logger.debug("rank %d: %d bytes of pinned host blocks reserved for step inputs", self.rank, reserved)
         if self.owns_process:
             frozen_heap.freeze_for_good()
 
