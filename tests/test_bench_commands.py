@@ -113,6 +113,20 @@ def test_step_stats_find_a_decode_step_that_waited_longer_than_its_neighbours():
     assert abs(found["extra_seconds"] - 0.012) < 5e-4
 
 
+def test_a_timeline_marks_each_garbage_collection_while_it_is_on():
+    import gc
+
+    from dovetail.engine.step_timeline import StepTimeline
+
+    timeline = StepTimeline()
+    timeline.start()
+    gc.collect()
+    marks = timeline.stop()
+    gc.collect()
+    assert [name for name, _ in marks] == ["collect", "collected"] and marks[0][1] <= marks[1][1]
+    assert timeline.stop() == []
+
+
 def test_a_stall_names_the_longest_wait_of_each_process_within_it():
     from dovetail.bench.step_stats import explain_stalls
 
@@ -138,6 +152,7 @@ def test_a_rank_notes_each_point_of_its_steps_only_while_its_timeline_is_on(tiny
     [marks] = executor.collective_rpc("stop_timeline")
     llm.generate([[1, 2, 3]], params, use_tqdm=False)
     assert executor.collective_rpc("stop_timeline") == [[]]
+    marks = [(name, t) for name, t in marks if name not in ("collect", "collected")]  # the collections, if any
     names = [name for name, _ in marks]
     times = [t for _, t in marks]
     assert times == sorted(times)

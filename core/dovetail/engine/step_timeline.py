@@ -5,11 +5,13 @@ host reads the same one) at which each step call arrives (``execute``), its kern
 (``launched``), the call for the oldest step's tokens arrives (``take``) and those tokens are on the host
 (``tokens``). A stall then shows as the longest gap between two marks: ``take`` to ``tokens`` is the device
 (or the peer rank it waits for in a collective), ``tokens`` to the next ``execute`` the engine's process,
-``execute`` to ``launched`` the rank's own host work. ``dovetail bench throughput --step-stats`` turns it on.
+``execute`` to ``launched`` the rank's own host work. Python's garbage collections are marked too
+(``collect`` to ``collected``). ``dovetail bench throughput --step-stats`` turns it on.
 """
 
 from __future__ import annotations
 
+import gc
 import time
 
 
@@ -21,10 +23,17 @@ class StepTimeline:
 
     def start(self) -> None:
         self.marks = []
+        if self._collection not in gc.callbacks:
+            gc.callbacks.append(self._collection)
 
     def stop(self) -> list[tuple[str, float]]:
+        if self._collection in gc.callbacks:
+            gc.callbacks.remove(self._collection)
         marks, self.marks = self.marks or [], None
         return marks
+
+    def _collection(self, phase: str, info: dict) -> None:
+        self.mark("collect" if phase == "start" else "collected")
 
     def mark(self, name: str) -> None:
         if self.marks is not None:
