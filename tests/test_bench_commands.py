@@ -113,6 +113,32 @@ def test_step_stats_find_a_decode_step_that_waited_longer_than_its_neighbours():
     assert abs(found["extra_seconds"] - 0.012) < 5e-4
 
 
+def test_recorded_steps_mark_the_engines_sends_and_takes_and_give_its_methods_back(tiny_llama_dir, monkeypatch):
+    from dovetail import LLM, SamplingParams
+    from dovetail.bench import step_stats
+    from dovetail.engine.step_timeline import StepTimeline
+
+    timelines = []
+
+    class Kept(StepTimeline):
+        def stop(self):
+            timelines.append(list(self.marks))
+            return super().stop()
+
+    monkeypatch.setattr(step_stats, "StepTimeline", Kept)
+    llm = LLM(str(tiny_llama_dir), device="cpu", max_model_len=64, async_scheduling=True)
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    with step_stats.recorded_steps(engine) as summary:
+        llm.generate([[1, 2, 3]], params, use_tqdm=False)
+    names = [name for name, _ in timelines[0] if name not in ("collect", "collected")]
+    # Three steps launched (the prefill and two decodes), each output taken one step later, then a last take.
+    assert names.count("send") == names.count("sent") == 3 and names.count("take") == names.count("taken") == 3
+    assert names[:4] == ["schedule", "scheduled", "send", "sent"] and names[-3:] == ["take", "taken", "returned"]
+    assert summary["steps"] == 3
+    assert not {"execute_model", "take_output"} & set(vars(engine.executor)) and "step" not in vars(engine)
+
+
 def test_a_timeline_marks_each_garbage_collection_while_it_is_on():
     import gc
 

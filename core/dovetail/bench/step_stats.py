@@ -18,7 +18,9 @@ then says what grew in each process over the run (:mod:`dovetail.engine.process_
 each rank's collections, involuntary context switches and page faults, and each rank's device allocator
 retries, each of which waits for the device. Each listed stall also names, for the engine's process and each
 rank, the longest gap between two of its marks within the stall (:mod:`dovetail.engine.step_timeline`), which
-says whom the step waited for.
+says whom the step waited for; the engine's marks are its scheduling (``schedule`` to ``scheduled``), its
+sending a step (``send`` to ``sent``), its wait for the output of the step before (``take`` to ``taken``) and
+the step's return (``returned``).
 """
 
 from __future__ import annotations
@@ -79,15 +81,30 @@ def recorded_steps(engine, enabled: bool = True):
         timeline.mark("returned")
         return outputs
 
+    executor = engine.executor
+    execute_model, take_output = executor.execute_model, executor.take_output
+
+    def recording_execute_model(step_description):
+        timeline.mark("send")
+        execute_model(step_description)
+        timeline.mark("sent")
+
+    def recording_take_output():
+        timeline.mark("take")
+        output = take_output()
+        timeline.mark("taken")
+        return output
+
     ranks_before, engine_before = engine.executor.collective_rpc("counters"), process_counters()
     engine.executor.collective_rpc("start_timeline")
     timeline.start()
     scheduler.schedule, engine.step = recording_schedule, recording_step
+    executor.execute_model, executor.take_output = recording_execute_model, recording_take_output
     start = time.perf_counter()
     try:
         yield summary
     finally:
-        del scheduler.schedule, engine.step  # back to the class's methods
+        del scheduler.schedule, engine.step, executor.execute_model, executor.take_output  # the class's methods
         summary.update(summarize(launched, returns, start, engine.overlap))
         explain_stalls(summary["stalls"]["longest"], timeline.stop(), engine.executor.collective_rpc("stop_timeline"))
         summary["counters"] = {
