@@ -69,6 +69,17 @@ def test_runtime_calls_go_to_the_device_module(monkeypatch):
     assert platform.memory_stats() == {"allocated": 11, "peak_allocated": 22, "reserved": 33}
 
 
+def test_allocator_counts_come_from_the_device_module_where_it_keeps_them(monkeypatch):
+    runtime = FakeRuntime()
+    runtime.memory_stats = lambda index: {"num_alloc_retries": 2, "num_device_alloc": 5, "num_device_free": 1,
+                                          "active.all.current": 7}
+    runtime.host_memory_stats = lambda: {"num_host_alloc": 4, "host_alloc_time.total": 120, "num_host_free": 0}
+    monkeypatch.setattr(torch, "fakegpu", runtime, raising=False)
+    assert FakeGpu().memory_stats(0) == {"allocated": 11, "peak_allocated": 22, "reserved": 33, "alloc_retries": 2,
+                                         "device_allocs": 5, "device_frees": 1, "host_allocs": 4,
+                                         "host_alloc_us": 120}
+
+
 def test_half_checkpoints_keep_their_dtype_and_float32_runs_in_16_bits(monkeypatch):
     platform = FakeGpu()
     assert platform.resolve_dtype(torch.float16) == torch.float16

@@ -63,7 +63,7 @@ class TorchDevicePlatform(Platform):
 
     def memory_stats(self, index: int | None = None) -> dict[str, int]:
         runtime = self.runtime
-        counts = runtime.memory_stats(index)
+        counts = runtime.memory_stats(index) if hasattr(runtime, "memory_stats") else {}
         host = runtime.host_memory_stats() if hasattr(runtime, "host_memory_stats") else {}
         return {"allocated": runtime.memory_allocated(index), "peak_allocated": runtime.max_memory_allocated(index),
                 "reserved": runtime.memory_reserved(index),
