@@ -165,6 +165,9 @@ def test_a_stall_names_the_longest_wait_of_each_process_within_it():
     explain_stalls(longest, engine, [rank0, rank1])
     assert stall["waits"] == {"engine": ("scheduled", "returned", 21.0), "rank 0": ("take", "tokens", 18.0),
                               "rank 1": ("take", "tokens", 12.0)}
+    # Every mark inside the stall, in ms from its start (0.029).
+    assert stall["marks"]["engine"] == [("scheduled", 0.0), ("returned", 21.0)]
+    assert stall["marks"]["rank 1"] == [("execute", 1.0), ("launched", 7.0), ("take", 7.0), ("tokens", 19.0)]
 
 
 def test_a_rank_notes_each_point_of_its_steps_only_while_its_timeline_is_on(tiny_llama_dir):

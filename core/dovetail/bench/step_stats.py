@@ -157,17 +157,19 @@ def stalls(decodes: list[tuple[int, int, float, float]]) -> dict:
 
 
 def explain_stalls(longest: list[dict], engine_marks: list, rank_marks: list[list]) -> None:
-    """Add to each stall the longest gap between two marks of each process within it: ``waits`` maps
-    ``engine`` and ``rank R`` to (from, to, ms)."""
+    """Add to each stall the longest gap between two marks of each process within it (``waits`` maps ``engine``
+    and ``rank R`` to (from, to, ms)) and every process's marks within it (``marks``: the same keys, each a list
+    of (name, ms since the stall began))."""
     for stall in longest:
         end = stall["ended_at"]
         begin = end - stall["ms"] / 1e3
-        waits = {}
+        waits, within = {}, {}
         for name, marks in [("engine", engine_marks)] + [(f"rank {r}", m) for r, m in enumerate(rank_marks)]:
             gap = longest_gap(marks, begin, end)
             if gap is not None:
                 waits[name] = (gap[0], gap[1], round(1e3 * gap[2], 2))
-        stall["waits"] = waits
+            within[name] = [(mark, round(1e3 * (t - begin), 2)) for mark, t in marks if begin <= t <= end]
+        stall["waits"], stall["marks"] = waits, within
 
 
 def format_summary(summary: dict) -> str:
