@@ -75,6 +75,7 @@ def test_step_stats_charge_every_step_of_the_timed_run(tiny_llama_dir, tmp_path)
     assert set(stats["stalls"]) == {"steps", "extra_seconds", "longest"}
     # What grew in the engine's process and in its one rank (the same process here) over the timed run.
     engine, [rank] = stats["counters"]["engine"], stats["counters"]["ranks"]
+    assert set(stats["counters"]["host"]) <= {"compaction_stalls", "reclaim_stalls", "huge_page_faults"}
     for counted in (engine, rank):
         assert counted["cpu_s"] > 0 and counted["minor_faults"] >= 0
         assert counted["gc_collections"] >= 0 and counted["involuntary_switches"] >= 0
@@ -111,6 +112,28 @@ def test_step_stats_find_a_decode_step_that_waited_longer_than_its_neighbours():
     [stall] = found["longest"]
     assert (stall["step"], stall["sequences"], stall["ended_at"]) == (30, 226, 30.0)
     assert abs(found["extra_seconds"] - 0.012) < 5e-4
+
+
+def test_host_counters_read_the_kernels_memory_stalls_and_huge_page_setting(tmp_path):
+    from dovetail.bench.step_stats import format_summary
+    from dovetail.engine.process_counters import host_counters, transparent_huge_pages
+
+    vmstat = tmp_path / "vmstat"
+    vmstat.write_text("nr_free_pages 100\ncompact_stall 7\ncompact_fail 2\nallocstall_dma 1\nallocstall_normal 4\n"
+                      "allocstall_movable 2\nthp_fault_alloc 30\nthp_fault_fallback 3\n")
+    assert host_counters(vmstat) == {"compaction_stalls": 7, "reclaim_stalls": 7, "huge_page_faults": 30}
+    assert host_counters(tmp_path / "missing") == {}
+    thp = tmp_path / "thp"
+    thp.mkdir()
+    (thp / "enabled").write_text("[always] madvise never\n")
+    (thp / "defrag").write_text("always defer defer+madvise [madvise] never\n")
+    assert transparent_huge_pages(thp) == "always, defrag madvise"
+    assert transparent_huge_pages(tmp_path / "none") is None
+    summary = {"seconds": 1.0, "steps": 0, "groups": {}, "stalls": {"steps": 0},
+               "counters": {"host": {"compaction_stalls": 3, "reclaim_stalls": 0, "huge_page_faults": 12},
+                            "transparent_huge_pages": "always, defrag madvise", "engine": {"cpu_s": 0.5}, "ranks": []}}
+    assert ("  host: 3 memory compaction stalls, 0 memory reclaim stalls, 12 huge pages faulted in (transparent huge "
+            "pages: always, defrag madvise)") in format_summary(summary).splitlines()
 
 
 def test_recorded_steps_mark_the_engines_sends_and_takes_and_give_its_methods_back(tiny_llama_dir, monkeypatch):

@@ -16,7 +16,8 @@ their time beyond that median, and the longest of them, with when they ended (``
 can be matched with other logs of the host), without a profiler, whose own work adds stalls. ``counters``
 then says what grew in each process over the run (:mod:`dovetail.engine.process_counters`): the engine's and
 each rank's collections, involuntary context switches and page faults, and each rank's device allocator
-retries, each of which waits for the device. Each listed stall also names, for the engine's process and each
+retries, each of which waits for the device, and the host's memory compaction and reclaim stalls, which hold
+whichever process faults a page in meanwhile. Each listed stall also names, for the engine's process and each
 rank, the longest gap between two of its marks within the stall (:mod:`dovetail.engine.step_timeline`), which
 says whom the step waited for; the engine's marks are its scheduling (``schedule`` to ``scheduled``), its
 sending a step (``send`` to ``sent``), its wait for the output of the step before (``take`` to ``taken``) and
@@ -29,7 +30,7 @@ import contextlib
 import statistics
 import time
 
-from dovetail.engine.process_counters import counters_since, process_counters
+from dovetail.engine.process_counters import counters_since, host_counters, process_counters, transparent_huge_pages
 from dovetail.engine.step_timeline import StepTimeline, longest_gap
 
 #: Upper edges of the decode-only groups, by sequences in the step.
@@ -96,6 +97,7 @@ def recorded_steps(engine, enabled: bool = True):
         return output
 
     ranks_before, engine_before = engine.executor.collective_rpc("counters"), process_counters()
+    host_before = host_counters()
     engine.executor.collective_rpc("start_timeline")
     timeline.start()
     scheduler.schedule, engine.step = recording_schedule, recording_step
@@ -108,6 +110,7 @@ def recorded_steps(engine, enabled: bool = True):
         summary.update(summarize(launched, returns, start, engine.overlap))
         explain_stalls(summary["stalls"]["longest"], timeline.stop(), engine.executor.collective_rpc("stop_timeline"))
         summary["counters"] = {
+            "host": counters_since(host_before, host_counters()), "transparent_huge_pages": transparent_huge_pages(),
             "engine": counters_since(engine_before, process_counters()),
             "ranks": [counters_since(b, a) for b, a in zip(ranks_before, engine.executor.collective_rpc("counters"))]}
 
@@ -191,11 +194,17 @@ def format_summary(summary: dict) -> str:
                     f"{who} {a} to {b} {ms:.1f} ms" for who, (a, b, ms) in f["waits"].items()))
     counted = summary.get("counters")
     if counted:
+        host = ", ".join(f"{counted['host'][name]:,.0f} {word}" for name, word in _HOST_WORDS if name in counted["host"])
+        if host or counted.get("transparent_huge_pages"):
+            lines.append(f"  host: {host or 'no memory counts'} (transparent huge pages: "
+                         f"{counted.get('transparent_huge_pages') or 'unknown'})")
         lines.append(f"  engine process: {_format_counters(counted['engine'])}")
         lines.extend(f"  rank {rank}: {_format_counters(c)}" for rank, c in enumerate(counted["ranks"]))
     return "\n".join(lines)
 
 
+_HOST_WORDS = (("compaction_stalls", "memory compaction stalls"), ("reclaim_stalls", "memory reclaim stalls"),
+               ("huge_page_faults", "huge pages faulted in"))
 _COUNTER_WORDS = (("gc_collections", "collections"), ("involuntary_switches", "involuntary switches"),
                   ("minor_faults", "minor faults"), ("major_faults", "major faults"),
                   ("alloc_retries", "allocator retries"), ("device_allocs", "device allocations"),
