@@ -96,9 +96,8 @@ def recorded_steps(engine, enabled: bool = True):
         timeline.mark("taken")
         return output
 
-    ranks_before, engine_before = engine.executor.collective_rpc("counters"), process_counters()
-    host_before = host_counters()
-    engine.executor.collective_rpc("start_timeline")
+    ranks_before, engine_before, host_before = executor.collective_rpc("counters"), process_counters(), host_counters()
+    executor.collective_rpc("start_timeline")
     timeline.start()
     scheduler.schedule, engine.step = recording_schedule, recording_step
     executor.execute_model, executor.take_output = recording_execute_model, recording_take_output
@@ -107,12 +106,14 @@ def recorded_steps(engine, enabled: bool = True):
         yield summary
     finally:
         del scheduler.schedule, engine.step, executor.execute_model, executor.take_output  # the class's methods
+        engine_marks = timeline.stop()
         summary.update(summarize(launched, returns, start, engine.overlap))
-        explain_stalls(summary["stalls"]["longest"], timeline.stop(), engine.executor.collective_rpc("stop_timeline"))
-        summary["counters"] = {
-            "host": counters_since(host_before, host_counters()), "transparent_huge_pages": transparent_huge_pages(),
-            "engine": counters_since(engine_before, process_counters()),
-            "ranks": [counters_since(b, a) for b, a in zip(ranks_before, engine.executor.collective_rpc("counters"))]}
+    # Only after a run that ended well: a failed engine's ranks answer no more calls.
+    explain_stalls(summary["stalls"]["longest"], engine_marks, executor.collective_rpc("stop_timeline"))
+    summary["counters"] = {
+        "host": counters_since(host_before, host_counters()), "transparent_huge_pages": transparent_huge_pages(),
+        "engine": counters_since(engine_before, process_counters()),
+        "ranks": [counters_since(b, a) for b, a in zip(ranks_before, executor.collective_rpc("counters"))]}
 
 
 def summarize(launched: list[tuple[int, int, int]], returns: list[float], start: float, overlap: bool) -> dict:
