@@ -84,6 +84,10 @@ class ProbeResult:
         return cls(False, reason)
 
 
+#: The allocator counts :meth:`Platform.memory_stats` may report beside its byte figures.
+ALLOCATOR_COUNTS = ("alloc_retries", "device_allocs", "device_frees", "host_allocs", "host_alloc_us")
+
+
 class Platform(ABC):
     """A kind of hardware Dovetail can run on.
 

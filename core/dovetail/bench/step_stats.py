@@ -195,7 +195,7 @@ def format_summary(summary: dict) -> str:
                     f"{who} {a} to {b} {ms:.1f} ms" for who, (a, b, ms) in f["waits"].items()))
     counted = summary.get("counters")
     if counted:
-        host = ", ".join(f"{counted['host'][name]:,.0f} {word}" for name, word in _HOST_WORDS if name in counted["host"])
+        host = ", ".join(_counts_in_words(counted["host"], _HOST_WORDS))
         if host or counted.get("transparent_huge_pages"):
             lines.append(f"  host: {host or 'no memory counts'} (transparent huge pages: "
                          f"{counted.get('transparent_huge_pages') or 'unknown'})")
@@ -212,8 +212,12 @@ _COUNTER_WORDS = (("gc_collections", "collections"), ("involuntary_switches", "i
                   ("device_frees", "device frees"), ("host_allocs", "pinned host allocations"))
 
 
+def _counts_in_words(counts: dict[str, float], words: tuple[tuple[str, str], ...]) -> list[str]:
+    return [f"{counts[name]:,.0f} {word}" for name, word in words if name in counts]
+
+
 def _format_counters(counters: dict[str, float]) -> str:
-    words = [f"{counters[name]:,.0f} {word}" for name, word in _COUNTER_WORDS if name in counters]
+    words = _counts_in_words(counters, _COUNTER_WORDS)
     if "host_alloc_us" in counters:
         words.append(f"{counters['host_alloc_us'] / 1e3:.1f} ms making them")
     if "cpu_s" in counters:

@@ -37,7 +37,7 @@ from dovetail.engine.step import EMPTY_OUTPUT, StepDescription, StepOutput, appl
 from dovetail.errors import ConfigError
 from dovetail.model_interface import ModelContext
 from dovetail.plugin_manager import get_plugin_manager
-from dovetail.platform import Platform
+from dovetail.platform import ALLOCATOR_COUNTS, Platform
 
 logger = logging.getLogger("dovetail")
 
@@ -102,10 +102,6 @@ def host_threads(platform: Platform, owns_process: bool, environ=os.environ) -> 
     if not owns_process or not platform.is_accelerator or environ.get("OMP_NUM_THREADS", "").strip():
         return None
     return 1
-
-
-#: The allocator counts of :meth:`Platform.memory_stats` a rank's :meth:`Worker.counters` reports.
-ALLOCATOR_COUNTERS = ("alloc_retries", "device_allocs", "device_frees", "host_allocs", "host_alloc_us")
 
 
 class Worker:
@@ -343,7 +339,7 @@ class Worker:
         (``alloc_retries``, ``device_allocs``, ``device_frees``, ``host_allocs``, ``host_alloc_us`` where the
         platform reports them)."""
         allocator = self.platform.memory_stats(self.local_rank)
-        return {**process_counters(), **{name: allocator[name] for name in ALLOCATOR_COUNTERS if name in allocator}}
+        return {**process_counters(), **{name: allocator[name] for name in ALLOCATOR_COUNTS if name in allocator}}
 
     def start_timeline(self) -> None:
         """Start noting when this rank reaches each point of its steps (:mod:`dovetail.engine.step_timeline`)."""
