@@ -119,7 +119,7 @@ def test_serve_help_lists_server_and_engine_flags():
     out = subprocess.run([sys.executable, "-m", "dovetail.cli.main", "serve", "--help"], capture_output=True,
                          text=True, check=True).stdout
     for flag in ("--host", "--port", "--served-model-name", "--api-key", "--max-waiting-requests", "--max-body-bytes",
-                 "--max-sequences-per-request", "--allowed-hosts", "--device", "--attention-backend", "--quantization", "--dtype", "--max-model-len"):
+                 "--max-sequences-per-request", "--allowed-hosts", "--chat-template", "--device", "--attention-backend", "--quantization", "--dtype", "--max-model-len"):
         assert flag in out
 
 

@@ -37,6 +37,9 @@ def add_parser(sub) -> None:
                    help='let the model choose to call tools (tool_choice "auto"); needs --tool-call-parser')
     s.add_argument("--tool-call-parser", default=None, choices=tool_parser_names(),
                    help="how the model writes tool calls: hermes (Qwen2.5, Qwen3, Hermes), llama3_json, mistral")
+    s.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                   help="the Jinja chat template for /v1/chat/completions, in place of the tokenizer's: a file, or "
+                        "the template itself")
     s.add_argument("--uvicorn-log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug", "trace"))
     s.add_argument("--disable-uvicorn-access-log", action="store_true", help="do not log each HTTP request")
@@ -57,9 +60,12 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--enable-auto-tool-choice: needs --tool-call-parser (one of "
                           f"{', '.join(tool_parser_names())})")
 
+    from dovetail.chat_template import load_chat_template
     from dovetail.llm import default_model
     from dovetail.server.launcher import serve
     from dovetail.server.state import ServerSettings
+
+    chat_template = load_chat_template(args.chat_template)  # a broken template stops here, before the model loads
 
     model = args.model or default_model()
     names = args.served_model_name or [args.model or "bundled-model"]
@@ -71,7 +77,8 @@ def run(args: argparse.Namespace) -> int:
     settings = ServerSettings(served_model_names=names, api_key=api_key, max_body_bytes=args.max_body_bytes,
                               max_sequences_per_request=args.max_sequences_per_request,
                               allowed_hosts=allowed_hosts(args.allowed_hosts, args.host, api_key),
-                              tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
+                              tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+                              chat_template=chat_template)
     return serve(model, kwargs, settings, host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout,
                  uvicorn_log_level=args.uvicorn_log_level, access_log=not args.disable_uvicorn_access_log)
 

@@ -35,6 +35,8 @@ class ServerSettings:
     allowed_hosts: Optional[list[str]] = None
     #: The parser of ``tool_choice="auto"`` calls (``--enable-auto-tool-choice --tool-call-parser``), or None.
     tool_call_parser: Optional[str] = None
+    #: The chat template used in place of the tokenizer's (``--chat-template``), or None.
+    chat_template: Optional[str] = None
 
 
 @dataclass
@@ -132,16 +134,17 @@ class ServerState:
         prompt text and its token ids."""
         tokenizer = self.require_tokenizer("messages")
         check_message_text(conversation)
-        if getattr(tokenizer, "chat_template", None) is None:
-            raise RequestError("messages: this model's tokenizer has no chat template; use /v1/completions",
-                               field="messages")
+        template = self.settings.chat_template
+        if template is None and getattr(tokenizer, "chat_template", None) is None:
+            raise RequestError("messages: this model's tokenizer has no chat template; start the server with "
+                               "--chat-template, or use /v1/completions", field="messages")
         kwargs = dict(template_kwargs or {})
         reserved = sorted(set(kwargs) & RESERVED_TEMPLATE_KWARGS)
         if reserved:
             raise RequestError(f"chat_template_kwargs: {', '.join(reserved)} cannot be set here",
                                field="chat_template_kwargs")
         try:
-            text = tokenizer.apply_chat_template(conversation, tools=tools, tokenize=False,
+            text = tokenizer.apply_chat_template(conversation, tools=tools, tokenize=False, chat_template=template,
                                                  add_generation_prompt=add_generation_prompt, **kwargs)
         except Exception as exc:  # jinja raises its own errors for conversations the template rejects
             raise RequestError(f"messages: the chat template rejected the conversation: {exc}",
