@@ -9,7 +9,7 @@ and the rule.
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -37,6 +37,11 @@ class ModelConfig(_Section):
     load_format: Literal["auto", "safetensors", "dummy"] = "auto"
     quantization: Optional[str] = None
     served_model_name: Optional[str] = None
+    #: Where requests' default sampling comes from: "auto" (the model's generation_config.json), "vllm"
+    #: (SamplingParams' defaults) or a folder holding a generation_config.json.
+    generation_config: str = "auto"
+    #: Values set on top of those defaults, by a generation config's names (temperature, max_new_tokens, ...).
+    override_generation_config: Optional[dict[str, Any]] = None
 
 
 class CacheConfig(_Section):

@@ -44,6 +44,11 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` and ``chat`` use without ``sampling_params``: SamplingParams' defaults with the
+        model's ``generation_config.json`` on top (``generation_config="vllm"`` leaves them out)."""
+        return SamplingParams(**self.llm_engine.default_sampling)
+
     def start_profile(self) -> None:
         """Start torch.profiler on every rank; needs ``DOVETAIL_TORCH_PROFILER_DIR`` (traces go there)."""
         self.llm_engine.start_profile()
@@ -134,10 +139,9 @@ class LLM:
                     else p.model_copy(update={"output_kind": RequestOutputKind.FINAL_ONLY})
         return [copies[id(p)] for p in params]
 
-    @staticmethod
-    def _params_list(sampling_params, count: int) -> list[SamplingParams]:
+    def _params_list(self, sampling_params, count: int) -> list[SamplingParams]:
         if sampling_params is None:
-            return [SamplingParams() for _ in range(count)]
+            return [self.get_default_sampling_params() for _ in range(count)]
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * count
         params = list(sampling_params)

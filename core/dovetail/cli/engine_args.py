@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 
 from dovetail.config import DTYPE_CHOICES, KV_CACHE_DTYPE_CHOICES
 from dovetail.reasoning import reasoning_parser_names
@@ -14,6 +15,16 @@ def _bool(value: str) -> bool:
     if value.lower() in ("0", "false", "no", "off"):
         return False
     raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
+
+
+def _json_object(value: str) -> dict:
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(parsed, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {value!r}")
+    return parsed
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser, model_positional: bool = False) -> None:
@@ -46,6 +57,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser, model_positional: bool
     g.add_argument("--async-scheduling", type=_bool, default=None, metavar="BOOL",
                    help="overlap scheduling with the device's work (default: on for accelerators)")
     g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--generation-config", default=None, metavar="auto|vllm|FOLDER",
+                   help="default sampling of requests that set none: auto (the model's generation_config.json), "
+                        "vllm (SamplingParams' defaults) or a folder holding a generation_config.json "
+                        "(default: auto)")
+    g.add_argument("--override-generation-config", type=_json_object, default=None, metavar="JSON",
+                   help='values set on top of those defaults, e.g. \'{"temperature": 0.5, "max_new_tokens": 256}\'')
     g.add_argument("--load-format", default=None, choices=("auto", "safetensors", "dummy"))
     g.add_argument("--enforce-eager", action="store_true", default=None)
     g.add_argument("--cudagraph-capture-sizes", type=int, nargs="+", default=None, metavar="N",
@@ -76,6 +93,7 @@ ENGINE_KEYS = (
     "scheduling_policy", "async_scheduling", "seed", "load_format", "enforce_eager",
     "cudagraph_capture_sizes", "max_cudagraph_capture_size", "cpu_threads", "tensor_parallel_size",
     "distributed_executor_backend", "enable_dbo", "dbo_prefill_token_threshold", "reasoning_parser",
+    "generation_config", "override_generation_config",
 )
 
 

@@ -32,7 +32,7 @@ from dovetail.engine.structured_output import StructuredOutputManager
 from dovetail.engine.worker import WorkerSpec, attention_requirements, check_heads_divide
 from dovetail.errors import ConfigError, RequestError, WorkerError
 from dovetail.executor import create_executor, executor_backend, start_processes_early
-from dovetail import model_loader
+from dovetail import generation_defaults, model_loader
 from dovetail.outputs import RequestOutput
 from dovetail.plugin_manager import get_plugin_manager
 from dovetail.reasoning import ReasoningParser
@@ -143,6 +143,13 @@ class LLMEngine:
         self.vocab_size = int(self.hf_config.vocab_size)
         self.eos_token_ids = self._eos_token_ids()
         self._eos_frozen = frozenset(self.eos_token_ids)
+        #: The sampling fields a request that sets none of them gets (:mod:`dovetail.generation_defaults`).
+        self.default_sampling = generation_defaults.default_sampling_values(
+            self.model_path, mc.generation_config, mc.override_generation_config)
+        if self.default_sampling:
+            logger.info("default sampling parameters from the model's generation config: %s (a request's own "
+                        "values come first; --generation-config vllm ignores them)",
+                        generation_defaults.describe(self.default_sampling))
         return spec
 
     def _init_scheduling_and_outputs(self, config: EngineConfig, platform_name: str, t0: float) -> None:
@@ -292,7 +299,7 @@ class LLMEngine:
     def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
                     priority: int = 0, arrival_time: float | None = None) -> str:
         """Queue a request; raise :class:`RequestError` if it can never run."""
-        params = params or SamplingParams()
+        params = params or SamplingParams(**self.default_sampling)
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self._parents:
             raise RequestError(f"request_id: {request_id!r} is already in use", field="request_id")

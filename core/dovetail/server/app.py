@@ -84,7 +84,7 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     tokenizer = model_loader.load_tokenizer(llm.tokenizer_path) if llm.tokenizer is not None else None
     state = ServerState(engine=engine, settings=settings, metrics=ServerMetrics(engine.stats), tokenizer=tokenizer,
                         max_model_len=llm.max_model_len, vocab_size=llm.vocab_size, model_path=str(llm.model_path),
-                        created=int(time.time()), reasoning=llm.reasoning)
+                        created=int(time.time()), reasoning=llm.reasoning, default_sampling=llm.default_sampling)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

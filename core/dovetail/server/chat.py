@@ -53,8 +53,10 @@ class _Chat:
             max_tokens = self.state.max_tokens(len(self.prompt_ids), body.max_completion_tokens, None,
                                                "max_completion_tokens")
         else:
-            max_tokens = self.state.max_tokens(len(self.prompt_ids), body.max_tokens, None)
-        params = body.sampling_params(max_tokens, self.top_logprobs, structured_outputs=self.structured_outputs)
+            max_tokens = self.state.max_tokens(len(self.prompt_ids), body.max_tokens,
+                                               self.state.default_sampling.get("max_tokens"))
+        params = body.sampling_params(max_tokens, self.top_logprobs, structured_outputs=self.structured_outputs,
+                                      defaults=self.state.default_sampling)
         prompt = {"prompt_token_ids": self.prompt_ids, "prompt": self.prompt_text}
         return [NewRequest(self.id, prompt, params)]
 

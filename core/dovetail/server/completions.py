@@ -69,10 +69,10 @@ class _Completion:
         prompt_logprobs = body.logprobs if self.echo and body.logprobs is not None else None
         requests = []
         for rid, prompt in zip(self.engine_ids, self.prompts):
-            max_tokens = state.max_tokens(len(prompt.ids), body.max_tokens,
-                                          state.settings.default_completion_max_tokens)
+            max_tokens = state.max_tokens(len(prompt.ids), body.max_tokens, state.default_sampling.get(
+                "max_tokens", state.settings.default_completion_max_tokens))
             params = body.sampling_params(max_tokens, body.logprobs, prompt_logprobs,
-                                          structured_outputs=self.structured_outputs)
+                                          structured_outputs=self.structured_outputs, defaults=state.default_sampling)
             engine_prompt = {"prompt_token_ids": prompt.ids, "prompt": prompt.text}
             requests.append(NewRequest(rid, engine_prompt, params))
         return requests

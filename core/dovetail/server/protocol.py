@@ -122,8 +122,10 @@ class SamplingFields(_Body):
         return bias
 
     def sampling_params(self, max_tokens: int, logprobs: Optional[int], prompt_logprobs: Optional[int] = None,
-                        structured_outputs: Optional[StructuredOutputsParams] = None) -> SamplingParams:
-        """The engine's parameters; unset fields keep SamplingParams' defaults."""
+                        structured_outputs: Optional[StructuredOutputsParams] = None,
+                        defaults: Optional[dict[str, Any]] = None) -> SamplingParams:
+        """The engine's parameters; an unset field takes ``defaults``' value (the model's generation config),
+        else SamplingParams' default."""
         if self.min_tokens is not None and self.min_tokens > max_tokens:
             raise RequestError(f"min_tokens: {self.min_tokens} is more than max_tokens ({max_tokens})",
                                field="min_tokens")
@@ -137,6 +139,9 @@ class SamplingFields(_Body):
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             structured_outputs=structured_outputs)
+        for key, value in (defaults or {}).items():
+            if values.get(key) is None:
+                values[key] = value
         return SamplingParams(**{k: v for k, v in values.items() if v is not None})
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from dovetail.engine.async_engine import AsyncLLMEngine
@@ -57,6 +57,8 @@ class ServerState:
     prompt_tokenizer: Optional[PromptTokenizer] = None
     #: Where requests are prepared (chat template, tokenisation), so that a long prompt never holds the event loop.
     preparer: Optional[ThreadPoolExecutor] = None
+    #: The sampling fields a request that sets none of them gets (the engine's ``default_sampling``).
+    default_sampling: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
         if self.prompt_tokenizer is None:
