@@ -49,8 +49,8 @@ def test_the_fields_taken_and_their_names(tmp_path):
 
 
 @pytest.mark.parametrize("file_values, setting, overrides, message", [
-    ({"top_p": 1.5}, "auto", None, "generation_config (generation_config.json): top_p: "),
-    ({"max_new_tokens": 0}, "auto", None, "generation_config (generation_config.json): max_new_tokens: "),
+    ({"top_p": 1.5}, "auto", None, "generation_config (DIR/generation_config.json): top_p: "),
+    ({"max_new_tokens": 0}, "auto", None, "generation_config (DIR/generation_config.json): max_new_tokens: "),
     ({}, "auto", {"temperature": -1}, "override_generation_config: temperature: "),
     ({}, "auto", {"num_beams": 4}, "override_generation_config: num_beams cannot be set (known: temperature, "),
     (None, "auto", None, "generation_config: cannot read "),
@@ -63,7 +63,7 @@ def test_bad_values_are_named(tmp_path, file_values, setting, overrides, message
         _write(tmp_path, file_values)
     with pytest.raises(ConfigError) as caught:
         default_sampling_values(tmp_path, setting=setting, overrides=overrides)
-    assert str(caught.value).startswith(message), str(caught.value)
+    assert str(caught.value).startswith(message.replace("DIR", str(tmp_path))), str(caught.value)
 
 
 def test_generate_without_parameters_samples_as_the_model_recommends(recommending_dir):

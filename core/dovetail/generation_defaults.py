@@ -40,18 +40,19 @@ def default_sampling_values(model_path: str | Path, setting: str = "auto",
     """The SamplingParams fields a request that sets none of them gets: from ``generation_config.json`` of
     ``model_path`` (``setting`` "auto"), of the folder ``setting``, or none ("vllm"); then ``overrides`` (a
     generation config's names). A :class:`~dovetail.errors.ConfigError` names a value SamplingParams refuses."""
-    if setting == "vllm":
-        found: dict[str, Any] = {}
-    else:
+    found: dict[str, Any] = {}
+    source = "generation_config"
+    if setting != "vllm":
         folder = Path(model_path) if setting == "auto" else Path(setting)
         if setting != "auto" and not (folder / FILE_NAME).is_file():
             raise ConfigError(f"generation_config: no {FILE_NAME} in {setting} (give auto, vllm or such a folder)")
         found = _read(folder, "generation_config")
+        source = f"generation_config ({folder / FILE_NAME})"
     unknown = sorted(set(overrides or {}) - set(GENERATION_FIELDS))
     if unknown:
         raise ConfigError(f"override_generation_config: {', '.join(unknown)} cannot be set (known: "
                           f"{', '.join(GENERATION_FIELDS)})")
-    _check(_pick(found), f"generation_config ({FILE_NAME})")
+    _check(_pick(found), source)
     return _check(_pick({**found, **(overrides or {})}), "override_generation_config")
 
 
