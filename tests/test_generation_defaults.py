@@ -1,5 +1,5 @@
 """Default sampling from the model's ``generation_config.json`` (vLLM's ``--generation-config auto``): what a
-request that sets a field not gets, offline and over the server; ``vllm`` and overrides; bad values named."""
+request gets for a field it does not set, offline and over the server; ``vllm`` and overrides; bad values named."""
 
 from __future__ import annotations
 
