@@ -22,16 +22,18 @@ GENERATION_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "t
 FILE_NAME = "generation_config.json"
 
 
-def _read(folder: Path, field: str) -> dict[str, Any]:
-    path = folder / FILE_NAME
+def read_generation_config(folder: str | Path) -> dict[str, Any]:
+    """The ``generation_config.json`` of ``folder`` as a dict (empty without one); a file that is not a JSON
+    object is a :class:`~dovetail.errors.ConfigError`."""
+    path = Path(folder) / FILE_NAME
     if not path.is_file():
         return {}
     try:
         values = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"{field}: cannot read {path}: {exc}") from None
+        raise ConfigError(f"generation_config: cannot read {path}: {exc}") from None
     if not isinstance(values, dict):
-        raise ConfigError(f"{field}: {path} holds no JSON object")
+        raise ConfigError(f"generation_config: {path} holds no JSON object")
     return values
 
 
@@ -46,7 +48,7 @@ def default_sampling_values(model_path: str | Path, setting: str = "auto",
         folder = Path(model_path) if setting == "auto" else Path(setting)
         if setting != "auto" and not (folder / FILE_NAME).is_file():
             raise ConfigError(f"generation_config: no {FILE_NAME} in {setting} (give auto, vllm or such a folder)")
-        found = _read(folder, "generation_config")
+        found = read_generation_config(folder)
         source = f"generation_config ({folder / FILE_NAME})"
     unknown = sorted(set(overrides or {}) - set(GENERATION_FIELDS))
     if unknown:

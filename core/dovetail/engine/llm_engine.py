@@ -243,15 +243,11 @@ class LLMEngine:
             ids.add(value)
         elif isinstance(value, (list, tuple)):
             ids.update(int(v) for v in value)
-        gen_config = self.model_path / "generation_config.json"
-        if gen_config.is_file():
-            import json
-
-            value = json.loads(gen_config.read_text()).get("eos_token_id")
-            if isinstance(value, int):
-                ids.add(value)
-            elif isinstance(value, list):
-                ids.update(value)
+        value = generation_defaults.read_generation_config(self.model_path).get("eos_token_id")
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list):
+            ids.update(value)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             ids.add(int(self.tokenizer.eos_token_id))
         return ids
