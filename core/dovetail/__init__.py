@@ -16,6 +16,8 @@ _LAZY = {
     "StructuredOutputsParams": "dovetail.sampling_params:StructuredOutputsParams",
     "RequestOutput": "dovetail.outputs:RequestOutput",
     "CompletionOutput": "dovetail.outputs:CompletionOutput",
+    "PoolingParams": "dovetail.pooling:PoolingParams",
+    "EmbeddingRequestOutput": "dovetail.outputs:EmbeddingRequestOutput",
     "EngineArgs": "dovetail.config:EngineArgs",
     "LLMEngine": "dovetail.engine.llm_engine:LLMEngine",
 }

@@ -42,6 +42,12 @@ class ModelConfig(_Section):
     generation_config: str = "auto"
     #: Values set on top of those defaults, by a generation config's names (temperature, max_new_tokens, ...).
     override_generation_config: Optional[dict[str, Any]] = None
+    #: "generate" (text), "pooling" (embeddings: ``LLM.embed``, ``/v1/embeddings``) or "auto": pooling for
+    #: base-model checkpoints (architectures such as ``Qwen3Model``), else generate (see ``dovetail.pooling``).
+    runner: Literal["auto", "generate", "pooling"] = "auto"
+    #: The pooling runner's ``pooling_type`` (LAST, MEAN, CLS) and ``normalize``; unset ones come from the
+    #: checkpoint's sentence-transformers files, else LAST with normalisation.
+    pooler_config: Optional[dict[str, Any]] = None
 
 
 class CacheConfig(_Section):

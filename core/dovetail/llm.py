@@ -1,4 +1,4 @@
-"""LLM: the offline API, with vLLM's names (``generate``, ``chat``)."""
+"""LLM: the offline API, with vLLM's names (``generate``, ``chat``, ``embed``)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from dovetail.config import EngineArgs
 from dovetail.engine.frozen_heap import frozen_heap
 from dovetail.engine.llm_engine import LLMEngine, PromptType
 from dovetail.errors import RequestError
-from dovetail.outputs import RequestOutput
+from dovetail.outputs import EmbeddingRequestOutput, RequestOutput
+from dovetail.pooling import PoolingParams
 from dovetail.sampling_params import RequestOutputKind, SamplingParams
 
 Message = dict[str, Any]
@@ -65,14 +66,16 @@ class LLM:
         A prompt is a string, ``{"prompt_token_ids": [...]}`` or ``{"prompt": "..."}``.
         ``sampling_params`` is one :class:`SamplingParams` for all prompts or one per prompt.
         """
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = self._prompt_list(prompts)
         params = self._final_only(self._params_list(sampling_params, len(prompts)))
         if priority is not None and len(priority) != len(prompts):
             raise RequestError(f"priority: got {len(priority)} priorities for {len(prompts)} prompts", field="priority")
+        return self._add_all(self._tokenized(prompts), params, priority, use_tqdm)
+
+    def _add_all(self, prompts: list[PromptType], params: list, priority: list[int] | None,
+                 use_tqdm: bool) -> list:
+        """Queue every prompt with its parameters, then run the engine until all of them finished."""
         engine = self.llm_engine
-        prompts = self._tokenized(prompts)
         ids = []
         # Thousands of new requests, none of them garbage: the collector would only walk the heap again and again.
         collecting = gc.isenabled()
@@ -90,6 +93,21 @@ class LLM:
             if collecting:
                 gc.enable()
         return self._run(ids, use_tqdm)
+
+    def embed(self, prompts: Union[PromptType, Sequence[PromptType]],
+              pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """Embed each prompt with a pooling model (``runner="pooling"``, or a base-model checkpoint);
+        outputs come back in input order, each vector in ``output.outputs.embedding``."""
+        prompts = self._prompt_list(prompts)
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            params = [pooling_params or PoolingParams()] * len(prompts)
+        else:
+            params = list(pooling_params)
+            if len(params) != len(prompts):
+                raise RequestError(f"pooling_params: got {len(params)} for {len(prompts)} prompts",
+                                   field="pooling_params")
+        return self._add_all(self._tokenized(prompts), params, None, use_tqdm)
 
     def chat(self, messages: Union[list[Message], list[list[Message]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -114,6 +132,13 @@ class LLM:
                 ids = ids["input_ids"]
             prompts.append({"prompt_token_ids": list(ids)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    @staticmethod
+    def _prompt_list(prompts) -> list[PromptType]:
+        """One prompt (a string, a dict or a list of token ids) or a sequence of them, as a list."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            return [prompts]
+        return list(prompts)
 
     def _tokenized(self, prompts: list[PromptType]) -> list[PromptType]:
         """Text prompts with their token ids, tokenised together (the tokenizer's batch call is much
@@ -149,10 +174,10 @@ class LLM:
             raise RequestError(f"sampling_params: got {len(params)} for {count} prompts", field="sampling_params")
         return params
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, ids: list[str], use_tqdm: bool) -> list:
         engine = self.llm_engine
         pending = set(ids)
-        results: dict[str, RequestOutput] = {}
+        results: dict = {}
         bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
         try:
             with frozen_heap():

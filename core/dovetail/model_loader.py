@@ -207,8 +207,11 @@ def set_kv_cache_scales(model: torch.nn.Module, scales: dict[int, dict[str, floa
     return count
 
 
-def load_weights(model, path: Path) -> None:
+def load_weights(model, path: Path, pooling: bool = False) -> None:
     """Fill ``model`` from the checkpoint; any parameter left unfilled is an error naming it.
+
+    ``pooling``: the model embeds, so its language-model head may be absent, and a base model's checkpoint
+    (names without the ``model.`` prefix) fills the causal-LM class (:func:`dovetail.pooling.base_model_weights`).
 
     Calibrated KV-cache scales (:data:`KV_SCALE_NAME`) go to the attention layers, as vLLM reads them for an
     FP8 KV cache (the largest, where a scale has several elements). With several tensor-parallel ranks the
@@ -225,10 +228,16 @@ def load_weights(model, path: Path) -> None:
             else:
                 yield name, tensor
 
-    loaded = model.load_weights(weights_but_kv_scales())
+    weights = weights_but_kv_scales()
+    if pooling:
+        from dovetail.pooling import base_model_weights
+
+        weights = base_model_weights(weights)
+    loaded = model.load_weights(weights)
     if scales:
         logger.info("KV-cache scales from the checkpoint for %d attention layers", set_kv_cache_scales(model, scales))
-    expected = {name for name, p in model.named_parameters() if not getattr(p, "load_optional", False)}
+    expected = {name for name, p in model.named_parameters() if not getattr(p, "load_optional", False)
+                and not (pooling and name.startswith("lm_head."))}
     missing = sorted(expected - set(loaded))
     if missing:
         shown = ", ".join(missing[:10]) + (f" and {len(missing) - 10} more" if len(missing) > 10 else "")

@@ -1,4 +1,4 @@
-"""What generation returns: vLLM's RequestOutput, CompletionOutput and Logprob."""
+"""What generation and embedding return, with vLLM's names: RequestOutput, EmbeddingRequestOutput and their parts."""
 
 from __future__ import annotations
 
@@ -60,3 +60,27 @@ class RequestOutput:
     metrics: Optional[RequestMetrics] = None
     #: For streaming: per output index, the text and token ids added since the last output.
     deltas: list[tuple[str, list[int]]] = field(default_factory=list)
+
+
+@dataclass
+class EmbeddingOutput:
+    """The embedding of one prompt (vLLM's name)."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """The result of one request to a pooling model: its prompt and its embedding (vLLM's name)."""
+
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
+    num_cached_tokens: int = 0
+    metrics: Optional[RequestMetrics] = None

@@ -81,6 +81,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser, model_positional: bool
                         "other's compute (default: off)")
     g.add_argument("--dbo-prefill-token-threshold", type=int, default=None, metavar="N",
                    help="smallest step split into micro-batches, in tokens (default 8192)")
+    g.add_argument("--runner", default=None, choices=("auto", "generate", "pooling"),
+                   help="generate text, or embed (pooling: /v1/embeddings, LLM.embed); default auto: pooling for "
+                        "base-model checkpoints such as Qwen3Model")
+    g.add_argument("--pooler-config", type=_json_object, default=None, metavar="JSON",
+                   help='a pooling model\'s pooling and normalisation, e.g. \'{"pooling_type": "MEAN", '
+                        '"normalize": false}\' (pooling_type LAST, MEAN or CLS; default: the checkpoint\'s '
+                        'sentence-transformers settings, else LAST, normalised)')
     g.add_argument("--reasoning-parser", default=None, choices=reasoning_parser_names(),
                    help="how the model's reasoning is delimited: qwen3, deepseek_r1 (structured outputs apply "
                         "after it; the server returns it as reasoning_content)")
@@ -93,7 +100,7 @@ ENGINE_KEYS = (
     "scheduling_policy", "async_scheduling", "seed", "load_format", "enforce_eager",
     "cudagraph_capture_sizes", "max_cudagraph_capture_size", "cpu_threads", "tensor_parallel_size",
     "distributed_executor_backend", "enable_dbo", "dbo_prefill_token_threshold", "reasoning_parser",
-    "generation_config", "override_generation_config",
+    "generation_config", "override_generation_config", "runner", "pooler_config",
 )
 
 

@@ -27,6 +27,7 @@ from dovetail.engine.frozen_heap import frozen_heap
 from dovetail.engine.llm_engine import LLMEngine, PromptType
 from dovetail.errors import DovetailError, WorkerError
 from dovetail.outputs import RequestOutput
+from dovetail.pooling import PoolingParams
 from dovetail.sampling_params import SamplingParams
 
 logger = logging.getLogger("dovetail.async_engine")
@@ -50,7 +51,7 @@ class NewRequest:
 
     request_id: str
     prompt: PromptType
-    params: SamplingParams
+    params: SamplingParams | PoolingParams
     priority: int = 0
 
 
@@ -325,7 +326,7 @@ class AsyncLLMEngine:
                 continue
             if out.finished:
                 del self._streams[out.request_id]
-            for completion in out.outputs:
+            for completion in out.outputs if isinstance(out, RequestOutput) else ():
                 # The engine keeps appending to this list; hand the other thread a snapshot.
                 if completion.logprobs is not None:
                     completion.logprobs = list(completion.logprobs)

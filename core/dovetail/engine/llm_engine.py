@@ -25,15 +25,16 @@ from dovetail.engine.laps import Laps
 from dovetail.engine.output_processor import OutputProcessor
 from dovetail.engine.profiler import profiler_dir
 from dovetail.engine.prompt_tokenizer import PromptTokenizer
-from dovetail.engine.request import Request
+from dovetail.engine.request import Request, RequestStatus
 from dovetail.engine.scheduler import ScheduledBatch, Scheduler
 from dovetail.engine.step import NewRequestData, StepDescription
 from dovetail.engine.structured_output import StructuredOutputManager
 from dovetail.engine.worker import WorkerSpec, attention_requirements, check_heads_divide
 from dovetail.errors import ConfigError, RequestError, WorkerError
 from dovetail.executor import create_executor, executor_backend, start_processes_early
-from dovetail import generation_defaults, model_loader
-from dovetail.outputs import RequestOutput
+from dovetail import generation_defaults, model_loader, pooling
+from dovetail.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from dovetail.pooling import PoolingParams
 from dovetail.plugin_manager import get_plugin_manager
 from dovetail.reasoning import ReasoningParser
 from dovetail.sampling_params import RequestOutputKind, SamplingParams
@@ -43,6 +44,9 @@ logger = logging.getLogger("dovetail")
 
 #: vLLM's default cap on requested logprobs.
 MAX_LOGPROBS = 20
+
+#: What the scheduler and the workers see of an embedding request: one row at the end of its prompt.
+EMBEDDING_SAMPLING = SamplingParams(max_tokens=1, output_kind=RequestOutputKind.FINAL_ONLY)
 
 PromptType = Union[str, list[int], dict]
 
@@ -125,7 +129,14 @@ class LLMEngine:
         self.max_model_len = self._resolve_max_model_len()
         self._resolve_scheduler_limits()
 
-        self.model_choice = selection.select_model_class(getattr(self.hf_config, "architectures", None) or [], manager)
+        architectures = getattr(self.hf_config, "architectures", None) or []
+        mc.runner = pooling.resolve_runner(mc.runner, architectures)
+        #: Whether the model embeds (``runner="pooling"``) instead of generating.
+        self.is_pooling = mc.runner == "pooling"
+        self.model_choice = selection.select_model_class(pooling.candidate_architectures(architectures, mc.runner),
+                                                         manager)
+        if self.is_pooling:
+            self._configure_pooling()
         shape = self.model_choice.cls.attention_shape(self.hf_config)
         check_heads_divide(shape, self.world_size)
         spec = WorkerSpec(config, str(self.model_path), self.dtype, self.max_model_len)
@@ -144,13 +155,24 @@ class LLMEngine:
         self.eos_token_ids = self._eos_token_ids()
         self._eos_frozen = frozenset(self.eos_token_ids)
         #: The sampling fields a request that sets none of them gets (:mod:`dovetail.generation_defaults`).
-        self.default_sampling = generation_defaults.default_sampling_values(
+        self.default_sampling = {} if self.is_pooling else generation_defaults.default_sampling_values(
             self.model_path, mc.generation_config, mc.override_generation_config)
         if self.default_sampling:
             logger.info("default sampling parameters from the model's generation config: %s (a request's own "
                         "values come first; --generation-config vllm ignores them)",
                         generation_defaults.describe(self.default_sampling))
         return spec
+
+    def _configure_pooling(self) -> None:
+        """The pooler's settings, and no prefix caching where the pooling needs every token's hidden state."""
+        mc = self.config.model
+        mc.pooler_config = pooling.resolve_pooler_config(self.model_path, mc.pooler_config)
+        self.pooling_type, self.normalize = mc.pooler_config["pooling_type"], mc.pooler_config["normalize"]
+        if self.pooling_type != "LAST" and self.config.cache.enable_prefix_caching:
+            self.config.cache.enable_prefix_caching = False
+            logger.info("prefix caching off: %s pooling needs every prompt token computed", self.pooling_type)
+        logger.info("pooling model: %s pooling, %s", self.pooling_type,
+                    "normalised" if self.normalize else "not normalised")
 
     def _init_scheduling_and_outputs(self, config: EngineConfig, platform_name: str, t0: float) -> None:
         """The KV-cache manager, scheduler, output processing and request books, once the workers are up."""
@@ -292,10 +314,35 @@ class LLMEngine:
                 raise RequestError(f"{name}: {value} exceeds the maximum of {MAX_LOGPROBS}", field=name)
         params.validate_for_vocab(self.vocab_size)
 
-    def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
+    def validate_pooling_request(self, prompt_ids: list[int], params: PoolingParams) -> None:
+        """Reject an embedding request that can never run, naming the field."""
+        if not prompt_ids:
+            raise RequestError("input: the prompt is empty", field="input")
+        if len(prompt_ids) > self.max_model_len:
+            raise RequestError(f"input: the prompt has {len(prompt_ids)} tokens, but max_model_len is "
+                               f"{self.max_model_len}", field="input")
+        for t in prompt_ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                raise RequestError(f"prompt_token_ids: token id {t!r} is out of range [0, {self.vocab_size})",
+                                   field="prompt_token_ids")
+        pooling.check_dimensions(params, self.hf_config, int(self.hf_config.hidden_size))
+
+    def _check_runner(self, params) -> None:
+        if self.is_pooling and not isinstance(params, PoolingParams):
+            raise RequestError("this model runs as an embedding model (runner='pooling'): it embeds prompts "
+                               "(LLM.embed, /v1/embeddings) and generates no text", field="model")
+        if not self.is_pooling and isinstance(params, PoolingParams):
+            raise RequestError("this model generates text (runner='generate'): start it with runner='pooling' "
+                               "(--runner pooling) to embed", field="model")
+
+    def add_request(self, request_id: str | None, prompt: PromptType,
+                    params: SamplingParams | PoolingParams | None = None,
                     priority: int = 0, arrival_time: float | None = None) -> str:
-        """Queue a request; raise :class:`RequestError` if it can never run."""
-        params = params or SamplingParams(**self.default_sampling)
+        """Queue a request (:class:`PoolingParams` for a pooling model); raise :class:`RequestError` if it
+        can never run."""
+        if params is None:
+            params = PoolingParams() if self.is_pooling else SamplingParams(**self.default_sampling)
+        self._check_runner(params)
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self._parents:
             raise RequestError(f"request_id: {request_id!r} is already in use", field="request_id")
@@ -303,9 +350,17 @@ class LLMEngine:
             raise RequestError("priority: set scheduling_policy='priority' to use request priorities",
                                field="priority")
         text, ids = self._prompt_ids(prompt)
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        if self.is_pooling:
+            self.validate_pooling_request(ids, params)
+            request = Request(request_id, text, ids, EMBEDDING_SAMPLING, self.eos_token_ids, arrival, priority)
+            request.pooling_params = params
+            self._parents[request_id] = _Parent(request_id, text, ids, [request])
+            self._requests[request_id] = request
+            self.scheduler.add(request)
+            return request_id
         self.validate_request(ids, params)
         grammar = self._grammar(params)
-        arrival = arrival_time if arrival_time is not None else time.monotonic()
         children = []
         for i in range(params.n):
             child_params = params.child(i) if params.n > 1 else params
@@ -469,7 +524,8 @@ class LLMEngine:
         max_model_len = self.max_model_len
         for req in rows:
             req.num_pending += 1
-            if req.num_output_tokens >= req.max_tokens or req.num_tokens >= max_model_len:
+            if (req.num_output_tokens >= req.max_tokens or req.num_tokens >= max_model_len
+                    or req.pooling_params is not None):
                 req.stop_scheduling = True  # it finishes with this token whatever its value
         return _InFlight(rows), deferred
 
@@ -487,6 +543,8 @@ class LLMEngine:
     def _apply(self, in_flight: _InFlight) -> list[RequestOutput]:
         """Wait for a launched step's tokens, apply them and the stop rules, and build the outputs."""
         result = self.executor.take_output()
+        if self.is_pooling:
+            return self._apply_embeddings(in_flight, result.embeddings)
         if len(result.token_ids) != len(in_flight.requests):
             raise RuntimeError(f"rank 0 sampled {len(result.token_ids)} tokens for a step of "
                                f"{len(in_flight.requests)} sampled rows")
@@ -521,6 +579,29 @@ class LLMEngine:
             if final_only and not all(c.is_finished for c in parent.children):
                 continue
             outputs.append(self._parent_output(pid))
+        return outputs
+
+    def _apply_embeddings(self, in_flight: _InFlight, embeddings) -> list[EmbeddingRequestOutput]:
+        """Finish the requests whose prompt a pooling step completed, with their embeddings."""
+        count = 0 if embeddings is None else len(embeddings)
+        if count != len(in_flight.requests):
+            raise RuntimeError(f"rank 0 pooled {count} prompts for a step that completed {len(in_flight.requests)}")
+        now = time.monotonic()
+        outputs = []
+        for req, pooled in zip(in_flight.requests, embeddings if count else ()):
+            req.num_pending -= 1
+            if req.is_finished or req.request_id not in self._requests:
+                continue  # aborted while the step ran
+            req.finish_reason, req.status = "stop", RequestStatus.FINISHED
+            req.metrics.finished_time = req.metrics.first_token_time = now
+            self.scheduler.finish(req)
+            self._drop_from_workers(req)
+            vector = pooling.finish_embedding(torch.from_numpy(pooled), req.pooling_params, self.normalize)
+            parent = self._parents.pop(req.parent_id)
+            self._drop_parent(parent)
+            outputs.append(EmbeddingRequestOutput(req.request_id, req.prompt, req.prompt_token_ids,
+                                                  EmbeddingOutput(vector), True, req.num_cached_tokens,
+                                                  req.metrics))
         return outputs
 
     def _parent_output(self, parent_id: str) -> RequestOutput:

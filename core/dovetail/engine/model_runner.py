@@ -29,6 +29,7 @@ from dovetail.attention.batch import AttentionBatch
 from dovetail.device_copy import copy_to_device, to_device, values_to_device
 from dovetail.distributed import backend_collectives, tp_rank
 from dovetail.engine.micro_batches import parts_share_blocks, run_interleaved, split_point
+from dovetail.engine.pooler import Pooler
 from dovetail.engine.scheduler import ScheduledBatch
 from dovetail.engine.sharded_logits import ShardedLogits
 from dovetail.forward_context import set_forward_context
@@ -75,6 +76,9 @@ class StepLogits:
     sample_requests: list[RequestState]
     # request -> (logits for prompt positions, the prompt positions they predict)
     prompt_logits: dict[str, tuple[torch.Tensor, list[int]]]
+    #: A pooling runner's answer instead of logits: the requests whose prompt the step completed, and their
+    #: pooled hidden states.
+    pooled: tuple[list[RequestState], torch.Tensor | None] | None = None
 
 
 def pending_inputs(batch: ScheduledBatch) -> tuple[list[int], list[int]]:
@@ -135,8 +139,10 @@ class ModelRunner:
                  dtype: torch.dtype, kv_cache_dtype: str, device: torch.device, *, max_num_seqs: int = 256,
                  max_model_len: int | None = None, enforce_eager: bool = False,
                  cudagraph_capture_sizes: list[int] | None = None, max_cudagraph_capture_size: int | None = None,
-                 micro_batch_tokens: int | None = None):
+                 micro_batch_tokens: int | None = None, pooler: Pooler | None = None):
         self.model = model
+        #: Set for a pooling model: steps return pooled hidden states, never logits, and run no graphs.
+        self.pooler = pooler
         #: The LM head whose vocabulary shards greedy steps sample from (None: whole logits).
         self.sharded_head = model.sharded_lm_head()
         self.platform = platform
@@ -158,7 +164,7 @@ class ModelRunner:
             backend, [layer.spec for layer in self.attention_layers], block_size, device, dtype)
         self.kv_caches: list[torch.Tensor] = []
         self.spare_block = 0
-        self.use_graphs = (not enforce_eager and platform.supports_graph_capture
+        self.use_graphs = (not enforce_eager and pooler is None and platform.supports_graph_capture
                            and backend.supports_graph_capture and max_model_len is not None)
         self.graph_sizes = graph_batch_sizes(max_num_seqs, cudagraph_capture_sizes, max_cudagraph_capture_size)
         self.graphs: DecodeGraphs | None = None
@@ -269,6 +275,8 @@ class ModelRunner:
             hidden = self.run_model(input_ids, positions, attn)
         else:
             hidden = self.run_micro_batches(batch, block_tables, prev_tokens, split)
+        if self.pooler is not None:
+            return StepLogits(None, [], {}, pooled=self.pooler.pool(batch, hidden))
         sample_rows, sample_requests = [], []
         prompt_rows: dict[str, tuple[list[int], list[int]]] = {}
         offset = 0

@@ -83,6 +83,8 @@ class Request(SequenceTokens):
         self.queue_key: Optional[tuple] = None
         #: The structured-outputs state (:class:`dovetail.engine.structured_output.GrammarState`), if constrained.
         self.grammar = None
+        #: An embedding request's :class:`dovetail.pooling.PoolingParams` (a pooling model's), else None.
+        self.pooling_params = None
 
     @property
     def is_finished(self) -> bool:

@@ -19,7 +19,8 @@ class RequestState(SequenceTokens):
     """
 
     __slots__ = ("request_id", "params", "eos_token_ids", "prompt_token_ids", "all_token_ids",
-                 "output_token_ids", "num_computed_tokens", "num_pending", "pending_row", "block_ids")
+                 "output_token_ids", "num_computed_tokens", "num_pending", "pending_row", "block_ids",
+                 "pooled")
 
     def __init__(self, data: NewRequestData):
         self.request_id = data.request_id
@@ -32,3 +33,5 @@ class RequestState(SequenceTokens):
         self.num_pending = 0
         self.pending_row = -1
         self.block_ids = list(data.block_ids)
+        #: The pooling runner's state between the chunks of the prompt (:class:`dovetail.engine.pooler.Pooler`).
+        self.pooled = None

@@ -9,7 +9,8 @@ running request. Everything here is plain data: it pickles for worker
 processes and Ray actors, and costs nothing to hand over in process.
 
 A worker answers each step with a :class:`StepOutput`: the sampled tokens, in
-the order of the rows that sampled, and the logprobs that were asked for.
+the order of the rows that sampled, and the logprobs that were asked for (a
+pooling model: the pooled hidden states of the prompts the step completed).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+import numpy as np
 import torch
 
 from dovetail.device_copy import to_device, values_to_device
@@ -78,6 +80,9 @@ class StepOutput:
     #: Per request that asked for prompt logprobs: the prompt positions predicted and, for each,
     #: the prompt token's logprob, its rank and the top ``prompt_logprobs`` as ``(token, logprob)``.
     prompt_logprobs: dict[str, tuple[list[int], list[TokenLogprobs]]] = field(default_factory=dict)
+    #: A pooling model's answer instead of tokens: the pooled hidden states ``[rows, hidden]`` (float32) of
+    #: the requests whose prompt the step completed, in batch order; None when none did.
+    embeddings: Optional[np.ndarray] = None
 
 
 EMPTY_OUTPUT = StepOutput([], [])

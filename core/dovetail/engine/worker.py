@@ -20,12 +20,13 @@ from typing import Optional
 
 import torch
 
-from dovetail import distributed, model_loader, selection
+from dovetail import distributed, model_loader, pooling, selection
 from dovetail.attention.backend import AttentionRequirements
 from dovetail.config import EngineConfig
 from dovetail.engine import frozen_heap
 from dovetail.engine.laps import Laps
 from dovetail.engine.model_runner import ModelRunner
+from dovetail.engine.pooler import Pooler
 from dovetail.engine.process_counters import process_counters
 from dovetail.engine.profiler import StepProfiler
 from dovetail.engine.request_state import RequestState
@@ -37,7 +38,7 @@ from dovetail.engine.step import EMPTY_OUTPUT, StepDescription, StepOutput, appl
 from dovetail.errors import ConfigError
 from dovetail.model_interface import ModelContext
 from dovetail.plugin_manager import get_plugin_manager
-from dovetail.platform import ALLOCATOR_COUNTS, Platform
+from dovetail.platform import ALLOCATOR_COUNTS, HostCopy, Platform
 
 logger = logging.getLogger("dovetail")
 
@@ -88,6 +89,8 @@ class _Launched:
     sample: Optional[PendingSample]
     rows: list[RequestState]
     prompt_logprobs: dict
+    #: A pooling step's pooled states of ``rows``, in host memory once the device gets there (driver rank).
+    embeddings: Optional[HostCopy] = None
 
 
 def host_threads(platform: Platform, owns_process: bool, environ=os.environ) -> int | None:
@@ -140,8 +143,10 @@ class Worker:
 
         path = model_loader.resolve_model_path(spec.model_path)
         self.hf_config = model_loader.load_hf_config(path)
-        self.model_choice = selection.select_model_class(getattr(self.hf_config, "architectures", None) or [],
-                                                         manager)
+        self.is_pooling = config.model.runner == "pooling"
+        self.model_choice = selection.select_model_class(
+            pooling.candidate_architectures(getattr(self.hf_config, "architectures", None) or [],
+                                            config.model.runner), manager)
         shape = self.model_choice.cls.attention_shape(self.hf_config)
         self.attention_backend = selection.select_attention_backend(
             platform, attention_requirements(spec, platform, shape), config.device.attention_backend, manager)
@@ -159,7 +164,9 @@ class Worker:
                                   cudagraph_capture_sizes=config.device.cudagraph_capture_sizes,
                                   max_cudagraph_capture_size=config.device.max_cudagraph_capture_size,
                                   micro_batch_tokens=(config.parallel.dbo_prefill_token_threshold
-                                                      if config.parallel.enable_dbo else None))
+                                                      if config.parallel.enable_dbo else None),
+                                  pooler=(Pooler(config.model.pooler_config["pooling_type"]) if self.is_pooling
+                                          else None))
         self.requests: dict[str, RequestState] = {}
         self._launched: collections.deque[_Launched] = collections.deque()
         self._last_tokens: torch.Tensor | None = None
@@ -183,7 +190,7 @@ class Worker:
         if self.spec.config.model.load_format == "dummy":
             model_loader.fill_dummy_weights(model, self.spec.config.model.seed)
         else:
-            model_loader.load_weights(model, path)
+            model_loader.load_weights(model, path, pooling=self.is_pooling)
         model_loader.process_weights_after_loading(model)
         laps.mark("weights_s")
         return model.eval()
@@ -253,6 +260,11 @@ class Worker:
                 targets = [state.prompt_token_ids[p] for p in predicted]
                 prompt[request_id] = (predicted, prompt_logprobs(prompt_logits, targets,
                                                                  state.params.prompt_logprobs))
+        if logits.pooled is not None:
+            finished, embeddings = self._pooled_to_host(logits.pooled)
+            self._launched.append(_Launched(None, finished, {}, embeddings))
+            self._last_tokens = None
+            return
         rows = logits.sample_requests
         self._launched.append(_Launched(None, rows, prompt))
         if rows and step.sample_later:
@@ -286,11 +298,23 @@ class Worker:
                 state.pending_row = row
         self._last_tokens = launched.sample.tokens if launched.sample is not None else None
 
+    def _pooled_to_host(self, pooled) -> tuple[list[RequestState], Optional[HostCopy]]:
+        """The finished requests and their pooled states, on their way to the host (driver rank only)."""
+        finished, vectors = pooled
+        if vectors is None or self.rank != 0:
+            return finished, None
+        return finished, self.platform.copy_to_host_async(vectors)
+
     def take_output(self) -> StepOutput | None:
         """Wait for the oldest launched step's tokens, add them to the mirrors and return them
         (the driver rank returns them; the others return None)."""
         self.timeline.mark("take")
         launched = self._launched.popleft()
+        if self.is_pooling:
+            if self.rank != 0:
+                return None
+            embeddings = launched.embeddings.wait().numpy() if launched.embeddings is not None else None
+            return StepOutput([], [], embeddings=embeddings)
         if launched.sample is None:
             output = EMPTY_OUTPUT if not launched.prompt_logprobs else StepOutput([], [], launched.prompt_logprobs)
             return output if self.rank == 0 else None

@@ -14,6 +14,7 @@ from dovetail.engine.profiler import PROFILER_DIR_ENV
 from dovetail.errors import ConfigError
 from dovetail.server.chat import create_chat_completion
 from dovetail.server.completions import create_completion
+from dovetail.server.embeddings import create_embedding
 from dovetail.server.errors import APIError, install_error_handlers
 from dovetail.server.metrics import ServerMetrics
 from dovetail.server.middleware import AllowedHostsMiddleware, APIKeyMiddleware, BodyLimitMiddleware
@@ -114,6 +115,7 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     app.post("/detokenize")(detokenize)
     app.post("/v1/completions", response_model=None)(create_completion)
     app.post("/v1/chat/completions", response_model=None)(create_chat_completion)
+    app.post("/v1/embeddings", response_model=None)(create_embedding)
     if os.environ.get(PROFILER_DIR_ENV, "").strip():
         app.post("/start_profile")(start_profile)
         app.post("/stop_profile")(stop_profile)

@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from dovetail.engine.async_engine import TimedOutput
+from dovetail.outputs import RequestOutput
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -87,7 +88,7 @@ class RequestTracker:
         if out.request_id not in self.prefilled and (out.finished or any(ids for _, ids in out.deltas)):
             self.prefilled.add(out.request_id)
             m.prompt_tokens.inc(len(out.prompt_token_ids))
-        for index, (_, ids) in enumerate(out.deltas):
+        for index, (_, ids) in enumerate(getattr(out, "deltas", ())):
             if not ids:
                 continue
             m.generation_tokens.inc(len(ids))
@@ -101,8 +102,9 @@ class RequestTracker:
                 m.ttft.observe(t - self.arrival)
             self.last_token_time[key] = t
         if out.finished:
-            for completion in out.outputs:
-                m.finished_sequences.labels(completion.finish_reason or "unknown").inc()
+            reasons = [c.finish_reason for c in out.outputs] if isinstance(out, RequestOutput) else ["stop"]
+            for reason in reasons:
+                m.finished_sequences.labels(reason or "unknown").inc()
 
     def finish(self, outcome: str) -> None:
         if self.done:

@@ -194,6 +194,27 @@ class CompletionRequest(SamplingFields):
         return value
 
 
+class EmbeddingRequest(_Body):
+    """``POST /v1/embeddings``."""
+
+    model: Optional[str] = Field(default=None, description="a served model name (default: the first one)")
+    input: Prompt = Field(description="a string, a list of strings, a list of token ids, or a list of lists of "
+                                      "token ids")
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Optional[int] = Field(default=None, ge=1, description="keep the first N values (Matryoshka models)")
+    user: Optional[str] = None
+    # vLLM's extras.
+    add_special_tokens: bool = True
+    normalize: Optional[bool] = Field(default=None, description="L2-normalise (default: the pooler's setting)")
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _input_not_empty(cls, value):
+        if isinstance(value, list) and not value:
+            raise ValueError("the input is empty")
+        return value
+
+
 class ContentPart(_Body):
     """One part of a message's content; only ``text`` parts are supported."""
 

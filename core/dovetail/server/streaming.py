@@ -130,7 +130,7 @@ async def respond(request: Request, body: Any, build: Callable[[ServerState, Any
         return handler[0].engine_requests()
 
     stream = await start(state, tracker, prepare)
-    if body.stream:
+    if getattr(body, "stream", False):
         return event_stream(stream, tracker, handler[0].events(stream, tracker))
     try:
         finals = await collect(stream, tracker, request)

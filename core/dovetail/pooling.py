@@ -1,0 +1,177 @@
+"""Embedding models: the pooling runner's configuration, its per-request parameters, and the last step of an
+embedding (truncation and normalisation).
+
+A model runs either to generate text or, with ``runner="pooling"`` (vLLM's name), to embed: each prompt is
+run once, its final hidden states are pooled into one vector, and the request finishes without sampling.
+``runner="auto"`` picks pooling for checkpoints whose architectures are base models (``Qwen3Model``,
+``LlamaModel``: no language-model head), which the zoo runs through the matching ``*ForCausalLM`` class.
+
+How the hidden states are pooled (``LAST`` token, ``MEAN`` over the prompt, the first token: ``CLS``) and
+whether the vector is normalised come from, in order: ``pooler_config``, the checkpoint's
+sentence-transformers files (``modules.json`` naming a Pooling and a Normalize module), and vLLM's default
+for decoder models, ``LAST`` with normalisation.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from dovetail.config import format_validation_error
+from dovetail.errors import ConfigError, RequestError
+from dovetail.sampling_params import RequestOutputKind
+
+RUNNERS = ("auto", "generate", "pooling")
+POOLING_TYPES = ("LAST", "MEAN", "CLS")
+
+#: sentence-transformers' Pooling module flags, by the pooling type they mean.
+_ST_POOLING_MODES = {"pooling_mode_lasttoken": "LAST", "pooling_mode_mean_tokens": "MEAN",
+                     "pooling_mode_cls_token": "CLS"}
+
+
+class PoolerConfig(BaseModel):
+    """How a pooling model turns a prompt's hidden states into its embedding (vLLM's ``--pooler-config``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    pooling_type: Optional[Literal[POOLING_TYPES]] = None  # type: ignore[valid-type]
+    normalize: Optional[bool] = None
+
+
+class PoolingParams(BaseModel):
+    """Per-request parameters of an embedding (vLLM's names).
+
+    ``dimensions`` keeps the first ``dimensions`` values (Matryoshka embeddings; only for models whose
+    config declares them); ``normalize`` None follows the pooler's setting.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    dimensions: Optional[int] = Field(default=None, ge=1)
+    normalize: Optional[bool] = None
+
+    def __init__(self, **data):
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            loc = ".".join(map(str, exc.errors()[0]["loc"]))
+            raise RequestError(format_validation_error(exc), field=loc or "pooling_params") from None
+
+    @property
+    def n(self) -> int:
+        """One result per prompt (the engine's queue limits count sequences)."""
+        return 1
+
+    @property
+    def output_kind(self) -> RequestOutputKind:
+        return RequestOutputKind.FINAL_ONLY
+
+
+def is_base_model(architectures: list[str]) -> bool:
+    """Whether every architecture names a base model without a head (``Qwen3Model``, ``MistralModel``)."""
+    return bool(architectures) and all(a.endswith("Model") and not a.endswith("PreTrainedModel")
+                                       for a in architectures)
+
+
+def resolve_runner(requested: str, architectures: list[str]) -> str:
+    """``generate`` or ``pooling``: ``auto`` is pooling for base-model checkpoints, else generate."""
+    if requested != "auto":
+        return requested
+    return "pooling" if is_base_model(architectures) else "generate"
+
+
+def candidate_architectures(architectures: list[str], runner: str) -> list[str]:
+    """The architectures to look up in the zoo: a pooling runner also tries ``XForCausalLM`` for ``XModel``
+    (the same layers without the head)."""
+    if runner != "pooling":
+        return list(architectures)
+    out = []
+    for arch in architectures:
+        out.append(arch)
+        if arch.endswith("Model") and not arch.endswith("ForCausalLM"):
+            out.append(arch.removesuffix("Model") + "ForCausalLM")
+    return out
+
+
+def base_model_weights(weights, prefix: str = "model."):
+    """A base model's checkpoint names (``layers.0...``) as the causal-LM class names them
+    (``model.layers.0...``); names that already carry the prefix pass unchanged."""
+    for name, tensor in weights:
+        if not name.startswith(prefix) and not name.startswith("lm_head."):
+            name = prefix + name
+        yield name, tensor
+
+
+def sentence_transformers_pooler(model_path: str | Path) -> PoolerConfig:
+    """The pooling type and normalisation the checkpoint's sentence-transformers files declare (unset when
+    it has none)."""
+    folder = Path(model_path)
+    modules_file = folder / "modules.json"
+    if not modules_file.is_file():
+        return PoolerConfig()
+    try:
+        modules = json.loads(modules_file.read_text())
+        kinds = {str(m.get("type", "")).rsplit(".", 1)[-1]: m.get("path", "") for m in modules}
+        pooling_type = None
+        if "Pooling" in kinds:
+            settings = json.loads((folder / kinds["Pooling"] / "config.json").read_text())
+            pooling_type = next((kind for flag, kind in _ST_POOLING_MODES.items() if settings.get(flag)), None)
+    except (OSError, ValueError, AttributeError, TypeError) as exc:
+        raise ConfigError(f"pooler_config: the sentence-transformers files in {str(folder)!r} cannot be read: "
+                          f"{exc}") from None
+    return PoolerConfig(pooling_type=pooling_type, normalize=True if "Normalize" in kinds else None)
+
+
+def resolve_pooler_config(model_path: str | Path, given: Optional[dict[str, Any]]) -> dict[str, Any]:
+    """The pooling type and normalisation as plain values: ``given`` first, then the checkpoint's
+    sentence-transformers files, then ``LAST`` with normalisation."""
+    try:
+        explicit = PoolerConfig(**(given or {}))
+    except ValidationError as exc:
+        raise ConfigError(f"pooler_config: {format_validation_error(exc)}") from None
+    found = sentence_transformers_pooler(model_path)
+    return {
+        "pooling_type": explicit.pooling_type or found.pooling_type or "LAST",
+        "normalize": next(v for v in (explicit.normalize, found.normalize, True) if v is not None),
+    }
+
+
+def matryoshka_dimensions(hf_config) -> Optional[list[int]]:
+    """The embedding sizes a Matryoshka model was trained for: its ``matryoshka_dimensions``, or any size
+    when it declares ``is_matryoshka``; None when truncation is not supported."""
+    dims = getattr(hf_config, "matryoshka_dimensions", None)
+    if dims:
+        return sorted(int(d) for d in dims)
+    if getattr(hf_config, "is_matryoshka", False):
+        return []
+    return None
+
+
+def check_dimensions(params: PoolingParams, hf_config, hidden_size: int) -> None:
+    """Refuse a ``dimensions`` the model cannot give, naming the field."""
+    if params.dimensions is None:
+        return
+    allowed = matryoshka_dimensions(hf_config)
+    if allowed is None:
+        raise RequestError("dimensions: this model does not support Matryoshka embeddings (its config sets "
+                           "neither is_matryoshka nor matryoshka_dimensions)", field="dimensions")
+    if params.dimensions > hidden_size or (allowed and params.dimensions not in allowed):
+        sizes = ", ".join(map(str, allowed)) if allowed else f"1 to {hidden_size}"
+        raise RequestError(f"dimensions: {params.dimensions} is not among the model's sizes ({sizes})",
+                           field="dimensions")
+
+
+def finish_embedding(pooled: torch.Tensor, params: PoolingParams, normalize_default: bool) -> list[float]:
+    """The request's embedding from its pooled hidden state: truncated to ``dimensions``, then normalised
+    (L2) unless it says otherwise."""
+    vector = pooled.float()
+    if params.dimensions is not None:
+        vector = vector[:params.dimensions]
+    normalize = normalize_default if params.normalize is None else params.normalize
+    if normalize:
+        vector = torch.nn.functional.normalize(vector, dim=0)
+    return vector.tolist()
