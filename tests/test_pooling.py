@@ -102,7 +102,7 @@ def test_bad_requests_are_named(base_dir, tiny_llama_dir, tmp_path):
         (lambda: llm.embed({"prompt_token_ids": [5, 999]}), "prompt_token_ids", "token id 999 is out of range"),
         (lambda: llm.embed({"prompt_token_ids": []}), "input", "the prompt is empty"),
         (lambda: llm.embed("hi", PoolingParams(dimensions=65)), "dimensions", "65 is not among"),
-        (lambda: llm.generate("hi", SamplingParams(max_tokens=2)), "model", "runs as an embedding model"),
+        (lambda: llm.generate("hi", SamplingParams(max_tokens=2)), "model", "runs as a pooling model"),
         (lambda: PoolingParams(dimensions=0), "dimensions", "greater than or equal to 1"),
     ]
     for call, field, text in cases:

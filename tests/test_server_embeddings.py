@@ -82,7 +82,7 @@ def test_generation_on_an_embedding_model_is_a_400(server):
                        json={"model": "tiny-embed", "prompt": "hello", "max_tokens": 2})
     assert reply.status_code == 400
     error = reply.json()["error"]
-    assert error["param"] == "model" and "embedding model" in error["message"]
+    assert error["param"] == "model" and "pooling model" in error["message"]
     assert httpx.get(server.url("/health")).status_code == 200
     assert httpx.post(server.url("/v1/embeddings"), headers=auth(),
                       json={"model": "tiny-embed", "input": "hi"}).status_code == 200

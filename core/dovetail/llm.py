@@ -1,4 +1,4 @@
-"""LLM: the offline API, with vLLM's names (``generate``, ``chat``, ``embed``)."""
+"""LLM: the offline API, with vLLM's names (``generate``, ``chat``; ``embed``, ``classify``, ``score``)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from dovetail.config import EngineArgs
 from dovetail.engine.frozen_heap import frozen_heap
 from dovetail.engine.llm_engine import LLMEngine, PromptType
 from dovetail.errors import RequestError
-from dovetail.outputs import EmbeddingRequestOutput, RequestOutput
+from dovetail.outputs import (ClassificationRequestOutput, EmbeddingRequestOutput, RequestOutput,
+                              ScoringRequestOutput)
 from dovetail.pooling import PoolingParams
 from dovetail.sampling_params import RequestOutputKind, SamplingParams
 
@@ -107,7 +108,31 @@ class LLM:
             if len(params) != len(prompts):
                 raise RequestError(f"pooling_params: got {len(params)} for {len(prompts)} prompts",
                                    field="pooling_params")
+        params = [p if p.task == "embed" else p.model_copy(update={"task": "embed"}) for p in params]
         return self._add_all(self._tokenized(prompts), params, None, use_tqdm)
+
+    def classify(self, prompts: Union[PromptType, Sequence[PromptType]],
+                 use_tqdm: bool = True) -> list[ClassificationRequestOutput]:
+        """Classify each prompt with a sequence classifier (``*ForSequenceClassification``); outputs come back
+        in input order, each label's probability in ``output.outputs.probs``."""
+        prompts = self._prompt_list(prompts)
+        params = [PoolingParams(task="classify")] * len(prompts)
+        return self._add_all(self._tokenized(prompts), params, None, use_tqdm)
+
+    def score(self, text_1: Union[str, Sequence[str]], text_2: Union[str, Sequence[str]],
+              use_tqdm: bool = True) -> list[ScoringRequestOutput]:
+        """A cross-encoder's relevance score of each pair: one ``text_1`` against every ``text_2``, or the two
+        lists pair by pair. Each pair is one prompt, the tokenizer's pair encoding of the two texts."""
+        queries = [text_1] if isinstance(text_1, str) else list(text_1)
+        documents = [text_2] if isinstance(text_2, str) else list(text_2)
+        if len(queries) == 1:
+            queries = queries * len(documents)
+        if not documents or len(queries) != len(documents):
+            raise RequestError(f"text_2: {len(documents)} texts for {len(queries)} in text_1 (one text_1 for any "
+                               "number, or as many as text_2)", field="text_2")
+        prompts = [{"prompt_token_ids": ids} for ids in self.llm_engine.pair_token_ids(queries, documents)]
+        params = [PoolingParams(task="score")] * len(prompts)
+        return self._add_all(prompts, params, None, use_tqdm)
 
     def chat(self, messages: Union[list[Message], list[list[Message]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

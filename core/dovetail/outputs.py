@@ -84,3 +84,47 @@ class EmbeddingRequestOutput:
     finished: bool = True
     num_cached_tokens: int = 0
     metrics: Optional[RequestMetrics] = None
+
+
+@dataclass
+class ClassificationOutput:
+    """A sequence classifier's probabilities for one prompt, label by label (vLLM's name)."""
+
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ClassificationRequestOutput:
+    """The result of one ``classify`` request (vLLM's name)."""
+
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    outputs: ClassificationOutput
+    finished: bool = True
+    num_cached_tokens: int = 0
+    metrics: Optional[RequestMetrics] = None
+
+
+@dataclass
+class ScoringOutput:
+    """A cross-encoder's relevance score of one query-document pair (vLLM's name)."""
+
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """The result of one ``score`` request: one pair, its tokens and its score (vLLM's name)."""
+
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    outputs: ScoringOutput
+    finished: bool = True
+    num_cached_tokens: int = 0
+    metrics: Optional[RequestMetrics] = None

@@ -1,10 +1,13 @@
-"""Embedding models: the pooling runner's configuration, its per-request parameters, and the last step of an
-embedding (truncation and normalisation).
+"""Pooling models: the pooling runner's configuration, its per-request parameters, and what becomes of a
+pooled state (an embedding, or a classifier's probabilities).
 
-A model runs either to generate text or, with ``runner="pooling"`` (vLLM's name), to embed: each prompt is
+A model runs either to generate text or, with ``runner="pooling"`` (vLLM's name), to pool: each prompt is
 run once, its final hidden states are pooled into one vector, and the request finishes without sampling.
 ``runner="auto"`` picks pooling for checkpoints whose architectures are base models (``Qwen3Model``,
-``LlamaModel``: no language-model head), which the zoo runs through the matching ``*ForCausalLM`` class.
+``LlamaModel``: no language-model head) or sequence classifiers (``Qwen3ForSequenceClassification``), which
+the zoo runs through the matching ``*ForCausalLM`` class. A base model embeds (task ``embed``); a sequence
+classifier applies its ``score`` head to the pooled state (tasks ``classify``, and ``score`` for a
+cross-encoder's query-document pairs), in the engine, on the host.
 
 How the hidden states are pooled (``LAST`` token, ``MEAN`` over the prompt, the first token: ``CLS``) and
 whether the vector is normalised come from, in order: ``pooler_config``, the checkpoint's
@@ -27,6 +30,11 @@ from dovetail.sampling_params import RequestOutputKind
 
 RUNNERS = ("auto", "generate", "pooling")
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
+POOLING_TASKS = ("embed", "classify", "score")
+#: Architecture suffixes the pooling runner maps onto the zoo's ``*ForCausalLM`` classes.
+_HEADLESS_SUFFIXES = ("ForSequenceClassification", "Model")
+#: The checkpoint tensors of a sequence classifier's head (the engine applies it; the model never sees them).
+CLASSIFIER_PREFIX = "score."
 
 #: sentence-transformers' Pooling module flags, by the pooling type they mean.
 _ST_POOLING_MODES = {"pooling_mode_lasttoken": "LAST", "pooling_mode_mean_tokens": "MEAN",
@@ -53,6 +61,9 @@ class PoolingParams(BaseModel):
 
     dimensions: Optional[int] = Field(default=None, ge=1)
     normalize: Optional[bool] = None
+    #: What the request wants of the pooled state (None: the model's own task); set by ``LLM.embed``,
+    #: ``LLM.classify``, ``LLM.score`` and the matching endpoints.
+    task: Optional[Literal[POOLING_TASKS]] = None  # type: ignore[valid-type]
 
     def __init__(self, **data):
         try:
@@ -71,36 +82,49 @@ class PoolingParams(BaseModel):
         return RequestOutputKind.FINAL_ONLY
 
 
-def is_base_model(architectures: list[str]) -> bool:
-    """Whether every architecture names a base model without a head (``Qwen3Model``, ``MistralModel``)."""
-    return bool(architectures) and all(a.endswith("Model") and not a.endswith("PreTrainedModel")
-                                       for a in architectures)
+def _headless_suffix(arch: str) -> Optional[str]:
+    if arch.endswith("PreTrainedModel"):
+        return None
+    return next((suffix for suffix in _HEADLESS_SUFFIXES if arch.endswith(suffix)), None)
+
+
+def is_pooling_checkpoint(architectures: list[str]) -> bool:
+    """Whether every architecture is a base model (``Qwen3Model``) or a sequence classifier."""
+    return bool(architectures) and all(_headless_suffix(a) is not None for a in architectures)
 
 
 def resolve_runner(requested: str, architectures: list[str]) -> str:
-    """``generate`` or ``pooling``: ``auto`` is pooling for base-model checkpoints, else generate."""
+    """``generate`` or ``pooling``: ``auto`` is pooling for base models and sequence classifiers."""
     if requested != "auto":
         return requested
-    return "pooling" if is_base_model(architectures) else "generate"
+    return "pooling" if is_pooling_checkpoint(architectures) else "generate"
+
+
+def model_task(architectures: list[str]) -> str:
+    """A pooling model's task: ``classify`` for a sequence classifier (it has a ``score`` head), else ``embed``."""
+    return "classify" if any(a.endswith("ForSequenceClassification") for a in architectures) else "embed"
 
 
 def candidate_architectures(architectures: list[str], runner: str) -> list[str]:
-    """The architectures to look up in the zoo: a pooling runner also tries ``XForCausalLM`` for ``XModel``
-    (the same layers without the head)."""
+    """The architectures to look up in the zoo: a pooling runner also tries ``XForCausalLM`` for ``XModel`` and
+    ``XForSequenceClassification`` (the same layers with another head, or none)."""
     if runner != "pooling":
         return list(architectures)
     out = []
     for arch in architectures:
         out.append(arch)
-        if arch.endswith("Model") and not arch.endswith("ForCausalLM"):
-            out.append(arch.removesuffix("Model") + "ForCausalLM")
+        suffix = _headless_suffix(arch)
+        if suffix is not None:
+            out.append(arch.removesuffix(suffix) + "ForCausalLM")
     return out
 
 
 def base_model_weights(weights, prefix: str = "model."):
-    """A base model's checkpoint names (``layers.0...``) as the causal-LM class names them
-    (``model.layers.0...``); names that already carry the prefix pass unchanged."""
+    """A pooling checkpoint's tensors as the causal-LM class names them: a base model's ``layers.0...`` become
+    ``model.layers.0...`` (names that carry the prefix pass unchanged); a classifier's head stays out."""
     for name, tensor in weights:
+        if name.startswith(CLASSIFIER_PREFIX):
+            continue
         if not name.startswith(prefix) and not name.startswith("lm_head."):
             name = prefix + name
         yield name, tensor
@@ -175,3 +199,49 @@ def finish_embedding(pooled: torch.Tensor, params: PoolingParams, normalize_defa
     if normalize:
         vector = torch.nn.functional.normalize(vector, dim=0)
     return vector.tolist()
+
+
+class ClassifierHead:
+    """A sequence classifier's ``score`` head, applied to pooled states in float32 on the host.
+
+    Its probabilities are the sigmoid of the single logit of a one-label model (a cross-encoder's relevance
+    score), else the softmax over the labels (vLLM's default activations).
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], labels: list[str]):
+        self.weight = weight.float()
+        self.bias = None if bias is None else bias.float()
+        self.labels = labels
+
+    @classmethod
+    def load(cls, model_path: str | Path, hf_config) -> "ClassifierHead":
+        """The head from the checkpoint (``score.weight``, ``score.bias`` if any); a ConfigError without one."""
+        from safetensors import safe_open
+
+        from dovetail.model_loader import safetensors_files
+
+        found: dict[str, torch.Tensor] = {}
+        for file in safetensors_files(Path(model_path)):
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    if name in (CLASSIFIER_PREFIX + "weight", CLASSIFIER_PREFIX + "bias"):
+                        found[name.removeprefix(CLASSIFIER_PREFIX)] = f.get_tensor(name)
+        weight = found.get("weight")
+        hidden = int(hf_config.hidden_size)
+        if weight is None or weight.dim() != 2 or weight.shape[1] != hidden:
+            shape = "missing" if weight is None else f"shaped {tuple(weight.shape)}"
+            raise ConfigError(f"model: a sequence classifier needs its head, score.weight [num_labels, {hidden}], "
+                              f"in the checkpoint ({shape})")
+        id2label = getattr(hf_config, "id2label", None) or {}
+        labels = [str(id2label.get(i, id2label.get(str(i), f"LABEL_{i}"))) for i in range(weight.shape[0])]
+        return cls(weight, found.get("bias"), labels)
+
+    @property
+    def num_labels(self) -> int:
+        return self.weight.shape[0]
+
+    def probabilities(self, pooled: torch.Tensor) -> list[float]:
+        """The labels' probabilities for one pooled state."""
+        logits = torch.nn.functional.linear(pooled.float(), self.weight, self.bias)
+        probs = torch.sigmoid(logits) if self.num_labels == 1 else torch.softmax(logits, dim=-1)
+        return probs.tolist()

@@ -33,7 +33,8 @@ from dovetail.engine.worker import WorkerSpec, attention_requirements, check_hea
 from dovetail.errors import ConfigError, RequestError, WorkerError
 from dovetail.executor import create_executor, executor_backend, start_processes_early
 from dovetail import generation_defaults, model_loader, pooling
-from dovetail.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from dovetail.outputs import (ClassificationOutput, ClassificationRequestOutput, EmbeddingOutput,
+                              EmbeddingRequestOutput, RequestOutput, ScoringOutput, ScoringRequestOutput)
 from dovetail.pooling import PoolingParams
 from dovetail.plugin_manager import get_plugin_manager
 from dovetail.reasoning import ReasoningParser
@@ -133,6 +134,10 @@ class LLMEngine:
         mc.runner = pooling.resolve_runner(mc.runner, architectures)
         #: Whether the model embeds (``runner="pooling"``) instead of generating.
         self.is_pooling = mc.runner == "pooling"
+        #: A pooling model's task (``embed``, or ``classify`` for a sequence classifier), else None.
+        self.pooling_task: str | None = None
+        #: A sequence classifier's head, applied to the pooled states here (None for other models).
+        self.classifier: pooling.ClassifierHead | None = None
         self.model_choice = selection.select_model_class(pooling.candidate_architectures(architectures, mc.runner),
                                                          manager)
         if self.is_pooling:
@@ -168,11 +173,18 @@ class LLMEngine:
         mc = self.config.model
         mc.pooler_config = pooling.resolve_pooler_config(self.model_path, mc.pooler_config)
         self.pooling_type, self.normalize = mc.pooler_config["pooling_type"], mc.pooler_config["normalize"]
+        self.pooling_task = pooling.model_task(getattr(self.hf_config, "architectures", None) or [])
+        if self.pooling_task == "classify":
+            self.classifier = pooling.ClassifierHead.load(self.model_path, self.hf_config)
         if self.pooling_type != "LAST" and self.config.cache.enable_prefix_caching:
             self.config.cache.enable_prefix_caching = False
             logger.info("prefix caching off: %s pooling needs every prompt token computed", self.pooling_type)
-        logger.info("pooling model: %s pooling, %s", self.pooling_type,
-                    "normalised" if self.normalize else "not normalised")
+        if self.classifier is not None:
+            logger.info("pooling model: a sequence classifier of %d label(s), %s pooling", self.classifier.num_labels,
+                        self.pooling_type)
+        else:
+            logger.info("pooling model: embeddings, %s pooling, %s", self.pooling_type,
+                        "normalised" if self.normalize else "not normalised")
 
     def _init_scheduling_and_outputs(self, config: EngineConfig, platform_name: str, t0: float) -> None:
         """The KV-cache manager, scheduler, output processing and request books, once the workers are up."""
@@ -279,6 +291,13 @@ class LLMEngine:
     def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         return self.prompt_tokenizer.encode(prompt, add_special_tokens, allow_empty=True)
 
+    def pair_token_ids(self, firsts: list[str], seconds: list[str]) -> list[list[int]]:
+        """The token ids of each text pair, as a cross-encoder reads them (the tokenizer's pair encoding)."""
+        many = len(firsts) > 1
+        return [self.prompt_tokenizer.encode_pair(a, b, (f"text_1.{i}" if many else "text_1",
+                                                         f"text_2.{i}" if many else "text_2"))
+                for i, (a, b) in enumerate(zip(firsts, seconds))]
+
     def _prompt_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             return prompt, self.prompt_tokenizer.encode(prompt)
@@ -325,15 +344,26 @@ class LLMEngine:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
                 raise RequestError(f"prompt_token_ids: token id {t!r} is out of range [0, {self.vocab_size})",
                                    field="prompt_token_ids")
+        task = params.task or self.pooling_task
+        if (task == "embed") != (self.pooling_task == "embed"):
+            kind = "an embedding model" if self.pooling_task == "embed" else "a sequence classifier"
+            can = "embed" if self.pooling_task == "embed" else "classify and score"
+            raise RequestError(f"task: this model is {kind}: it can {can}, not {task}", field="task")
+        if task == "score" and self.classifier.num_labels != 1:
+            raise RequestError(f"task: scoring needs a classifier of one label (a cross-encoder); this one has "
+                               f"{self.classifier.num_labels}", field="task")
+        if task != "embed" and params.dimensions is not None:
+            raise RequestError("dimensions: only embeddings have dimensions", field="dimensions")
         pooling.check_dimensions(params, self.hf_config, int(self.hf_config.hidden_size))
 
     def _check_runner(self, params) -> None:
         if self.is_pooling and not isinstance(params, PoolingParams):
-            raise RequestError("this model runs as an embedding model (runner='pooling'): it embeds prompts "
-                               "(LLM.embed, /v1/embeddings) and generates no text", field="model")
+            raise RequestError("this model runs as a pooling model (runner='pooling'): it embeds or classifies "
+                               "prompts (LLM.embed, LLM.classify, LLM.score; /v1/embeddings, /classify, /score, "
+                               "/rerank) and generates no text", field="model")
         if not self.is_pooling and isinstance(params, PoolingParams):
             raise RequestError("this model generates text (runner='generate'): start it with runner='pooling' "
-                               "(--runner pooling) to embed", field="model")
+                               "(--runner pooling) to embed or classify", field="model")
 
     def add_request(self, request_id: str | None, prompt: PromptType,
                     params: SamplingParams | PoolingParams | None = None,
@@ -581,8 +611,9 @@ class LLMEngine:
             outputs.append(self._parent_output(pid))
         return outputs
 
-    def _apply_embeddings(self, in_flight: _InFlight, embeddings) -> list[EmbeddingRequestOutput]:
-        """Finish the requests whose prompt a pooling step completed, with their embeddings."""
+    def _apply_embeddings(self, in_flight: _InFlight, embeddings) -> list:
+        """Finish the requests whose prompt a pooling step completed, with their embeddings (or their
+        classifier's probabilities, or scores)."""
         count = 0 if embeddings is None else len(embeddings)
         if count != len(in_flight.requests):
             raise RuntimeError(f"rank 0 pooled {count} prompts for a step that completed {len(in_flight.requests)}")
@@ -596,13 +627,23 @@ class LLMEngine:
             req.metrics.finished_time = req.metrics.first_token_time = now
             self.scheduler.finish(req)
             self._drop_from_workers(req)
-            vector = pooling.finish_embedding(torch.from_numpy(pooled), req.pooling_params, self.normalize)
-            parent = self._parents.pop(req.parent_id)
-            self._drop_parent(parent)
-            outputs.append(EmbeddingRequestOutput(req.request_id, req.prompt, req.prompt_token_ids,
-                                                  EmbeddingOutput(vector), True, req.num_cached_tokens,
-                                                  req.metrics))
+            self._drop_parent(self._parents.pop(req.parent_id))
+            outputs.append(self._pooling_output(req, torch.from_numpy(pooled)))
         return outputs
+
+    def _pooling_output(self, req: Request, pooled: torch.Tensor):
+        """What a finished pooling request returns, by its task."""
+        params = req.pooling_params
+        task = params.task or self.pooling_task
+        if task == "embed":
+            cls, result = EmbeddingRequestOutput, EmbeddingOutput(
+                pooling.finish_embedding(pooled, params, self.normalize))
+        else:
+            probs = self.classifier.probabilities(pooled)
+            cls, result = ((ClassificationRequestOutput, ClassificationOutput(probs)) if task == "classify"
+                           else (ScoringRequestOutput, ScoringOutput(probs[0])))
+        return cls(req.request_id, req.prompt, req.prompt_token_ids, result, True, req.num_cached_tokens,
+                   req.metrics)
 
     def _parent_output(self, parent_id: str) -> RequestOutput:
         parent = self._parents[parent_id]

@@ -140,6 +140,18 @@ class PromptTokenizer:
         except Exception:
             return [self.encode(t, add_special_tokens, f) for t, f in zip(texts, fields)]  # names the culprit
 
+    def encode_pair(self, first: str, second: str, fields: tuple[str, str] = ("text_1", "text_2")) -> list[int]:
+        """The tokenizer's encoding of a text pair (a cross-encoder's query and document, with its separators)."""
+        tokenizer = self.require(fields[0])
+        for text, field in zip((first, second), fields):
+            if not isinstance(text, str) or not text:
+                raise RequestError(f"{field}: the text is empty", field=field)
+            self.check_length(text, field)
+        try:
+            return list(tokenizer(first, text_pair=second).input_ids)
+        except Exception as exc:
+            raise self._encoding_error(first + second, fields[0], exc) from None
+
     @staticmethod
     def _encoding_error(text: str, field: str, exc: Exception) -> RequestError:
         try:

@@ -15,6 +15,7 @@ from dovetail.errors import ConfigError
 from dovetail.server.chat import create_chat_completion
 from dovetail.server.completions import create_completion
 from dovetail.server.embeddings import create_embedding
+from dovetail.server.scoring import create_classification, create_rerank, create_score
 from dovetail.server.errors import APIError, install_error_handlers
 from dovetail.server.metrics import ServerMetrics
 from dovetail.server.middleware import AllowedHostsMiddleware, APIKeyMiddleware, BodyLimitMiddleware
@@ -85,7 +86,8 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     tokenizer = model_loader.load_tokenizer(llm.tokenizer_path) if llm.tokenizer is not None else None
     state = ServerState(engine=engine, settings=settings, metrics=ServerMetrics(engine.stats), tokenizer=tokenizer,
                         max_model_len=llm.max_model_len, vocab_size=llm.vocab_size, model_path=str(llm.model_path),
-                        created=int(time.time()), reasoning=llm.reasoning, default_sampling=llm.default_sampling)
+                        created=int(time.time()), reasoning=llm.reasoning, default_sampling=llm.default_sampling,
+                        classifier_labels=llm.classifier.labels if llm.classifier is not None else None)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -116,6 +118,11 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     app.post("/v1/completions", response_model=None)(create_completion)
     app.post("/v1/chat/completions", response_model=None)(create_chat_completion)
     app.post("/v1/embeddings", response_model=None)(create_embedding)
+    app.post("/classify", response_model=None)(create_classification)
+    for path in ("/score", "/v1/score"):
+        app.post(path, response_model=None)(create_score)
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        app.post(path, response_model=None)(create_rerank)
     if os.environ.get(PROFILER_DIR_ENV, "").strip():
         app.post("/start_profile")(start_profile)
         app.post("/stop_profile")(stop_profile)

@@ -194,18 +194,14 @@ class CompletionRequest(SamplingFields):
         return value
 
 
-class EmbeddingRequest(_Body):
-    """``POST /v1/embeddings``."""
+class PoolingInputs(_Body):
+    """The inputs of a pooling model's request (``/v1/embeddings``, ``/classify``): OpenAI's ``input``."""
 
     model: Optional[str] = Field(default=None, description="a served model name (default: the first one)")
     input: Prompt = Field(description="a string, a list of strings, a list of token ids, or a list of lists of "
                                       "token ids")
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: Optional[int] = Field(default=None, ge=1, description="keep the first N values (Matryoshka models)")
     user: Optional[str] = None
-    # vLLM's extras.
     add_special_tokens: bool = True
-    normalize: Optional[bool] = Field(default=None, description="L2-normalise (default: the pooler's setting)")
 
     @field_validator("input", mode="before")
     @classmethod
@@ -213,6 +209,38 @@ class EmbeddingRequest(_Body):
         if isinstance(value, list) and not value:
             raise ValueError("the input is empty")
         return value
+
+
+class EmbeddingRequest(PoolingInputs):
+    """``POST /v1/embeddings``."""
+
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Optional[int] = Field(default=None, ge=1, description="keep the first N values (Matryoshka models)")
+    normalize: Optional[bool] = Field(default=None, description="L2-normalise (default: the pooler's setting)")
+
+
+class ClassificationRequest(PoolingInputs):
+    """``POST /classify``: a sequence classifier's probabilities for each input."""
+
+
+class ScoreRequest(_Body):
+    """``POST /score``: a cross-encoder's relevance score of each pair (one ``text_1`` against every
+    ``text_2``, or the two lists pair by pair)."""
+
+    model: Optional[str] = Field(default=None, description="a served model name (default: the first one)")
+    text_1: Union[str, list[str]]
+    text_2: Union[str, list[str]]
+    user: Optional[str] = None
+
+
+class RerankRequest(_Body):
+    """``POST /rerank`` (Jina's and Cohere's shape): the documents ordered by relevance to the query."""
+
+    model: Optional[str] = Field(default=None, description="a served model name (default: the first one)")
+    query: str
+    documents: list[str] = Field(min_length=1)
+    top_n: int = Field(default=0, ge=0, description="how many of the best to return (0: all)")
+    user: Optional[str] = None
 
 
 class ContentPart(_Body):

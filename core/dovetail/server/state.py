@@ -59,6 +59,8 @@ class ServerState:
     preparer: Optional[ThreadPoolExecutor] = None
     #: The sampling fields a request that sets none of them gets (the engine's ``default_sampling``).
     default_sampling: dict[str, Any] = field(default_factory=dict)
+    #: A sequence classifier's label names (``id2label``), or None for other models.
+    classifier_labels: Optional[list[str]] = None
 
     def __post_init__(self):
         if self.prompt_tokenizer is None:

@@ -1,0 +1,96 @@
+"""A sequence classifier's endpoints: ``POST /classify`` (each label's probability for each input),
+``POST /score`` (a cross-encoder's relevance score of text pairs) and ``POST /rerank`` (documents ordered by
+their score against a query, Jina's and Cohere's shape), with vLLM's names and fields."""
+
+from __future__ import annotations
+
+from fastapi import Request, Response
+
+from dovetail.errors import RequestError
+from dovetail.pooling import PoolingParams
+from dovetail.server.pooled import PooledInputs
+from dovetail.server.protocol import ClassificationRequest, RerankRequest, ScoreRequest
+from dovetail.server.state import ServerState
+from dovetail.server.streaming import respond
+
+
+class _Classification(PooledInputs):
+    """One ``/classify`` request."""
+
+    id_prefix = "classify"
+
+    def __init__(self, state: ServerState, body: ClassificationRequest):
+        super().__init__(state, body.model, PoolingParams(task="classify"))
+        self.labels = state.classifier_labels
+        self.add_inputs(body.input, body.add_special_tokens)
+
+    def response(self, finals: dict) -> dict:
+        data = []
+        for i, rid in enumerate(self.engine_ids):
+            probs = finals[rid].outputs.probs
+            best = max(range(len(probs)), key=probs.__getitem__)
+            data.append({"index": i, "label": self.labels[best] if self.labels else None, "probs": probs,
+                         "num_classes": len(probs)})
+        return {"id": self.id, "object": "list", "created": self.created, "model": self.model, "data": data,
+                "usage": self.usage()}
+
+
+def paired(firsts: str | list[str], seconds: str | list[str]) -> tuple[list[str], list[str]]:
+    """One first text against every second one, or the two lists pair by pair."""
+    firsts = [firsts] if isinstance(firsts, str) else list(firsts)
+    seconds = [seconds] if isinstance(seconds, str) else list(seconds)
+    if not firsts or not seconds:
+        raise RequestError(f"{'text_1' if not firsts else 'text_2'}: no texts", field="text_1" if not firsts
+                           else "text_2")
+    if len(firsts) == 1:
+        firsts = firsts * len(seconds)
+    if len(firsts) != len(seconds):
+        raise RequestError(f"text_2: {len(seconds)} texts for {len(firsts)} in text_1 (one text_1 for any number, "
+                           "or as many as text_2)", field="text_2")
+    return firsts, seconds
+
+
+class _Scoring(PooledInputs):
+    """One ``/score`` request."""
+
+    id_prefix = "score"
+
+    def __init__(self, state: ServerState, body: ScoreRequest):
+        super().__init__(state, body.model, PoolingParams(task="score"))
+        self.add_pairs(*paired(body.text_1, body.text_2), ("text_1", "text_2"))
+
+    def response(self, finals: dict) -> dict:
+        data = [{"index": i, "object": "score", "score": finals[rid].outputs.score}
+                for i, rid in enumerate(self.engine_ids)]
+        return {"id": self.id, "object": "list", "created": self.created, "model": self.model, "data": data,
+                "usage": self.usage()}
+
+
+class _Rerank(PooledInputs):
+    """One ``/rerank`` request."""
+
+    id_prefix = "rerank"
+
+    def __init__(self, state: ServerState, body: RerankRequest):
+        super().__init__(state, body.model, PoolingParams(task="score"))
+        self.documents, self.top_n = body.documents, body.top_n
+        self.add_pairs([body.query] * len(body.documents), body.documents, ("query", "documents"))
+
+    def response(self, finals: dict) -> dict:
+        results = [{"index": i, "document": {"text": doc}, "relevance_score": finals[rid].outputs.score}
+                   for i, (rid, doc) in enumerate(zip(self.engine_ids, self.documents))]
+        results.sort(key=lambda r: -r["relevance_score"])
+        return {"id": self.id, "model": self.model, "usage": {"total_tokens": self.usage()["total_tokens"]},
+                "results": results[:self.top_n or None]}
+
+
+async def create_classification(body: ClassificationRequest, request: Request) -> Response:
+    return await respond(request, body, _Classification)
+
+
+async def create_score(body: ScoreRequest, request: Request) -> Response:
+    return await respond(request, body, _Scoring)
+
+
+async def create_rerank(body: RerankRequest, request: Request) -> Response:
+    return await respond(request, body, _Rerank)
