@@ -12,7 +12,7 @@ import json
 import logging
 import re
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -207,11 +207,13 @@ def set_kv_cache_scales(model: torch.nn.Module, scales: dict[int, dict[str, floa
     return count
 
 
-def load_weights(model, path: Path, pooling: bool = False) -> None:
+def load_weights(model, path: Path, adapt: Callable[[Iterator], Iterator] | None = None,
+                 optional: tuple[str, ...] = ()) -> None:
     """Fill ``model`` from the checkpoint; any parameter left unfilled is an error naming it.
 
-    ``pooling``: the model embeds, so its language-model head may be absent, and a base model's checkpoint
-    (names without the ``model.`` prefix) fills the causal-LM class (:func:`dovetail.pooling.base_model_weights`).
+    ``adapt`` maps the stream of ``(name, tensor)`` pairs before the model sees it, and parameters whose names
+    start with one of ``optional`` may stay unfilled (a pooling model: :func:`dovetail.pooling.base_model_weights`,
+    and no language-model head).
 
     Calibrated KV-cache scales (:data:`KV_SCALE_NAME`) go to the attention layers, as vLLM reads them for an
     FP8 KV cache (the largest, where a scale has several elements). With several tensor-parallel ranks the
@@ -229,15 +231,11 @@ def load_weights(model, path: Path, pooling: bool = False) -> None:
                 yield name, tensor
 
     weights = weights_but_kv_scales()
-    if pooling:
-        from dovetail.pooling import base_model_weights
-
-        weights = base_model_weights(weights)
-    loaded = model.load_weights(weights)
+    loaded = model.load_weights(adapt(weights) if adapt is not None else weights)
     if scales:
         logger.info("KV-cache scales from the checkpoint for %d attention layers", set_kv_cache_scales(model, scales))
     expected = {name for name, p in model.named_parameters() if not getattr(p, "load_optional", False)
-                and not (pooling and name.startswith("lm_head."))}
+                and not any(name.startswith(prefix) for prefix in optional)}
     missing = sorted(expected - set(loaded))
     if missing:
         shown = ", ".join(missing[:10]) + (f" and {len(missing) - 10} more" if len(missing) > 10 else "")

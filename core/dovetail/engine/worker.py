@@ -190,7 +190,10 @@ class Worker:
         if self.spec.config.model.load_format == "dummy":
             model_loader.fill_dummy_weights(model, self.spec.config.model.seed)
         else:
-            model_loader.load_weights(model, path, pooling=self.is_pooling)
+            if self.is_pooling:  # a pooling model needs no LM head, and may be a base model's checkpoint
+                model_loader.load_weights(model, path, adapt=pooling.base_model_weights, optional=("lm_head.",))
+            else:
+                model_loader.load_weights(model, path)
         model_loader.process_weights_after_loading(model)
         laps.mark("weights_s")
         return model.eval()
