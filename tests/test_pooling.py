@@ -70,6 +70,7 @@ def test_each_pooling_type_matches_hf_over_chunked_prompts(base_dir, hf_states, 
 def test_a_causal_lm_checkpoint_embeds_with_runner_pooling(tiny_llama_dir, tiny_llama_hf):
     llm = LLM(str(tiny_llama_dir), runner="pooling", pooler_config={"pooling_type": "MEAN", "normalize": False},
               **COMMON)
+    assert llm.llm_engine.model.lm_head.weight.numel() == 0, "the untied LM head's memory is given back"
     prompts = ["hello world, the quick brown fox", "1 + 2 = 3"]
     outputs = llm.embed(prompts, use_tqdm=False)
     tokenizer = llm.get_tokenizer()

@@ -130,6 +130,19 @@ def base_model_weights(weights, prefix: str = "model."):
         yield name, tensor
 
 
+def release_lm_head(model) -> int:
+    """Free an untied language-model head's weights (a pooling model never computes logits: for a model of
+    151,936 tokens and 4,096 dimensions in bf16 that is 1.2 GB of device memory); the bytes freed."""
+    head = getattr(model, "lm_head", None)
+    if head is None or getattr(head, "tied", True):
+        return 0
+    freed = 0
+    for param in head.parameters():
+        freed += param.numel() * param.element_size()
+        param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+    return freed
+
+
 def sentence_transformers_pooler(model_path: str | Path) -> PoolerConfig:
     """The pooling type and normalisation the checkpoint's sentence-transformers files declare (unset when
     it has none)."""

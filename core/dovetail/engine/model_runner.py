@@ -355,12 +355,15 @@ class ModelRunner:
         self.platform.synchronize()
         self.platform.reset_peak_memory_stats()
         hidden = self.run_model(ids, pos, attn)
-        last = torch.arange(num_seqs, device=self.device) * per_seq + per_seq - 1
-        logits = self.model.compute_logits(hidden.index_select(0, last.repeat(-(-max_seqs // num_seqs))[:max_seqs]))
-        torch.softmax(logits.float(), dim=-1)
+        if self.pooler is None:  # a pooling model computes no logits
+            last = torch.arange(num_seqs, device=self.device) * per_seq + per_seq - 1
+            logits = self.model.compute_logits(
+                hidden.index_select(0, last.repeat(-(-max_seqs // num_seqs))[:max_seqs]))
+            torch.softmax(logits.float(), dim=-1)
+            del logits
         self.platform.synchronize()
         peak = self.platform.memory_stats().get("peak_allocated", 0)
-        del hidden, logits
+        del hidden
         self.kv_caches = []
         for layer in self.attention_layers:
             layer.kv_cache = torch.empty(0)

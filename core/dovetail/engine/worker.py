@@ -195,6 +195,8 @@ class Worker:
             else:
                 model_loader.load_weights(model, path)
         model_loader.process_weights_after_loading(model)
+        if self.is_pooling:
+            pooling.release_lm_head(model)
         laps.mark("weights_s")
         return model.eval()
 
