@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 
 @dataclass
@@ -74,16 +74,23 @@ class EmbeddingOutput:
 
 
 @dataclass
-class EmbeddingRequestOutput:
-    """The result of one request to a pooling model: its prompt and its embedding (vLLM's name)."""
+class PoolingRequestOutput:
+    """The result of one request to a pooling model (vLLM's name): its prompt and what the model made of it."""
 
     request_id: str
     prompt: Optional[str]
     prompt_token_ids: list[int]
-    outputs: EmbeddingOutput
+    outputs: Any
     finished: bool = True
     num_cached_tokens: int = 0
     metrics: Optional[RequestMetrics] = None
+
+
+@dataclass
+class EmbeddingRequestOutput(PoolingRequestOutput):
+    """The embedding of one prompt (vLLM's name)."""
+
+    outputs: EmbeddingOutput
 
 
 @dataclass
@@ -98,16 +105,10 @@ class ClassificationOutput:
 
 
 @dataclass
-class ClassificationRequestOutput:
+class ClassificationRequestOutput(PoolingRequestOutput):
     """The result of one ``classify`` request (vLLM's name)."""
 
-    request_id: str
-    prompt: Optional[str]
-    prompt_token_ids: list[int]
     outputs: ClassificationOutput
-    finished: bool = True
-    num_cached_tokens: int = 0
-    metrics: Optional[RequestMetrics] = None
 
 
 @dataclass
@@ -118,13 +119,7 @@ class ScoringOutput:
 
 
 @dataclass
-class ScoringRequestOutput:
+class ScoringRequestOutput(PoolingRequestOutput):
     """The result of one ``score`` request: one pair, its tokens and its score (vLLM's name)."""
 
-    request_id: str
-    prompt: Optional[str]
-    prompt_token_ids: list[int]
     outputs: ScoringOutput
-    finished: bool = True
-    num_cached_tokens: int = 0
-    metrics: Optional[RequestMetrics] = None

@@ -319,10 +319,7 @@ class LLMEngine:
         if len(prompt_ids) >= self.max_model_len:  # before looking at millions of ids
             raise RequestError(f"prompt: the prompt has {len(prompt_ids)} tokens, but max_model_len is "
                                f"{self.max_model_len} (at least one token must be generated)", field="prompt")
-        for t in prompt_ids:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
-                raise RequestError(f"prompt_token_ids: token id {t!r} is out of range [0, {self.vocab_size})",
-                                   field="prompt_token_ids")
+        self._check_token_ids(prompt_ids)
         if params.max_tokens is not None and len(prompt_ids) + params.max_tokens > self.max_model_len:
             raise RequestError(
                 f"max_tokens: the prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) "
@@ -333,6 +330,12 @@ class LLMEngine:
                 raise RequestError(f"{name}: {value} exceeds the maximum of {MAX_LOGPROBS}", field=name)
         params.validate_for_vocab(self.vocab_size)
 
+    def _check_token_ids(self, prompt_ids: list[int]) -> None:
+        for t in prompt_ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                raise RequestError(f"prompt_token_ids: token id {t!r} is out of range [0, {self.vocab_size})",
+                                   field="prompt_token_ids")
+
     def validate_pooling_request(self, prompt_ids: list[int], params: PoolingParams) -> None:
         """Reject an embedding request that can never run, naming the field."""
         if not prompt_ids:
@@ -340,10 +343,7 @@ class LLMEngine:
         if len(prompt_ids) > self.max_model_len:
             raise RequestError(f"input: the prompt has {len(prompt_ids)} tokens, but max_model_len is "
                                f"{self.max_model_len}", field="input")
-        for t in prompt_ids:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
-                raise RequestError(f"prompt_token_ids: token id {t!r} is out of range [0, {self.vocab_size})",
-                                   field="prompt_token_ids")
+        self._check_token_ids(prompt_ids)
         task = params.task or self.pooling_task
         if (task == "embed") != (self.pooling_task == "embed"):
             kind = "an embedding model" if self.pooling_task == "embed" else "a sequence classifier"

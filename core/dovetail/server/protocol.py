@@ -174,6 +174,12 @@ Prompt = Annotated[
         "empty)"))]
 
 
+def _not_empty(value, what: str):
+    if isinstance(value, list) and not value:
+        raise ValueError(f"{what} is empty")
+    return value
+
+
 class CompletionRequest(SamplingFields):
     """``POST /v1/completions``."""
 
@@ -186,12 +192,7 @@ class CompletionRequest(SamplingFields):
     suffix: Optional[str] = None
     add_special_tokens: Optional[bool] = True
 
-    @field_validator("prompt", mode="before")
-    @classmethod
-    def _prompt_not_empty(cls, value):
-        if isinstance(value, list) and not value:
-            raise ValueError("the prompt is empty")
-        return value
+    _prompt_not_empty = field_validator("prompt", mode="before")(lambda value: _not_empty(value, "the prompt"))
 
 
 class PoolingInputs(_Body):
@@ -203,12 +204,7 @@ class PoolingInputs(_Body):
     user: Optional[str] = None
     add_special_tokens: bool = True
 
-    @field_validator("input", mode="before")
-    @classmethod
-    def _input_not_empty(cls, value):
-        if isinstance(value, list) and not value:
-            raise ValueError("the input is empty")
-        return value
+    _input_not_empty = field_validator("input", mode="before")(lambda value: _not_empty(value, "the input"))
 
 
 class EmbeddingRequest(PoolingInputs):
