@@ -358,12 +358,12 @@ class LLMEngine:
 
     def _check_runner(self, params) -> None:
         if self.is_pooling and not isinstance(params, PoolingParams):
-            raise RequestError("this model runs as a pooling model (runner='pooling'): it embeds or classifies "
-                               "prompts (LLM.embed, LLM.classify, LLM.score; /v1/embeddings, /classify, /score, "
-                               "/rerank) and generates no text", field="model")
+            raise RequestError("model: this model runs as a pooling model (runner='pooling'): it embeds or "
+                               "classifies prompts (LLM.embed, LLM.classify, LLM.score; /v1/embeddings, /classify, "
+                               "/score, /rerank) and generates no text", field="model")
         if not self.is_pooling and isinstance(params, PoolingParams):
-            raise RequestError("this model generates text (runner='generate'): start it with runner='pooling' "
-                               "(--runner pooling) to embed or classify", field="model")
+            raise RequestError("model: this model generates text (runner='generate'): start it with "
+                               "runner='pooling' (--runner pooling) to embed or classify", field="model")
 
     def add_request(self, request_id: str | None, prompt: PromptType,
                     params: SamplingParams | PoolingParams | None = None,
