@@ -123,6 +123,26 @@ def test_bad_requests_are_named(base_dir, tiny_llama_dir, tmp_path):
         LLM(str(base_dir), pooler_config={"pooling_type": "MAX"}, **COMMON)
 
 
+def test_truncate_prompt_tokens_keeps_the_last_tokens(base_dir):
+    llm = LLM(str(base_dir), **COMMON)
+    long_ids = list(range(1, 101))
+    cut, whole, same = llm.embed([{"prompt_token_ids": long_ids}, {"prompt_token_ids": long_ids},
+                                  {"prompt_token_ids": long_ids[-10:]}],
+                                 [PoolingParams(truncate_prompt_tokens=10), PoolingParams(truncate_prompt_tokens=-1),
+                                  PoolingParams()], use_tqdm=False)
+    assert cut.prompt_token_ids == long_ids[-10:] and whole.prompt_token_ids == long_ids[-64:]
+    assert cut.outputs.embedding == same.outputs.embedding
+    text = "hello world, the quick brown fox jumps over the lazy dog. " * 40  # far beyond 64 tokens
+    with pytest.raises(RequestError, match="prompt: the prompt has 2320 characters"):
+        llm.embed(text)
+    (truncated,) = llm.embed(text, PoolingParams(truncate_prompt_tokens=12), use_tqdm=False)
+    expected = llm.get_tokenizer()(text)["input_ids"][-12:]
+    assert truncated.prompt_token_ids == expected
+    with pytest.raises(RequestError, match="truncate_prompt_tokens: .*must be -1 .* or at least 1") as caught:
+        PoolingParams(truncate_prompt_tokens=0)
+    assert caught.value.field == "truncate_prompt_tokens"
+
+
 def test_sentence_transformers_files_choose_the_pooling(tmp_path):
     (tmp_path / "1_Pooling").mkdir()
     (tmp_path / "modules.json").write_text(json.dumps([

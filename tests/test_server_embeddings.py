@@ -62,6 +62,20 @@ def test_token_ids_as_floats_or_base64(server, model_dir):
         np.testing.assert_allclose(plain["embedding"], hf_embedding(model_dir, ids), atol=2e-5, rtol=1e-4)
 
 
+def test_a_long_text_is_truncated_when_asked(server, model_dir):
+    text = "the quick brown fox jumps over the lazy dog. " * 40
+    refused = httpx.post(server.url("/v1/embeddings"), headers=auth(), json={"model": "tiny-embed", "input": text})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "input"
+    reply = httpx.post(server.url("/v1/embeddings"), headers=auth(),
+                       json={"model": "tiny-embed", "input": text, "truncate_prompt_tokens": 8})
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["usage"]["prompt_tokens"] == 8
+    last = AutoTokenizer.from_pretrained(str(model_dir))(text)["input_ids"][-8:]
+    same = httpx.post(server.url("/v1/embeddings"), headers=auth(), json={"model": "tiny-embed", "input": last})
+    np.testing.assert_allclose(reply.json()["data"][0]["embedding"], same.json()["data"][0]["embedding"],
+                               atol=1e-6)
+
+
 @pytest.mark.parametrize("body, param, text", [
     ({"input": []}, "input", "the input is empty"),
     ({"input": [[5, 6], [7, 400]]}, "input.1", "token id 400 is out of the vocabulary"),

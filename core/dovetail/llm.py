@@ -109,15 +109,15 @@ class LLM:
                 raise RequestError(f"pooling_params: got {len(params)} for {len(prompts)} prompts",
                                    field="pooling_params")
         params = [p if p.task == "embed" else p.model_copy(update={"task": "embed"}) for p in params]
-        return self._add_all(self._tokenized(prompts), params, None, use_tqdm)
+        return self._add_all(self._pooled_prompts(prompts, params), params, None, use_tqdm)
 
-    def classify(self, prompts: Union[PromptType, Sequence[PromptType]],
-                 use_tqdm: bool = True) -> list[ClassificationRequestOutput]:
+    def classify(self, prompts: Union[PromptType, Sequence[PromptType]], use_tqdm: bool = True,
+                 truncate_prompt_tokens: int | None = None) -> list[ClassificationRequestOutput]:
         """Classify each prompt with a sequence classifier (``*ForSequenceClassification``); outputs come back
         in input order, each label's probability in ``output.outputs.probs``."""
         prompts = self._prompt_list(prompts)
-        params = [PoolingParams(task="classify")] * len(prompts)
-        return self._add_all(self._tokenized(prompts), params, None, use_tqdm)
+        params = [PoolingParams(task="classify", truncate_prompt_tokens=truncate_prompt_tokens)] * len(prompts)
+        return self._add_all(self._pooled_prompts(prompts, params), params, None, use_tqdm)
 
     def score(self, text_1: Union[str, Sequence[str]], text_2: Union[str, Sequence[str]],
               use_tqdm: bool = True) -> list[ScoringRequestOutput]:
@@ -157,6 +157,13 @@ class LLM:
                 ids = ids["input_ids"]
             prompts.append({"prompt_token_ids": list(ids)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _pooled_prompts(self, prompts: list[PromptType], params: list[PoolingParams]) -> list[PromptType]:
+        """The prompts, tokenised together unless a request truncates its prompt (the engine tokenises those
+        without the early length check)."""
+        if any(p.truncate_prompt_tokens is not None for p in params):
+            return prompts
+        return self._tokenized(prompts)
 
     @staticmethod
     def _prompt_list(prompts) -> list[PromptType]:

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from dovetail.config import format_validation_error
 from dovetail.errors import ConfigError, RequestError
@@ -51,16 +51,18 @@ class PoolerConfig(BaseModel):
 
 
 class PoolingParams(BaseModel):
-    """Per-request parameters of an embedding (vLLM's names).
+    """Per-request parameters of a pooling request (vLLM's names).
 
     ``dimensions`` keeps the first ``dimensions`` values (Matryoshka embeddings; only for models whose
-    config declares them); ``normalize`` None follows the pooler's setting.
+    config declares them); ``normalize`` None follows the pooler's setting; ``truncate_prompt_tokens`` keeps
+    only the prompt's last ``k`` tokens (-1: as many as ``max_model_len``), so that a long text still pools.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     dimensions: Optional[int] = Field(default=None, ge=1)
     normalize: Optional[bool] = None
+    truncate_prompt_tokens: Optional[int] = Field(default=None, ge=-1)
     #: What the request wants of the pooled state (None: the model's own task); set by ``LLM.embed``,
     #: ``LLM.classify``, ``LLM.score`` and the matching endpoints.
     task: Optional[Literal[POOLING_TASKS]] = None  # type: ignore[valid-type]
@@ -71,6 +73,20 @@ class PoolingParams(BaseModel):
         except ValidationError as exc:
             loc = ".".join(map(str, exc.errors()[0]["loc"]))
             raise RequestError(format_validation_error(exc), field=loc or "pooling_params") from None
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _minus_one_or_positive(cls, value):
+        if value == 0:
+            raise ValueError("must be -1 (the model's maximum) or at least 1")
+        return value
+
+    def truncated(self, prompt_ids: list[int], max_model_len: int) -> list[int]:
+        """The prompt's last ``truncate_prompt_tokens`` tokens (all of them when unset)."""
+        keep = self.truncate_prompt_tokens
+        if keep is None:
+            return prompt_ids
+        return prompt_ids[-(max_model_len if keep == -1 else keep):]
 
     @property
     def n(self) -> int:

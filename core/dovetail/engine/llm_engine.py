@@ -298,14 +298,16 @@ class LLMEngine:
                                                          f"text_2.{i}" if many else "text_2"))
                 for i, (a, b) in enumerate(zip(firsts, seconds))]
 
-    def _prompt_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+    def _prompt_ids(self, prompt: PromptType, bounded: bool = True) -> tuple[str | None, list[int]]:
+        """The prompt's text (if any) and token ids; ``bounded``: refuse a text surely longer than the context
+        before tokenising it (not when the request truncates its prompt)."""
         if isinstance(prompt, str):
-            return prompt, self.prompt_tokenizer.encode(prompt)
+            return prompt, self.prompt_tokenizer.encode(prompt, bounded=bounded)
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])
             if "prompt" in prompt:
-                return prompt["prompt"], self.prompt_tokenizer.encode(prompt["prompt"])
+                return prompt["prompt"], self.prompt_tokenizer.encode(prompt["prompt"], bounded=bounded)
             raise RequestError("prompt: a dict prompt needs 'prompt' or 'prompt_token_ids'", field="prompt")
         if isinstance(prompt, (list, tuple)):
             return None, list(prompt)
@@ -379,9 +381,11 @@ class LLMEngine:
         if priority != 0 and self.config.scheduler.scheduling_policy != "priority":
             raise RequestError("priority: set scheduling_policy='priority' to use request priorities",
                                field="priority")
-        text, ids = self._prompt_ids(prompt)
+        truncates = self.is_pooling and params.truncate_prompt_tokens is not None
+        text, ids = self._prompt_ids(prompt, bounded=not truncates)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         if self.is_pooling:
+            ids = params.truncated(ids, self.max_model_len)
             self.validate_pooling_request(ids, params)
             request = Request(request_id, text, ids, EMBEDDING_SAMPLING, self.eos_token_ids, arrival, priority)
             request.pooling_params = params

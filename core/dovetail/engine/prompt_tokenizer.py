@@ -111,13 +111,14 @@ class PromptTokenizer:
                 "(at least one token must be generated)", field=field)
 
     def encode(self, text: str, add_special_tokens: bool = True, field: str = "prompt",
-               allow_empty: bool = False) -> list[int]:
-        """The token ids of ``text``; :class:`RequestError` for an empty or surely too long text, or one the
-        tokenizer rejects."""
+               allow_empty: bool = False, bounded: bool = True) -> list[int]:
+        """The token ids of ``text``; :class:`RequestError` for an empty or (when ``bounded``: a request that
+        will not truncate it) surely too long text, or one the tokenizer rejects."""
         tokenizer = self.require(field)
         if not text and not allow_empty:
             raise RequestError(f"{field}: the prompt is empty", field=field)
-        self.check_length(text, field)
+        if bounded:
+            self.check_length(text, field)
         try:
             return list(tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
         except Exception as exc:

@@ -33,8 +33,9 @@ class _Embedding(PooledInputs):
     id_prefix = "embd"
 
     def __init__(self, state: ServerState, body: EmbeddingRequest):
-        super().__init__(state, body.model, PoolingParams(dimensions=body.dimensions, normalize=body.normalize,
-                                                          task="embed"))
+        super().__init__(state, body.model, PoolingParams(
+            dimensions=body.dimensions, normalize=body.normalize, task="embed",
+            truncate_prompt_tokens=body.truncate_prompt_tokens))
         self.encoding_format = body.encoding_format
         self.add_inputs(body.input, body.add_special_tokens)
 

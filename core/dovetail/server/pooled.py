@@ -39,7 +39,8 @@ class PooledInputs:
         for i, item in enumerate(items):
             field = "input" if len(items) == 1 else f"input.{i}"
             if isinstance(item, str):
-                self.add(item, self.state.tokenize(item, add_special_tokens, field), field)
+                bounded = self.params.truncate_prompt_tokens is None
+                self.add(item, self.state.tokenize(item, add_special_tokens, field, bounded=bounded), field)
             else:
                 self.add(None, list(item), field)
 
@@ -52,6 +53,7 @@ class PooledInputs:
             self.add(f"{first}\n{second}", ids, names[1])
 
     def add(self, text: Optional[str], ids: list[int], field: str) -> None:
+        ids = self.params.truncated(ids, self.state.max_model_len)
         if len(ids) > self.state.max_model_len:
             raise RequestError(f"{field}: the input has {len(ids)} tokens, but max_model_len is "
                                f"{self.state.max_model_len}", field=field)

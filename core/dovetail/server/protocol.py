@@ -203,6 +203,8 @@ class PoolingInputs(_Body):
                                       "token ids")
     user: Optional[str] = None
     add_special_tokens: bool = True
+    truncate_prompt_tokens: Optional[int] = Field(
+        default=None, ge=-1, description="keep only each input's last k tokens (-1: as many as max_model_len)")
 
     _input_not_empty = field_validator("input", mode="before")(lambda value: _not_empty(value, "the input"))
 

@@ -20,7 +20,8 @@ class _Classification(PooledInputs):
     id_prefix = "classify"
 
     def __init__(self, state: ServerState, body: ClassificationRequest):
-        super().__init__(state, body.model, PoolingParams(task="classify"))
+        super().__init__(state, body.model, PoolingParams(task="classify",
+                                                          truncate_prompt_tokens=body.truncate_prompt_tokens))
         self.labels = state.classifier_labels
         self.add_inputs(body.input, body.add_special_tokens)
 

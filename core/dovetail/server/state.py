@@ -88,10 +88,12 @@ class ServerState:
         return self.tokenizer
 
     def tokenize(self, text: str, add_special_tokens: bool, field_name: str = "prompt",
-                 allow_empty: bool = False) -> list[int]:
+                 allow_empty: bool = False, bounded: bool = True) -> list[int]:
         """The text's token ids; 400 naming the field for an empty text (unless allowed), one whose length
-        alone exceeds the context (refused before tokenising), or one the tokenizer fails on."""
-        return self.prompt_tokenizer.encode(text, add_special_tokens, field_name, allow_empty=allow_empty)
+        alone exceeds the context (refused before tokenising, unless not ``bounded``: the request truncates
+        it), or one the tokenizer fails on."""
+        return self.prompt_tokenizer.encode(text, add_special_tokens, field_name, allow_empty=allow_empty,
+                                            bounded=bounded)
 
     async def off_loop(self, fn: Callable[[], Any]) -> Any:
         """``fn()`` in the preparing threads: the event loop keeps answering meanwhile."""
