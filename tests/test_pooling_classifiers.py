@@ -58,8 +58,8 @@ def hf_logits(model_dir, ids: list[int]) -> torch.Tensor:
 def test_classify_matches_hf_softmax_over_chunked_prompts(three_labels):
     llm = LLM(str(three_labels), max_num_batched_tokens=16, **COMMON)
     engine = llm.llm_engine
-    assert engine.is_pooling and engine.pooling_task == "classify", "a sequence classifier pools by itself"
-    assert engine.classifier.labels == ["negative", "neutral", "positive"]
+    assert engine.is_pooling and engine.pooling_model.task == "classify", "a sequence classifier pools by itself"
+    assert engine.pooling_model.classifier.labels == ["negative", "neutral", "positive"]
     outputs = llm.classify([{"prompt_token_ids": p} for p in PROMPTS], use_tqdm=False)
     for prompt, output in zip(PROMPTS, outputs):
         assert output.outputs.num_classes == 3

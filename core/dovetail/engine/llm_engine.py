@@ -6,7 +6,9 @@ method and the model class, start the workers through the executor (each builds
 and loads its model shard), size the KV cache (the minimum over the ranks), and
 set up the scheduler. Each :meth:`LLMEngine.step` schedules a batch, hands its
 description to the workers (they run the model and sample), applies the sampled
-tokens and the stop rules, and returns the requests' progress.
+tokens and the stop rules, and returns the requests' progress. A pooling model's
+steps bring back pooled states instead, one per prompt they complete
+(:mod:`dovetail.engine.pooling_model`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from dovetail.config import EngineArgs, EngineConfig
 from dovetail.engine.kv_cache_manager import KVCacheManager
 from dovetail.engine.laps import Laps
 from dovetail.engine.output_processor import OutputProcessor
+from dovetail.engine.pooling_model import POOLING_ROW, PoolingModel
 from dovetail.engine.profiler import profiler_dir
 from dovetail.engine.prompt_tokenizer import PromptTokenizer
 from dovetail.engine.request import Request, RequestStatus
@@ -33,8 +36,7 @@ from dovetail.engine.worker import WorkerSpec, attention_requirements, check_hea
 from dovetail.errors import ConfigError, RequestError, WorkerError
 from dovetail.executor import create_executor, executor_backend, start_processes_early
 from dovetail import generation_defaults, model_loader, pooling
-from dovetail.outputs import (ClassificationOutput, ClassificationRequestOutput, EmbeddingOutput,
-                              EmbeddingRequestOutput, RequestOutput, ScoringOutput, ScoringRequestOutput)
+from dovetail.outputs import PoolingRequestOutput, RequestOutput
 from dovetail.pooling import PoolingParams
 from dovetail.plugin_manager import get_plugin_manager
 from dovetail.reasoning import ReasoningParser
@@ -45,9 +47,6 @@ logger = logging.getLogger("dovetail")
 
 #: vLLM's default cap on requested logprobs.
 MAX_LOGPROBS = 20
-
-#: What the scheduler and the workers see of an embedding request: one row at the end of its prompt.
-EMBEDDING_SAMPLING = SamplingParams(max_tokens=1, output_kind=RequestOutputKind.FINAL_ONLY)
 
 PromptType = Union[str, list[int], dict]
 
@@ -132,12 +131,10 @@ class LLMEngine:
 
         architectures = getattr(self.hf_config, "architectures", None) or []
         mc.runner = pooling.resolve_runner(mc.runner, architectures)
-        #: Whether the model embeds (``runner="pooling"``) instead of generating.
+        #: Whether the model pools (``runner="pooling"``: embeds or classifies) instead of generating.
         self.is_pooling = mc.runner == "pooling"
-        #: A pooling model's task (``embed``, or ``classify`` for a sequence classifier), else None.
-        self.pooling_task: str | None = None
-        #: A sequence classifier's head, applied to the pooled states here (None for other models).
-        self.classifier: pooling.ClassifierHead | None = None
+        #: A pooling model's settings, task and classifier head (None for a generating model).
+        self.pooling_model: PoolingModel | None = None
         self.model_choice = selection.select_model_class(pooling.candidate_architectures(architectures, mc.runner),
                                                          manager)
         if self.is_pooling:
@@ -172,19 +169,12 @@ class LLMEngine:
         """The pooler's settings, and no prefix caching where the pooling needs every token's hidden state."""
         mc = self.config.model
         mc.pooler_config = pooling.resolve_pooler_config(self.model_path, mc.pooler_config)
-        self.pooling_type, self.normalize = mc.pooler_config["pooling_type"], mc.pooler_config["normalize"]
-        self.pooling_task = pooling.model_task(getattr(self.hf_config, "architectures", None) or [])
-        if self.pooling_task == "classify":
-            self.classifier = pooling.ClassifierHead.load(self.model_path, self.hf_config)
-        if self.pooling_type != "LAST" and self.config.cache.enable_prefix_caching:
+        self.pooling_model = PoolingModel(self.model_path, self.hf_config, mc.pooler_config)
+        pooling_type = self.pooling_model.pooling_type
+        if pooling_type != "LAST" and self.config.cache.enable_prefix_caching:
             self.config.cache.enable_prefix_caching = False
-            logger.info("prefix caching off: %s pooling needs every prompt token computed", self.pooling_type)
-        if self.classifier is not None:
-            logger.info("pooling model: a sequence classifier of %d label(s), %s pooling", self.classifier.num_labels,
-                        self.pooling_type)
-        else:
-            logger.info("pooling model: embeddings, %s pooling, %s", self.pooling_type,
-                        "normalised" if self.normalize else "not normalised")
+            logger.info("prefix caching off: %s pooling needs every prompt token computed", pooling_type)
+        logger.info("pooling model: %s", self.pooling_model.describe())
 
     def _init_scheduling_and_outputs(self, config: EngineConfig, platform_name: str, t0: float) -> None:
         """The KV-cache manager, scheduler, output processing and request books, once the workers are up."""
@@ -339,24 +329,14 @@ class LLMEngine:
                                    field="prompt_token_ids")
 
     def validate_pooling_request(self, prompt_ids: list[int], params: PoolingParams) -> None:
-        """Reject an embedding request that can never run, naming the field."""
+        """Reject a pooling request that can never run, naming the field."""
         if not prompt_ids:
             raise RequestError("input: the prompt is empty", field="input")
         if len(prompt_ids) > self.max_model_len:
             raise RequestError(f"input: the prompt has {len(prompt_ids)} tokens, but max_model_len is "
                                f"{self.max_model_len}", field="input")
         self._check_token_ids(prompt_ids)
-        task = params.task or self.pooling_task
-        if (task == "embed") != (self.pooling_task == "embed"):
-            kind = "an embedding model" if self.pooling_task == "embed" else "a sequence classifier"
-            can = "embed" if self.pooling_task == "embed" else "classify and score"
-            raise RequestError(f"task: this model is {kind}: it can {can}, not {task}", field="task")
-        if task == "score" and self.classifier.num_labels != 1:
-            raise RequestError(f"task: scoring needs a classifier of one label (a cross-encoder); this one has "
-                               f"{self.classifier.num_labels}", field="task")
-        if task != "embed" and params.dimensions is not None:
-            raise RequestError("dimensions: only embeddings have dimensions", field="dimensions")
-        pooling.check_dimensions(params, self.hf_config, int(self.hf_config.hidden_size))
+        self.pooling_model.check(params)
 
     def _check_runner(self, params) -> None:
         if self.is_pooling and not isinstance(params, PoolingParams):
@@ -387,7 +367,7 @@ class LLMEngine:
         if self.is_pooling:
             ids = params.truncated(ids, self.max_model_len)
             self.validate_pooling_request(ids, params)
-            request = Request(request_id, text, ids, EMBEDDING_SAMPLING, self.eos_token_ids, arrival, priority)
+            request = Request(request_id, text, ids, POOLING_ROW, self.eos_token_ids, arrival, priority)
             request.pooling_params = params
             self._parents[request_id] = _Parent(request_id, text, ids, [request])
             self._requests[request_id] = request
@@ -578,7 +558,7 @@ class LLMEngine:
         """Wait for a launched step's tokens, apply them and the stop rules, and build the outputs."""
         result = self.executor.take_output()
         if self.is_pooling:
-            return self._apply_embeddings(in_flight, result.embeddings)
+            return self._apply_pooled(in_flight, result.embeddings)
         if len(result.token_ids) != len(in_flight.requests):
             raise RuntimeError(f"rank 0 sampled {len(result.token_ids)} tokens for a step of "
                                f"{len(in_flight.requests)} sampled rows")
@@ -615,7 +595,7 @@ class LLMEngine:
             outputs.append(self._parent_output(pid))
         return outputs
 
-    def _apply_embeddings(self, in_flight: _InFlight, embeddings) -> list:
+    def _apply_pooled(self, in_flight: _InFlight, embeddings) -> list[PoolingRequestOutput]:
         """Finish the requests whose prompt a pooling step completed, with their embeddings (or their
         classifier's probabilities, or scores)."""
         count = 0 if embeddings is None else len(embeddings)
@@ -632,22 +612,8 @@ class LLMEngine:
             self.scheduler.finish(req)
             self._drop_from_workers(req)
             self._drop_parent(self._parents.pop(req.parent_id))
-            outputs.append(self._pooling_output(req, torch.from_numpy(pooled)))
+            outputs.append(self.pooling_model.output(req, torch.from_numpy(pooled)))
         return outputs
-
-    def _pooling_output(self, req: Request, pooled: torch.Tensor):
-        """What a finished pooling request returns, by its task."""
-        params = req.pooling_params
-        task = params.task or self.pooling_task
-        if task == "embed":
-            cls, result = EmbeddingRequestOutput, EmbeddingOutput(
-                pooling.finish_embedding(pooled, params, self.normalize))
-        else:
-            probs = self.classifier.probabilities(pooled)
-            cls, result = ((ClassificationRequestOutput, ClassificationOutput(probs)) if task == "classify"
-                           else (ScoringRequestOutput, ScoringOutput(probs[0])))
-        return cls(req.request_id, req.prompt, req.prompt_token_ids, result, True, req.num_cached_tokens,
-                   req.metrics)
 
     def _parent_output(self, parent_id: str) -> RequestOutput:
         parent = self._parents[parent_id]

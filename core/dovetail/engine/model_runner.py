@@ -9,7 +9,9 @@ rows' logits stay split by vocabulary (:class:`ShardedLogits`) where the model
 allows: greedy steps never gather them.
 
 Decode-only steps replay a device graph when the platform and the backend can
-capture one (:class:`DecodeGraphs`); ``enforce_eager`` turns that off. Nothing
+capture one (:class:`DecodeGraphs`); ``enforce_eager`` turns that off. A pooling
+model's runner computes no logits: its :class:`~dovetail.engine.pooler.Pooler`
+pools the hidden states of the prompts each step completes. Nothing
 here waits for the device: inputs go over with non-blocking copies, and the
 sampler's token transfer is the step's one synchronisation.
 """

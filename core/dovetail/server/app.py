@@ -87,7 +87,8 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     state = ServerState(engine=engine, settings=settings, metrics=ServerMetrics(engine.stats), tokenizer=tokenizer,
                         max_model_len=llm.max_model_len, vocab_size=llm.vocab_size, model_path=str(llm.model_path),
                         created=int(time.time()), reasoning=llm.reasoning, default_sampling=llm.default_sampling,
-                        classifier_labels=llm.classifier.labels if llm.classifier is not None else None)
+                        classifier_labels=(llm.pooling_model.classifier.labels
+                                           if llm.pooling_model and llm.pooling_model.classifier else None))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
