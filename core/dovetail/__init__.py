@@ -17,6 +17,7 @@ _LAZY = {
     "RequestOutput": "dovetail.outputs:RequestOutput",
     "CompletionOutput": "dovetail.outputs:CompletionOutput",
     "PoolingParams": "dovetail.pooling:PoolingParams",
+    "BeamSearchParams": "dovetail.beam_search:BeamSearchParams",
     "EmbeddingRequestOutput": "dovetail.outputs:EmbeddingRequestOutput",
     "EngineArgs": "dovetail.config:EngineArgs",
     "LLMEngine": "dovetail.engine.llm_engine:LLMEngine",

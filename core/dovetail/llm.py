@@ -7,6 +7,7 @@ from typing import Any, Sequence, Union
 
 from tqdm.auto import tqdm
 
+from dovetail.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from dovetail.config import EngineArgs
 from dovetail.engine.frozen_heap import frozen_heap
 from dovetail.engine.llm_engine import LLMEngine, PromptType
@@ -133,6 +134,12 @@ class LLM:
         prompts = [{"prompt_token_ids": ids} for ids in self.llm_engine.pair_token_ids(queries, documents)]
         params = [PoolingParams(task="score")] * len(prompts)
         return self._add_all(prompts, params, None, use_tqdm)
+
+    def beam_search(self, prompts: Union[PromptType, Sequence[PromptType]],
+                    params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """The best ``params.beam_width`` continuations of each prompt by beam search (vLLM's
+        ``LLM.beam_search``; see :mod:`dovetail.beam_search`), in input order."""
+        return beam_search(self, self._prompt_list(prompts), params)
 
     def chat(self, messages: Union[list[Message], list[list[Message]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -288,7 +288,7 @@ class LLMEngine:
                                                          f"text_2.{i}" if many else "text_2"))
                 for i, (a, b) in enumerate(zip(firsts, seconds))]
 
-    def _prompt_ids(self, prompt: PromptType, bounded: bool = True) -> tuple[str | None, list[int]]:
+    def prompt_ids(self, prompt: PromptType, bounded: bool = True) -> tuple[str | None, list[int]]:
         """The prompt's text (if any) and token ids; ``bounded``: refuse a text surely longer than the context
         before tokenising it (not when the request truncates its prompt)."""
         if isinstance(prompt, str):
@@ -362,7 +362,7 @@ class LLMEngine:
             raise RequestError("priority: set scheduling_policy='priority' to use request priorities",
                                field="priority")
         truncates = self.is_pooling and params.truncate_prompt_tokens is not None
-        text, ids = self._prompt_ids(prompt, bounded=not truncates)
+        text, ids = self.prompt_ids(prompt, bounded=not truncates)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         if self.is_pooling:
             ids = params.truncated(ids, self.max_model_len)
