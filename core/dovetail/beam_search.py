@@ -10,7 +10,7 @@ complete and live beams of each prompt are ranked together and the best ``beam_w
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -18,9 +18,6 @@ from dovetail.config import format_validation_error
 from dovetail.errors import RequestError
 from dovetail.outputs import PositionLogprobs
 from dovetail.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from dovetail.llm import LLM
 
 #: The engine returns at most 20 logprobs a token, and a step needs ``2 * beam_width`` of them.
 MAX_BEAM_WIDTH = 10
@@ -77,9 +74,9 @@ class _Prompt:
     completed: list[BeamSearchSequence] = field(default_factory=list)
 
 
-def beam_search(llm: "LLM", prompts: Sequence, params: BeamSearchParams) -> list[BeamSearchOutput]:
-    """Beam search for each prompt (a string, token ids or ``{"prompt_token_ids": [...]}``), in input order."""
-    engine = llm.llm_engine
+def beam_search(engine, generate: Callable, prompts: Sequence, params: BeamSearchParams) -> list[BeamSearchOutput]:
+    """Beam search for each prompt (a string, token ids or ``{"prompt_token_ids": [...]}``), in input order, on
+    ``engine`` (an :class:`~dovetail.engine.llm_engine.LLMEngine`) through ``generate`` (``LLM.generate``)."""
     eos = set(engine.eos_token_ids)
     width = params.beam_width
     step_params = SamplingParams(logprobs=2 * width, max_tokens=1, temperature=params.temperature,
@@ -93,7 +90,7 @@ def beam_search(llm: "LLM", prompts: Sequence, params: BeamSearchParams) -> list
         live = [(state, beam) for state in states for beam in state.beams]
         if not live:
             break
-        outputs = llm.generate([{"prompt_token_ids": beam.tokens} for _, beam in live], step_params, use_tqdm=False)
+        outputs = generate([{"prompt_token_ids": beam.tokens} for _, beam in live], step_params, use_tqdm=False)
         candidates: dict[int, list[BeamSearchSequence]] = {id(state): [] for state in states}
         for (state, beam), output in zip(live, outputs):
             top = output.outputs[0].logprobs[0]

@@ -139,7 +139,7 @@ class LLM:
                     params: BeamSearchParams) -> list[BeamSearchOutput]:
         """The best ``params.beam_width`` continuations of each prompt by beam search (vLLM's
         ``LLM.beam_search``; see :mod:`dovetail.beam_search`), in input order."""
-        return beam_search(self, self._prompt_list(prompts), params)
+        return beam_search(self.llm_engine, self.generate, self._prompt_list(prompts), params)
 
     def chat(self, messages: Union[list[Message], list[list[Message]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
