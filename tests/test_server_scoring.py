@@ -65,6 +65,8 @@ def test_score_rerank_and_classify_give_hf_scores(server, model_dir):
     ("/rerank", {"query": QUERY, "documents": []}, "documents", "at least 1 item"),
     ("/rerank", {"query": QUERY, "documents": ["fine", ""]}, "documents.1", "the text is empty"),
     ("/rerank", {"query": QUERY, "documents": DOCUMENTS, "top_n": -1}, "top_n", "greater than or equal to 0"),
+    ("/rerank", {"query": "", "documents": DOCUMENTS}, "query", "the text is empty"),
+    ("/rerank", {"query": QUERY, "documents": ["d"] * 257}, "documents", "257 inputs, more than this server takes"),
     ("/v1/embeddings", {"input": QUERY}, "task", "it can classify and score, not embed"),
     ("/v1/completions", {"prompt": QUERY, "max_tokens": 2}, "model", "runs as a pooling model"),
 ])

@@ -32,10 +32,17 @@ class PooledInputs:
     def engine_ids(self) -> list[str]:
         return [f"{self.id}-{i}" for i in range(len(self.prompts))]
 
+    def check_count(self, count: int, field: str) -> None:
+        """400 for more inputs than the server takes in one request, before any work on them."""
+        limit = self.state.settings.max_sequences_per_request
+        if count > limit:
+            raise RequestError(f"{field}: {count} inputs, more than this server takes in one request ({limit}, "
+                               "--max-sequences-per-request)", field=field)
+
     def add_inputs(self, value, add_special_tokens: bool) -> None:
         """OpenAI's ``input``: a text, texts, token ids or lists of them."""
         items = [value] if isinstance(value, str) or isinstance(value[0], int) else list(value)
-        self.state.check_sequences(1, len(items))
+        self.check_count(len(items), "input")
         for i, item in enumerate(items):
             field = "input" if len(items) == 1 else f"input.{i}"
             if isinstance(item, str):
@@ -44,11 +51,14 @@ class PooledInputs:
             else:
                 self.add(None, list(item), field)
 
-    def add_pairs(self, firsts: list[str], seconds: list[str], fields: tuple[str, str]) -> None:
-        """Text pairs, each one prompt: the tokenizer's pair encoding (a cross-encoder's query and document)."""
-        self.state.check_sequences(1, len(seconds))
+    def add_pairs(self, firsts: list[str], seconds: list[str], fields: tuple[str, str], one_first: bool) -> None:
+        """Text pairs, each one prompt: the tokenizer's pair encoding (a cross-encoder's query and document).
+        ``one_first``: the request gave one first text for all the second ones (its field is not indexed)."""
+        self.check_count(len(seconds), fields[1])
         for i, (first, second) in enumerate(zip(firsts, seconds)):
-            names = tuple(f"{f}.{i}" if len(seconds) > 1 else f for f in fields)
+            many = len(seconds) > 1
+            names = (fields[0] if one_first or not many else f"{fields[0]}.{i}",
+                     f"{fields[1]}.{i}" if many else fields[1])
             ids = self.state.prompt_tokenizer.encode_pair(first, second, names)
             self.add(f"{first}\n{second}", ids, names[1])
 

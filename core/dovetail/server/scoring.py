@@ -58,7 +58,8 @@ class _Scoring(PooledInputs):
 
     def __init__(self, state: ServerState, body: ScoreRequest):
         super().__init__(state, body.model, PoolingParams(task="score"))
-        self.add_pairs(*paired(body.text_1, body.text_2), ("text_1", "text_2"))
+        one_first = isinstance(body.text_1, str) or len(body.text_1) == 1
+        self.add_pairs(*paired(body.text_1, body.text_2), ("text_1", "text_2"), one_first)
 
     def response(self, finals: dict) -> dict:
         data = [{"index": i, "object": "score", "score": finals[rid].outputs.score}
@@ -75,7 +76,7 @@ class _Rerank(PooledInputs):
     def __init__(self, state: ServerState, body: RerankRequest):
         super().__init__(state, body.model, PoolingParams(task="score"))
         self.documents, self.top_n = body.documents, body.top_n
-        self.add_pairs([body.query] * len(body.documents), body.documents, ("query", "documents"))
+        self.add_pairs([body.query] * len(body.documents), body.documents, ("query", "documents"), True)
 
     def response(self, finals: dict) -> dict:
         results = [{"index": i, "document": {"text": doc}, "relevance_score": finals[rid].outputs.score}
