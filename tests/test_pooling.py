@@ -155,6 +155,11 @@ def test_sentence_transformers_files_choose_the_pooling(tmp_path):
     assert resolve_pooler_config(tmp_path, {"pooling_type": "CLS", "normalize": False}) == {
         "pooling_type": "CLS", "normalize": False}
     assert resolve_pooler_config(tmp_path / "none", None) == {"pooling_type": "LAST", "normalize": True}
+    modules = json.loads((tmp_path / "modules.json").read_text())
+    (tmp_path / "modules.json").write_text(json.dumps(modules + [
+        {"idx": 3, "name": "3", "path": "3_Dense", "type": "sentence_transformers.models.Dense"}]))
+    with pytest.raises(ConfigError, match="has Dense module.s., which Dovetail does not apply"):
+        resolve_pooler_config(tmp_path, {"pooling_type": "MEAN"})
     (tmp_path / "1_Pooling" / "config.json").write_text("{")
     with pytest.raises(ConfigError, match="sentence-transformers files .* cannot be read"):
         resolve_pooler_config(tmp_path, None)

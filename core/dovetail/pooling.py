@@ -36,6 +36,8 @@ _HEADLESS_SUFFIXES = ("ForSequenceClassification", "Model")
 #: The checkpoint tensors of a sequence classifier's head (the engine applies it; the model never sees them).
 CLASSIFIER_PREFIX = "score."
 
+#: The sentence-transformers modules whose work the pooling runner does.
+_ST_MODULES_APPLIED = {"Transformer", "Pooling", "Normalize"}
 #: sentence-transformers' Pooling module flags, by the pooling type they mean.
 _ST_POOLING_MODES = {"pooling_mode_lasttoken": "LAST", "pooling_mode_mean_tokens": "MEAN",
                      "pooling_mode_cls_token": "CLS"}
@@ -176,6 +178,11 @@ def sentence_transformers_pooler(model_path: str | Path) -> PoolerConfig:
     except (OSError, ValueError, AttributeError, TypeError) as exc:
         raise ConfigError(f"pooler_config: the sentence-transformers files in {str(folder)!r} cannot be read: "
                           f"{exc}") from None
+    unknown = sorted(set(kinds) - _ST_MODULES_APPLIED)
+    if unknown:  # a projection after the pooling would make every vector wrong: refuse rather than guess
+        raise ConfigError(f"pooler_config: the checkpoint's sentence-transformers pipeline (modules.json) has "
+                          f"{', '.join(unknown)} module(s), which Dovetail does not apply (it applies "
+                          f"{', '.join(sorted(_ST_MODULES_APPLIED))})")
     return PoolerConfig(pooling_type=pooling_type, normalize=True if "Normalize" in kinds else None)
 
 
