@@ -14,7 +14,7 @@ from dovetail.engine.llm_engine import LLMEngine, PromptType
 from dovetail.errors import RequestError
 from dovetail.outputs import (ClassificationRequestOutput, EmbeddingRequestOutput, RequestOutput,
                               ScoringRequestOutput)
-from dovetail.pooling import PoolingParams
+from dovetail.pooling import PoolingParams, pair_texts
 from dovetail.sampling_params import RequestOutputKind, SamplingParams
 
 Message = dict[str, Any]
@@ -124,13 +124,7 @@ class LLM:
               use_tqdm: bool = True) -> list[ScoringRequestOutput]:
         """A cross-encoder's relevance score of each pair: one ``text_1`` against every ``text_2``, or the two
         lists pair by pair. Each pair is one prompt, the tokenizer's pair encoding of the two texts."""
-        queries = [text_1] if isinstance(text_1, str) else list(text_1)
-        documents = [text_2] if isinstance(text_2, str) else list(text_2)
-        if len(queries) == 1:
-            queries = queries * len(documents)
-        if not documents or len(queries) != len(documents):
-            raise RequestError(f"text_2: {len(documents)} texts for {len(queries)} in text_1 (one text_1 for any "
-                               "number, or as many as text_2)", field="text_2")
+        queries, documents = pair_texts(text_1, text_2)
         prompts = [{"prompt_token_ids": ids} for ids in self.llm_engine.pair_token_ids(queries, documents)]
         params = [PoolingParams(task="score")] * len(prompts)
         return self._add_all(prompts, params, None, use_tqdm)

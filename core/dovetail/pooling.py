@@ -200,6 +200,21 @@ def resolve_pooler_config(model_path: str | Path, given: Optional[dict[str, Any]
     }
 
 
+def pair_texts(text_1, text_2) -> tuple[list[str], list[str]]:
+    """A cross-encoder's pairs: one ``text_1`` against every ``text_2``, or the two lists pair by pair."""
+    firsts = [text_1] if isinstance(text_1, str) else list(text_1)
+    seconds = [text_2] if isinstance(text_2, str) else list(text_2)
+    for texts, field in ((firsts, "text_1"), (seconds, "text_2")):
+        if not texts:
+            raise RequestError(f"{field}: no texts", field=field)
+    if len(firsts) == 1:
+        firsts = firsts * len(seconds)
+    if len(firsts) != len(seconds):
+        raise RequestError(f"text_2: {len(seconds)} texts for {len(firsts)} in text_1 (one text_1 for any number, "
+                           "or as many as text_2)", field="text_2")
+    return firsts, seconds
+
+
 def matryoshka_dimensions(hf_config) -> Optional[list[int]]:
     """The embedding sizes a Matryoshka model was trained for: its ``matryoshka_dimensions``, or any size
     when it declares ``is_matryoshka``; None when truncation is not supported."""

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 from fastapi import Request, Response
 
-from dovetail.errors import RequestError
-from dovetail.pooling import PoolingParams
+from dovetail.pooling import PoolingParams, pair_texts
 from dovetail.server.pooled import PooledInputs
 from dovetail.server.protocol import ClassificationRequest, RerankRequest, ScoreRequest
 from dovetail.server.state import ServerState
@@ -36,21 +35,6 @@ class _Classification(PooledInputs):
                 "usage": self.usage()}
 
 
-def paired(firsts: str | list[str], seconds: str | list[str]) -> tuple[list[str], list[str]]:
-    """One first text against every second one, or the two lists pair by pair."""
-    firsts = [firsts] if isinstance(firsts, str) else list(firsts)
-    seconds = [seconds] if isinstance(seconds, str) else list(seconds)
-    if not firsts or not seconds:
-        raise RequestError(f"{'text_1' if not firsts else 'text_2'}: no texts", field="text_1" if not firsts
-                           else "text_2")
-    if len(firsts) == 1:
-        firsts = firsts * len(seconds)
-    if len(firsts) != len(seconds):
-        raise RequestError(f"text_2: {len(seconds)} texts for {len(firsts)} in text_1 (one text_1 for any number, "
-                           "or as many as text_2)", field="text_2")
-    return firsts, seconds
-
-
 class _Scoring(PooledInputs):
     """One ``/score`` request."""
 
@@ -59,7 +43,7 @@ class _Scoring(PooledInputs):
     def __init__(self, state: ServerState, body: ScoreRequest):
         super().__init__(state, body.model, PoolingParams(task="score"))
         one_first = isinstance(body.text_1, str) or len(body.text_1) == 1
-        self.add_pairs(*paired(body.text_1, body.text_2), ("text_1", "text_2"), one_first)
+        self.add_pairs(*pair_texts(body.text_1, body.text_2), ("text_1", "text_2"), one_first)
 
     def response(self, finals: dict) -> dict:
         data = [{"index": i, "object": "score", "score": finals[rid].outputs.score}
