@@ -15,18 +15,8 @@ COMMON = dict(device="cpu", dtype="float32", max_model_len=64)
 PROMPTS = [[5, 17, 33, 2, 90], [44, 45, 46]]
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_models.save_model(tmp_path_factory.mktemp("beam-llama"), tiny_models.tiny_llama_config())
-
-
-@pytest.fixture(scope="module")
-def hf(model_dir):
-    return tiny_models.load_hf(model_dir)
-
-
-def test_without_eos_the_beams_are_hf_beam_searchs(model_dir, hf):
-    llm = LLM(str(model_dir), **COMMON)
+def test_without_eos_the_beams_are_hf_beam_searchs(tiny_llama_dir, tiny_llama_hf):
+    llm, hf = LLM(str(tiny_llama_dir), **COMMON), tiny_llama_hf
     params = BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True)
     outputs = llm.beam_search([{"prompt_token_ids": p} for p in PROMPTS], params)
     for prompt, output in zip(PROMPTS, outputs):
@@ -82,12 +72,12 @@ def test_beams_that_end_in_eos_are_set_aside_and_ranked_with_a_length_penalty(tm
     assert finishes == {"stop", "length"}, "the test needs beams of both kinds"
 
 
-def test_bad_parameters_are_named(model_dir):
+def test_bad_parameters_are_named(tiny_llama_dir):
     for kwargs, field in [(dict(beam_width=11, max_tokens=4), "beam_width"),
                           (dict(beam_width=2, max_tokens=0), "max_tokens")]:
         with pytest.raises(RequestError) as caught:
             BeamSearchParams(**kwargs)
         assert caught.value.field == field
-    llm = LLM(str(model_dir), **COMMON)
+    llm = LLM(str(tiny_llama_dir), **COMMON)
     with pytest.raises(RequestError, match="max_tokens: the prompt .* exceeds max_model_len"):
         llm.beam_search([{"prompt_token_ids": list(range(1, 60))}], BeamSearchParams(beam_width=2, max_tokens=8))
