@@ -12,21 +12,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field
 
-from dovetail.config import format_validation_error
-from dovetail.errors import RequestError
 from dovetail.outputs import PositionLogprobs
-from dovetail.sampling_params import SamplingParams
+from dovetail.sampling_params import RequestParams, SamplingParams
 
 #: The engine returns at most 20 logprobs a token, and a step needs ``2 * beam_width`` of them.
 MAX_BEAM_WIDTH = 10
 
 
-class BeamSearchParams(BaseModel):
+class BeamSearchParams(RequestParams):
     """Parameters of :meth:`dovetail.LLM.beam_search` (vLLM's names)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     beam_width: int = Field(ge=1, le=MAX_BEAM_WIDTH)
     max_tokens: int = Field(ge=1)
@@ -34,13 +30,6 @@ class BeamSearchParams(BaseModel):
     temperature: float = Field(default=0.0, ge=0.0)
     length_penalty: float = 1.0
     include_stop_str_in_output: bool = False
-
-    def __init__(self, **data):
-        try:
-            super().__init__(**data)
-        except ValidationError as exc:
-            loc = ".".join(map(str, exc.errors()[0]["loc"]))
-            raise RequestError(format_validation_error(exc), field=loc or "beam_search") from None
 
 
 @dataclass

@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from dovetail.config import format_validation_error
 from dovetail.errors import ConfigError, RequestError
-from dovetail.sampling_params import RequestOutputKind
+from dovetail.sampling_params import RequestParams
 
 RUNNERS = ("auto", "generate", "pooling")
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
@@ -52,7 +52,7 @@ class PoolerConfig(BaseModel):
     normalize: Optional[bool] = None
 
 
-class PoolingParams(BaseModel):
+class PoolingParams(RequestParams):
     """Per-request parameters of a pooling request (vLLM's names).
 
     ``dimensions`` keeps the first ``dimensions`` values (Matryoshka embeddings; only for models whose
@@ -60,21 +60,12 @@ class PoolingParams(BaseModel):
     only the prompt's last ``k`` tokens (-1: as many as ``max_model_len``), so that a long text still pools.
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
     dimensions: Optional[int] = Field(default=None, ge=1)
     normalize: Optional[bool] = None
     truncate_prompt_tokens: Optional[int] = Field(default=None, ge=-1)
     #: What the request wants of the pooled state (None: the model's own task); set by ``LLM.embed``,
     #: ``LLM.classify``, ``LLM.score`` and the matching endpoints.
     task: Optional[Literal[POOLING_TASKS]] = None  # type: ignore[valid-type]
-
-    def __init__(self, **data):
-        try:
-            super().__init__(**data)
-        except ValidationError as exc:
-            loc = ".".join(map(str, exc.errors()[0]["loc"]))
-            raise RequestError(format_validation_error(exc), field=loc or "pooling_params") from None
 
     @field_validator("truncate_prompt_tokens")
     @classmethod
@@ -94,10 +85,6 @@ class PoolingParams(BaseModel):
     def n(self) -> int:
         """One result per prompt (the engine's queue limits count sequences)."""
         return 1
-
-    @property
-    def output_kind(self) -> RequestOutputKind:
-        return RequestOutputKind.FINAL_ONLY
 
 
 def _headless_suffix(arch: str) -> Optional[str]:
@@ -148,17 +135,14 @@ def base_model_weights(weights, prefix: str = "model."):
         yield name, tensor
 
 
-def release_lm_head(model) -> int:
+def release_lm_head(model) -> None:
     """Free an untied language-model head's weights (a pooling model never computes logits: for a model of
-    151,936 tokens and 4,096 dimensions in bf16 that is 1.2 GB of device memory); the bytes freed."""
+    151,936 tokens and 4,096 dimensions in bf16 that is 1.2 GB of device memory)."""
     head = getattr(model, "lm_head", None)
     if head is None or getattr(head, "tied", True):
-        return 0
-    freed = 0
+        return
     for param in head.parameters():
-        freed += param.numel() * param.element_size()
         param.data = torch.empty(0, dtype=param.dtype, device=param.device)
-    return freed
 
 
 def sentence_transformers_pooler(model_path: str | Path) -> PoolerConfig:

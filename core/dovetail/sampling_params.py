@@ -218,6 +218,19 @@ class SamplingParams(BaseModel):
                                    field=field)
 
 
+class RequestParams(BaseModel):
+    """Frozen per-request parameters whose invalid values raise :class:`RequestError` naming the field (the
+    base of :class:`dovetail.pooling.PoolingParams` and :class:`dovetail.beam_search.BeamSearchParams`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    def __init__(self, **data):
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            raise RequestError(format_validation_error(exc), field=_first_field(exc)) from None
+
+
 def _first_field(exc: ValidationError) -> str | None:
     errors = exc.errors()
     if errors and errors[0]["loc"]:

@@ -40,11 +40,9 @@ class _Embedding(PooledInputs):
         self.add_inputs(body.input, body.add_special_tokens)
 
     def response(self, finals: dict[str, EmbeddingRequestOutput]) -> dict:
-        data = [{"object": "embedding", "index": i,
-                 "embedding": encode_vector(finals[rid].outputs.embedding, self.encoding_format)}
-                for i, rid in enumerate(self.engine_ids)]
-        return {"id": self.id, "object": "list", "created": self.created, "model": self.model, "data": data,
-                "usage": self.usage()}
+        return self.listing([{"object": "embedding", "index": i,
+                              "embedding": encode_vector(finals[rid].outputs.embedding, self.encoding_format)}
+                             for i, rid in enumerate(self.engine_ids)])
 
 
 async def create_embedding(body: EmbeddingRequest, request: Request) -> Response:

@@ -77,3 +77,8 @@ class PooledInputs:
     def usage(self) -> dict:
         tokens = sum(len(ids) for _, ids in self.prompts)
         return {"prompt_tokens": tokens, "total_tokens": tokens}
+
+    def listing(self, data: list[dict]) -> dict:
+        """OpenAI's list response: one entry of ``data`` per input, in input order, and the usage."""
+        return {"id": self.id, "object": "list", "created": self.created, "model": self.model, "data": data,
+                "usage": self.usage()}

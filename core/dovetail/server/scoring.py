@@ -31,8 +31,7 @@ class _Classification(PooledInputs):
             best = max(range(len(probs)), key=probs.__getitem__)
             data.append({"index": i, "label": self.labels[best] if self.labels else None, "probs": probs,
                          "num_classes": len(probs)})
-        return {"id": self.id, "object": "list", "created": self.created, "model": self.model, "data": data,
-                "usage": self.usage()}
+        return self.listing(data)
 
 
 class _Scoring(PooledInputs):
@@ -46,10 +45,8 @@ class _Scoring(PooledInputs):
         self.add_pairs(*pair_texts(body.text_1, body.text_2), ("text_1", "text_2"), one_first)
 
     def response(self, finals: dict) -> dict:
-        data = [{"index": i, "object": "score", "score": finals[rid].outputs.score}
-                for i, rid in enumerate(self.engine_ids)]
-        return {"id": self.id, "object": "list", "created": self.created, "model": self.model, "data": data,
-                "usage": self.usage()}
+        return self.listing([{"index": i, "object": "score", "score": finals[rid].outputs.score}
+                             for i, rid in enumerate(self.engine_ids)])
 
 
 class _Rerank(PooledInputs):
