@@ -143,6 +143,26 @@ class StructuredOutputsConfig(_Section):
         return value
 
 
+class LoRAConfig(_Section):
+    """Serving LoRA adapters beside the base model (vLLM's names and defaults)."""
+
+    enable_lora: bool = False
+    #: Adapters the running requests may use at once (each holds a slot of every linear layer).
+    max_loras: int = Field(default=1, ge=1)
+    #: The largest adapter rank the slots take.
+    max_lora_rank: int = Field(default=16, ge=1)
+    #: Adapters kept read in host memory (None: ``max_loras``); more are read again when used.
+    max_cpu_loras: Optional[int] = Field(default=None, ge=1)
+
+    @field_validator("max_cpu_loras")
+    @classmethod
+    def _at_least_max_loras(cls, value, info):
+        loras = info.data.get("max_loras", 1)
+        if value is not None and value < loras:
+            raise ValueError(f"must be at least max_loras ({loras})")
+        return value
+
+
 class EngineConfig(BaseModel):
     """The whole engine configuration, by section."""
 
@@ -154,11 +174,13 @@ class EngineConfig(BaseModel):
     device: DeviceConfig = DeviceConfig()
     parallel: ParallelConfig = ParallelConfig()
     structured_outputs: StructuredOutputsConfig = StructuredOutputsConfig()
+    lora: LoRAConfig = LoRAConfig()
 
 
 _SECTIONS = {
     "model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
     "device": DeviceConfig, "parallel": ParallelConfig, "structured_outputs": StructuredOutputsConfig,
+    "lora": LoRAConfig,
 }
 _FIELD_SECTION = {name: section for section, cls in _SECTIONS.items() for name in cls.model_fields}
 

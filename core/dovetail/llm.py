@@ -12,6 +12,7 @@ from dovetail.config import EngineArgs
 from dovetail.engine.frozen_heap import frozen_heap
 from dovetail.engine.llm_engine import LLMEngine, PromptType
 from dovetail.errors import RequestError
+from dovetail.lora.request import LoRARequest
 from dovetail.outputs import (ClassificationRequestOutput, EmbeddingRequestOutput, RequestOutput,
                               ScoringRequestOutput)
 from dovetail.pooling import PoolingParams, pair_texts
@@ -62,20 +63,29 @@ class LLM:
 
     def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: list[int] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Generate for each prompt; outputs come back in input order.
 
         A prompt is a string, ``{"prompt_token_ids": [...]}`` or ``{"prompt": "..."}``.
-        ``sampling_params`` is one :class:`SamplingParams` for all prompts or one per prompt.
+        ``sampling_params`` is one :class:`SamplingParams` for all prompts or one per prompt, and so is
+        ``lora_request`` (an engine with ``enable_lora=True``; None: the base model).
         """
         prompts = self._prompt_list(prompts)
         params = self._final_only(self._params_list(sampling_params, len(prompts)))
         if priority is not None and len(priority) != len(prompts):
             raise RequestError(f"priority: got {len(priority)} priorities for {len(prompts)} prompts", field="priority")
-        return self._add_all(self._tokenized(prompts), params, priority, use_tqdm)
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise RequestError(f"lora_request: got {len(loras)} for {len(prompts)} prompts",
+                                   field="lora_request")
+        return self._add_all(self._tokenized(prompts), params, priority, use_tqdm, loras)
 
     def _add_all(self, prompts: list[PromptType], params: list, priority: list[int] | None,
-                 use_tqdm: bool) -> list:
+                 use_tqdm: bool, loras: list[LoRARequest | None] | None = None) -> list:
         """Queue every prompt with its parameters, then run the engine until all of them finished."""
         engine = self.llm_engine
         ids = []
@@ -86,7 +96,8 @@ class LLM:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
                 rid = f"llm-{self._counter}"
                 self._counter += 1
-                engine.add_request(rid, prompt, p, priority=priority[i] if priority else 0)
+                engine.add_request(rid, prompt, p, priority=priority[i] if priority else 0,
+                                   lora_request=loras[i] if loras else None)
                 ids.append(rid)
         except Exception:
             engine.abort_request(ids)
@@ -139,7 +150,8 @@ class LLM:
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, chat_template: str | None = None,
              add_generation_prompt: bool = True, tools: list[dict] | None = None,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, through the tokenizer's chat template
         (which also receives ``tools`` and the variables of ``chat_template_kwargs``)."""
         tokenizer = self.llm_engine.tokenizer
@@ -157,7 +169,7 @@ class LLM:
             if isinstance(ids, dict) or hasattr(ids, "input_ids"):
                 ids = ids["input_ids"]
             prompts.append({"prompt_token_ids": list(ids)})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def _pooled_prompts(self, prompts: list[PromptType], params: list[PoolingParams]) -> list[PromptType]:
         """The prompts, tokenised together unless a request truncates its prompt (the engine tokenises those

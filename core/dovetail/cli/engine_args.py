@@ -88,6 +88,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser, model_positional: bool
                    help='a pooling model\'s pooling and normalisation, e.g. \'{"pooling_type": "MEAN", '
                         '"normalize": false}\' (pooling_type LAST, MEAN or CLS; default: the checkpoint\'s '
                         'sentence-transformers settings, else LAST, normalised)')
+    g.add_argument("--enable-lora", action="store_true", default=None,
+                   help="serve LoRA adapters beside the model (LLM.generate(lora_request=...), --lora-modules)")
+    g.add_argument("--max-loras", type=int, default=None, metavar="N",
+                   help="adapters running requests may use at once (default 1)")
+    g.add_argument("--max-lora-rank", type=int, default=None, metavar="R", help="the largest adapter rank (default 16)")
+    g.add_argument("--max-cpu-loras", type=int, default=None, metavar="N",
+                   help="adapters kept read in host memory (default: --max-loras)")
     g.add_argument("--reasoning-parser", default=None, choices=reasoning_parser_names(),
                    help="how the model's reasoning is delimited: qwen3, deepseek_r1 (structured outputs apply "
                         "after it; the server returns it as reasoning_content)")
@@ -101,6 +108,7 @@ ENGINE_KEYS = (
     "cudagraph_capture_sizes", "max_cudagraph_capture_size", "cpu_threads", "tensor_parallel_size",
     "distributed_executor_backend", "enable_dbo", "dbo_prefill_token_threshold", "reasoning_parser",
     "generation_config", "override_generation_config", "runner", "pooler_config",
+    "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras",
 )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import json
 import os
 
 from dovetail.cli.engine_args import add_engine_arguments, engine_kwargs
@@ -40,6 +41,9 @@ def add_parser(sub) -> None:
     s.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
                    help="the Jinja chat template for /v1/chat/completions, in place of the tokenizer's: a file, or "
                         "the template itself")
+    s.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="LoRA adapters served as models of their own (needs --enable-lora): NAME=PATH, or JSON "
+                        '\'{"name": NAME, "path": PATH}\'')
     s.add_argument("--uvicorn-log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug", "trace"))
     s.add_argument("--disable-uvicorn-access-log", action="store_true", help="do not log each HTTP request")
@@ -69,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
 
     model = args.model or default_model()
     names = args.served_model_name or [args.model or "bundled-model"]
+    lora_modules = parse_lora_modules(args.lora_modules, bool(args.enable_lora), names)  # before the model loads
     kwargs = engine_kwargs(args)
     if args.max_waiting_requests is not None:
         kwargs["max_waiting_requests"] = args.max_waiting_requests
@@ -78,9 +83,43 @@ def run(args: argparse.Namespace) -> int:
                               max_sequences_per_request=args.max_sequences_per_request,
                               allowed_hosts=allowed_hosts(args.allowed_hosts, args.host, api_key),
                               tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
-                              chat_template=chat_template)
+                              chat_template=chat_template, lora_modules=lora_modules)
     return serve(model, kwargs, settings, host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout,
                  uvicorn_log_level=args.uvicorn_log_level, access_log=not args.disable_uvicorn_access_log)
+
+
+def parse_lora_modules(items: list[str] | None, enabled: bool, served_names: list[str]) -> dict:
+    """``--lora-modules`` as served name -> :class:`~dovetail.lora.LoRARequest` (ids from 1 in order), each
+    adapter's configuration checked; one line naming the flag for what is wrong."""
+    from dovetail.errors import ConfigError, RequestError
+    from dovetail.lora.adapter import read_config
+    from dovetail.lora.request import LoRARequest
+
+    if not items:
+        return {}
+    if not enabled:
+        raise ConfigError("--lora-modules: needs --enable-lora")
+    modules = {}
+    for item in items:
+        if item.lstrip().startswith("{"):
+            try:
+                value = json.loads(item)
+                name, path = value["name"], value["path"]
+            except (ValueError, KeyError, TypeError):
+                raise ConfigError(f"--lora-modules: {item!r} is not a JSON object with 'name' and 'path'") from None
+        else:
+            name, sep, path = item.partition("=")
+            if not sep or not name or not path:
+                raise ConfigError(f"--lora-modules: {item!r} is not NAME=PATH")
+        if name in modules or name in served_names:
+            raise ConfigError(f"--lora-modules: the name {name!r} is given twice (adapters and the model are "
+                              "served under distinct names)")
+        try:
+            read_config(path)
+            modules[name] = LoRARequest(name, len(modules) + 1, path)
+        except RequestError as exc:
+            raise ConfigError(f"--lora-modules: {name}: {str(exc).removeprefix('lora_request: ')}") from None
+    return modules
 
 
 #: The names a browser on this machine uses for a server listening on loopback.

@@ -21,11 +21,12 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Sequence
+from typing import Any, AsyncIterator, Callable, Optional, Sequence
 
 from dovetail.engine.frozen_heap import frozen_heap
 from dovetail.engine.llm_engine import LLMEngine, PromptType
 from dovetail.errors import DovetailError, WorkerError
+from dovetail.lora.request import LoRARequest
 from dovetail.outputs import RequestOutput
 from dovetail.pooling import PoolingParams
 from dovetail.sampling_params import SamplingParams
@@ -47,12 +48,13 @@ class EngineStoppedError(DovetailError):
 
 @dataclass
 class NewRequest:
-    """One prompt to add: its id, prompt and parameters."""
+    """One prompt to add: its id, prompt and parameters, and the LoRA adapter it runs with (None: none)."""
 
     request_id: str
     prompt: PromptType
     params: SamplingParams | PoolingParams
     priority: int = 0
+    lora_request: Optional[LoRARequest] = None
 
 
 @dataclass
@@ -206,7 +208,7 @@ class AsyncLLMEngine:
             try:
                 for r in requests:
                     engine.add_request(r.request_id, r.prompt, r.params, priority=r.priority,
-                                       arrival_time=arrival)
+                                       arrival_time=arrival, lora_request=r.lora_request)
                     added.append(r.request_id)
             except BaseException:
                 engine.abort_request(added)

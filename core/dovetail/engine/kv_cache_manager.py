@@ -1,7 +1,9 @@
 """Per-request block tables over the block pool, with prefix caching by chained block keys.
 
 A full block's key is ``(parent key hash, its tokens)``: equal keys mean equal
-tokens from the start of the sequence, so a hit can reuse the cached KV.
+tokens from the start of the sequence, so a hit can reuse the cached KV. The
+first block's parent is the request's LoRA adapter id (None: the base model), as
+an adapter computes other keys and values from the same tokens.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ class KVCacheManager:
         tokens = request.all_token_ids
         while len(keys) < num_full_blocks:
             i = len(keys)
-            parent = hash(keys[-1]) if keys else None
+            parent = hash(keys[-1]) if keys else (request.lora_request.lora_int_id if request.lora_request else None)
             keys.append((parent, tuple(tokens[i * bs:(i + 1) * bs])))
         return keys[:num_full_blocks]
 

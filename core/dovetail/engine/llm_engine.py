@@ -35,6 +35,8 @@ from dovetail.engine.structured_output import StructuredOutputManager
 from dovetail.engine.worker import WorkerSpec, attention_requirements, check_heads_divide
 from dovetail.errors import ConfigError, RequestError, WorkerError
 from dovetail.executor import create_executor, executor_backend, start_processes_early
+from dovetail.lora.registry import AdapterRegistry
+from dovetail.lora.request import LoRARequest
 from dovetail import generation_defaults, model_loader, pooling
 from dovetail.outputs import PoolingRequestOutput, RequestOutput
 from dovetail.pooling import PoolingParams
@@ -139,6 +141,8 @@ class LLMEngine:
                                                          manager)
         if self.is_pooling:
             self._configure_pooling()
+            if config.lora.enable_lora:
+                raise ConfigError("enable_lora: LoRA adapters run on generating models only (runner='generate')")
         shape = self.model_choice.cls.attention_shape(self.hf_config)
         check_heads_divide(shape, self.world_size)
         spec = WorkerSpec(config, str(self.model_path), self.dtype, self.max_model_len)
@@ -188,6 +192,10 @@ class LLMEngine:
                                                   self.vocab_size, self.eos_token_ids, self.reasoning,
                                                   so.enable_in_reasoning, pin_memory=self._pins_host_memory())
         self._num_constrained = 0  # unfinished user requests with structured outputs
+        lora = config.lora
+        #: The LoRA adapters the workers hold (None: LoRA is off).
+        self.loras = (AdapterRegistry(self.executor.collective_rpc, lora.max_cpu_loras or lora.max_loras)
+                      if lora.enable_lora else None)
         self._parents: dict[str, _Parent] = {}
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -349,9 +357,10 @@ class LLMEngine:
 
     def add_request(self, request_id: str | None, prompt: PromptType,
                     params: SamplingParams | PoolingParams | None = None,
-                    priority: int = 0, arrival_time: float | None = None) -> str:
-        """Queue a request (:class:`PoolingParams` for a pooling model); raise :class:`RequestError` if it
-        can never run."""
+                    priority: int = 0, arrival_time: float | None = None,
+                    lora_request: LoRARequest | None = None) -> str:
+        """Queue a request (:class:`PoolingParams` for a pooling model), with a LoRA adapter when
+        ``lora_request`` is set; raise :class:`RequestError` if it can never run."""
         if params is None:
             params = PoolingParams() if self.is_pooling else SamplingParams(**self.default_sampling)
         self._check_runner(params)
@@ -365,6 +374,7 @@ class LLMEngine:
         text, ids = self.prompt_ids(prompt, bounded=not truncates)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         if self.is_pooling:
+            self._check_lora(lora_request)  # refused: no pooling model serves adapters
             ids = params.truncated(ids, self.max_model_len)
             self.validate_pooling_request(ids, params)
             request = Request(request_id, text, ids, POOLING_ROW, self.eos_token_ids, arrival, priority)
@@ -374,6 +384,7 @@ class LLMEngine:
             self.scheduler.add(request)
             return request_id
         self.validate_request(ids, params)
+        self._check_lora(lora_request)
         grammar = self._grammar(params)
         children = []
         for i in range(params.n):
@@ -383,6 +394,7 @@ class LLMEngine:
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
             child = Request(child_id, text, ids, child_params, self.eos_token_ids, arrival, priority,
                             parent_id=request_id, index=i)
+            child.lora_request = lora_request
             self.outputs.attach(child)
             if grammar is not None:
                 self.structured.attach(child, grammar)
@@ -393,6 +405,19 @@ class LLMEngine:
             self._requests[child.request_id] = child
             self.scheduler.add(child)
         return request_id
+
+    def _check_lora(self, lora_request: LoRARequest | None) -> None:
+        """Have the workers hold the request's adapter, or refuse the request naming ``lora_request``."""
+        if lora_request is None:
+            return
+        if not isinstance(lora_request, LoRARequest):
+            raise RequestError(f"lora_request: expected a LoRARequest, got {type(lora_request).__name__}",
+                               field="lora_request")
+        if self.loras is None:
+            raise RequestError("lora_request: LoRA adapters are not enabled; start the engine with "
+                               "enable_lora=True (--enable-lora)", field="lora_request")
+        self.loras.ensure(lora_request, {r.lora_request.lora_int_id for r in self._requests.values()
+                                         if r.lora_request is not None})
 
     def _grammar(self, params: SamplingParams):
         """The compiled grammar (a future) of a constrained request, else None."""
@@ -510,7 +535,8 @@ class LLMEngine:
                 if req.num_pending:
                     raise RuntimeError(f"request {req.request_id} is sent to the workers with tokens pending")
                 new_requests.append(NewRequestData(req.request_id, req.prompt_token_ids, req.output_token_ids[:],
-                                                   req.params, self._eos_frozen, blocks[:], req.num_computed_tokens))
+                                                   req.params, self._eos_frozen, blocks[:], req.num_computed_tokens,
+                                                   req.lora_request))
                 req.on_workers = True
                 req.num_sent_blocks = len(blocks)
             elif len(blocks) > req.num_sent_blocks:

@@ -36,6 +36,7 @@ from dovetail.engine.scheduler import ScheduledBatch
 from dovetail.engine.sharded_logits import ShardedLogits
 from dovetail.forward_context import set_forward_context
 from dovetail.layers.attention import Attention
+from dovetail.lora.context import lora_slots, slot_mask_of
 from dovetail.platform import DeviceGraph, Platform
 
 if TYPE_CHECKING:
@@ -141,8 +142,10 @@ class ModelRunner:
                  dtype: torch.dtype, kv_cache_dtype: str, device: torch.device, *, max_num_seqs: int = 256,
                  max_model_len: int | None = None, enforce_eager: bool = False,
                  cudagraph_capture_sizes: list[int] | None = None, max_cudagraph_capture_size: int | None = None,
-                 micro_batch_tokens: int | None = None, pooler: Pooler | None = None):
+                 micro_batch_tokens: int | None = None, pooler: Pooler | None = None, lora_slots: int = 0):
         self.model = model
+        #: LoRA slots of the model's layers (0: no LoRA): each step tells them each token's slot.
+        self.lora_slots = lora_slots
         #: Set for a pooling model: steps return pooled hidden states, never logits, and run no graphs.
         self.pooler = pooler
         #: The LM head whose vocabulary shards greedy steps sample from (None: whole logits).
@@ -184,6 +187,8 @@ class ModelRunner:
             reason = f"{type(self.model).__name__} has no forward_steps"
         elif not self.metadata_builder.independent_builds:
             reason = f"the {self.backend.name} attention backend plans one step at a time"
+        elif self.lora_slots:
+            reason = "LoRA adapters are enabled"
         if reason is not None:
             logger.info("dual-batch overlap off: %s", reason)
             return None
@@ -258,10 +263,19 @@ class ModelRunner:
 
     # -- the step ------------------------------------------------------------------------
 
-    def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBatch) -> torch.Tensor:
+    def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBatch,
+                  lora_mask: torch.Tensor | None = None) -> torch.Tensor:
         metadata = self.metadata_builder.build(attn)
-        with set_forward_context(metadata):
+        with set_forward_context(metadata), lora_slots(lora_mask):
             return self.model(input_ids, positions)
+
+    def lora_mask(self, slots: list[int], repeats: list[int] | None = None) -> torch.Tensor | None:
+        """The one-hot LoRA slot mask of the rows of requests in ``slots`` (-1: none), each repeated ``repeats``
+        times (None: once); None without LoRA."""
+        if not self.lora_slots:
+            return None
+        per_row = np.repeat(np.asarray(slots, dtype=np.int64), repeats if repeats is not None else 1)
+        return slot_mask_of(to_device(torch.from_numpy(per_row), self.device), self.lora_slots, self.dtype)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, block_tables: list[list[int]],
@@ -274,7 +288,8 @@ class ModelRunner:
         if split is None:
             input_ids, positions, attn = self.prepare(batch, block_tables)
             fill_pending(input_ids, pending_inputs(batch), prev_tokens)
-            hidden = self.run_model(input_ids, positions, attn)
+            mask = self.lora_mask([r.lora_slot for r in batch.requests], batch.num_new_tokens)
+            hidden = self.run_model(input_ids, positions, attn, mask)
         else:
             hidden = self.run_micro_batches(batch, block_tables, prev_tokens, split)
         if self.pooler is not None:
@@ -356,7 +371,7 @@ class ModelRunner:
         pos = torch.arange(per_seq, device=self.device).repeat(num_seqs)
         self.platform.synchronize()
         self.platform.reset_peak_memory_stats()
-        hidden = self.run_model(ids, pos, attn)
+        hidden = self.run_model(ids, pos, attn, self.lora_mask([-1] * tokens))
         if self.pooler is None:  # a pooling model computes no logits
             last = torch.arange(num_seqs, device=self.device) * per_seq + per_seq - 1
             logits = self.model.compute_logits(
@@ -403,6 +418,9 @@ class DecodeGraphs:
         self.logits: torch.Tensor | None = None  # every graph's output: the logits of its rows
         self.head = runner.sharded_head
         self.greedy = torch.zeros(n_max, dtype=torch.long, device=dev) if self.head is not None else None
+        #: Each row's one-hot LoRA slot (rows of no adapter and padding rows: all 0), with LoRA.
+        self.lora_mask = (torch.zeros((n_max, runner.lora_slots), dtype=runner.dtype, device=dev)
+                          if runner.lora_slots else None)
         pool = runner.platform.graph_pool()
         for size in reversed(sizes):  # largest first: the smaller graphs reuse its memory
             metadata = runner.metadata_builder.build_for_graph(self._load([], [], size), size)
@@ -411,7 +429,8 @@ class DecodeGraphs:
 
             def logits_of(size=size, metadata=metadata, input_ids=input_ids, positions=positions):
                 torch.add(positions, 1, out=self.seq_lens[:size])
-                with set_forward_context(metadata):
+                mask = self.lora_mask[:size] if self.lora_mask is not None else None
+                with set_forward_context(metadata), lora_slots(mask):
                     return runner.sample_logits(runner.model(input_ids, positions))
 
             warm = logits_of()  # warm-up: lazy initialisation and autotuning happen outside the capture
@@ -446,6 +465,9 @@ class DecodeGraphs:
         n = len(batch.requests)
         size = next(s for s in self.sizes if s >= n)
         attn = self._load(batch.requests, block_tables, size, pending_inputs(batch), prev_tokens)
+        if self.lora_mask is not None:
+            slots = [r.lora_slot for r in batch.requests] + [-1] * (size - n)
+            self.lora_mask[:size].copy_(self.runner.lora_mask(slots))
         self.runner.metadata_builder.build_for_graph(attn, size)
         self.graphs[size].replay()
         if self.head is not None:

@@ -85,6 +85,8 @@ class Request(SequenceTokens):
         self.grammar = None
         #: An embedding request's :class:`dovetail.pooling.PoolingParams` (a pooling model's), else None.
         self.pooling_params = None
+        #: The :class:`dovetail.lora.LoRARequest` it runs with, else None (the base model).
+        self.lora_request = None
 
     @property
     def is_finished(self) -> bool:

@@ -4,7 +4,8 @@ Each step spends a token budget (``max_num_batched_tokens``) on at most
 ``max_num_seqs`` sequences: running decodes first, then running prefills that
 were chunked, then waiting requests in priority order (chunked to fit when
 ``enable_chunked_prefill``), passing over those whose grammar is still
-compiling. When blocks run out, the lowest-priority running request is
+compiling and those whose LoRA adapter would be one more than ``max_loras``
+among the running requests. When blocks run out, the lowest-priority running request is
 preempted: its blocks are freed and it is recomputed later, keeping the tokens
 it already generated.
 
@@ -94,6 +95,7 @@ class Scheduler:
         self.token_budget = sched.max_num_batched_tokens
         self.chunked = sched.enable_chunked_prefill
         self.by_priority = sched.scheduling_policy == "priority"
+        self.max_loras = config.lora.max_loras if config.lora.enable_lora else None
         self.waiting = WaitingQueue()
         #: Running requests in the order they were scheduled (a dict used as an ordered set).
         self.running: dict[Request, None] = {}
@@ -168,11 +170,16 @@ class Scheduler:
         if batch.preempted:
             return self._ordered(batch)
         now = time.monotonic()
+        adapters = self._running_adapters() if self.max_loras else None
         index = 0
         while index < len(self.waiting) and budget[0] > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[index]
             if request.grammar is not None and not request.grammar.ready:
                 index += 1  # its grammar is still compiling: the requests behind it go first
+                continue
+            lora = request.lora_request.lora_int_id if request.lora_request is not None else None
+            if lora is not None and lora not in adapters and len(adapters) >= self.max_loras:
+                index += 1  # every LoRA slot is taken by running requests' adapters
                 continue
             cached = self.kv.find_cached_prefix(request)
             num_cached = len(cached) * self.kv.block_size
@@ -191,10 +198,15 @@ class Scheduler:
             if request.metrics.first_scheduled_time is None:
                 request.metrics.first_scheduled_time = now
             self.running[request] = None
+            if lora is not None:
+                adapters.add(lora)
             batch.requests.append(request)
             batch.num_new_tokens.append(num_new)
             budget[0] -= num_new
         return self._ordered(batch)
+
+    def _running_adapters(self) -> set[int]:
+        return {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
 
     @staticmethod
     def _ordered(batch: ScheduledBatch) -> ScheduledBatch:

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from dovetail.device_copy import to_device, values_to_device
+from dovetail.lora.request import LoRARequest
 from dovetail.sampling_params import SamplingParams
 
 #: Per sampled row: (the sampled token's logprob, its rank, the top ``logprobs`` as ``(token, logprob)``).
@@ -41,6 +42,8 @@ class NewRequestData:
     block_ids: list[int]
     #: Tokens whose KV is already in the cache (prefix-cache hits).
     num_computed_tokens: int
+    #: The LoRA adapter the request runs with (added to the workers before), else None.
+    lora_request: Optional[LoRARequest] = None
 
 
 @dataclass

@@ -36,6 +36,8 @@ from dovetail.engine.step_timeline import StepTimeline
 from dovetail.engine.sharded_logits import ShardedLogits
 from dovetail.engine.step import EMPTY_OUTPUT, StepDescription, StepOutput, apply_token_bitmask
 from dovetail.errors import ConfigError
+from dovetail.lora.model_lora import ModelLoRA
+from dovetail.lora.request import LoRARequest
 from dovetail.model_interface import ModelContext
 from dovetail.plugin_manager import get_plugin_manager
 from dovetail.platform import ALLOCATOR_COUNTS, HostCopy, Platform
@@ -156,6 +158,10 @@ class Worker:
         self.ops = platform.fused_ops()
         laps.mark("model_config_s")
         self.model = self._build_model(path, laps)
+        lora = config.lora
+        #: The model's LoRA slots and adapters (None: LoRA is off).
+        self.lora = (ModelLoRA(self.model, lora.max_loras, lora.max_lora_rank, spec.dtype, self.device)
+                     if lora.enable_lora else None)
         self.vocab_size = int(self.hf_config.vocab_size)
         self.runner = ModelRunner(self.model, platform, self.attention_backend, config.cache.block_size,
                                   spec.dtype, config.cache.kv_cache_dtype, self.device,
@@ -166,7 +172,8 @@ class Worker:
                                   micro_batch_tokens=(config.parallel.dbo_prefill_token_threshold
                                                       if config.parallel.enable_dbo else None),
                                   pooler=(Pooler(config.model.pooler_config["pooling_type"]) if self.is_pooling
-                                          else None))
+                                          else None),
+                                  lora_slots=lora.max_loras if lora.enable_lora else 0)
         self.requests: dict[str, RequestState] = {}
         self._launched: collections.deque[_Launched] = collections.deque()
         self._last_tokens: torch.Tensor | None = None
@@ -250,7 +257,9 @@ class Worker:
         for request_id in step.finished_request_ids:
             requests.pop(request_id, None)
         for data in step.new_requests:
-            requests[data.request_id] = RequestState(data)
+            state = requests[data.request_id] = RequestState(data)
+            if state.lora_id:
+                state.lora_slot = self.lora.activate(state.lora_id, {r.lora_id for r in requests.values()})
         for request_id, blocks in step.new_block_ids.items():
             requests[request_id].block_ids.extend(blocks)
         states = [requests[r] for r in step.request_ids]
@@ -338,6 +347,17 @@ class Worker:
         executor sends a step with the call for the output of the one before, one Ray call a step."""
         self.execute_model(step)
         return self.take_output()
+
+    def add_lora(self, request: LoRARequest) -> str | None:
+        """Read an adapter for later requests; the reason it cannot run, else None."""
+        if self.lora is None:
+            return "lora_request: LoRA is not enabled (enable_lora=True, --enable-lora)"
+        return self.lora.add(request)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        """Forget an adapter that no request uses (its slot is reused when needed)."""
+        if self.lora is not None:
+            self.lora.remove(lora_int_id)
 
     def reset(self) -> None:
         """Forget every request and launched step (after a failed step, whose requests the engine aborts)."""

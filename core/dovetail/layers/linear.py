@@ -71,6 +71,8 @@ class Linear(nn.Module):
             self.bias.output_dim = 0
         else:
             self.register_parameter("bias", None)
+        #: The LoRA slots (:class:`dovetail.lora.layer.LinearLoRA`) of an engine serving adapters, else None.
+        self.lora = None
 
     def _local(self, size: int, part: Part, what: str) -> int:
         if part.whole:
@@ -78,12 +80,13 @@ class Linear(nn.Module):
         return divide(size, f"layer {self.prefix}: {what}", part.count)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.method.apply(self, x, self.bias)
+        out = self.method.apply(self, x, self.bias)
+        return out if self.lora is None else self.lora.add_to(x, out)
 
     def forward_gated(self, x: torch.Tensor, activation: nn.Module) -> torch.Tensor:
         """``activation(self(x))`` for a gated activation over this merged ``[gate | up]`` layer: one kernel
         where the quantization method has one for the activation's ``name``, else the two steps."""
-        name = getattr(activation, "name", None)
+        name = getattr(activation, "name", None) if self.lora is None else None
         fused = self.method.apply_gated(self, x, self.bias, name) if name else None
         return activation(self.forward(x)) if fused is None else fused
 
@@ -193,6 +196,8 @@ class RowParallelLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.method.apply(self, x, self.bias if self.adds_bias else None)
+        if self.lora is not None:  # this rank's part of the update: the all-reduce sums it with the others'
+            out = self.lora.add_to(x, out)
         return all_reduce(out) if self.reduce_results else out
 
 

@@ -120,6 +120,15 @@ class WeightMapper:
             return {f"{match['module']}.{param}"}
         return None
 
+    def linear_target(self, name: str) -> tuple[Linear, int | None] | None:
+        """The linear layer that checkpoint tensor ``name`` (renamed as when loading) fills, and its merged part
+        (None: the whole layer); None when no linear layer takes it."""
+        for pattern, replacement in self.rename:
+            name = pattern.sub(replacement, name)
+        target, shard = self._target(name)
+        module = self.params[target][0] if target is not None else None
+        return (module, shard) if isinstance(module, Linear) else None
+
     def _target(self, name: str) -> tuple[str | None, int | None]:
         for param_part, ckpt_part, shard in self.stacked:
             if ckpt_part in name:

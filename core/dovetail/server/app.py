@@ -24,9 +24,15 @@ from dovetail.server.tokens import detokenize, tokenize
 
 
 def _model_card(state: ServerState, name: str) -> dict:
+    """A served name's card; an adapter's names the base model as its ``parent`` and its folder as ``root``."""
+    lora = state.lora_for(name)
     return {"id": name, "object": "model", "created": state.created, "owned_by": "dovetail",
-            "root": state.model_path, "parent": None, "max_model_len": state.max_model_len,
-            "vocab_size": state.vocab_size}
+            "root": lora.lora_path if lora else state.model_path, "parent": state.model_name if lora else None,
+            "max_model_len": state.max_model_len, "vocab_size": state.vocab_size}
+
+
+def _served_names(state: ServerState) -> list[str]:
+    return [*state.settings.served_model_names, *state.settings.lora_modules]
 
 
 async def health(request: Request) -> Response:
@@ -60,12 +66,12 @@ async def stop_profile(request: Request) -> dict:
 
 async def list_models(request: Request) -> dict:
     state: ServerState = request.app.state.server
-    return {"object": "list", "data": [_model_card(state, n) for n in state.settings.served_model_names]}
+    return {"object": "list", "data": [_model_card(state, n) for n in _served_names(state)]}
 
 
 async def retrieve_model(model: str, request: Request) -> dict:
     state: ServerState = request.app.state.server
-    if model not in state.settings.served_model_names:
+    if model not in _served_names(state):
         raise APIError(404, f"model: {model!r} does not exist", param="model", code="model_not_found")
     return _model_card(state, model)
 

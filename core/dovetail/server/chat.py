@@ -58,7 +58,7 @@ class _Chat:
         params = body.sampling_params(max_tokens, self.top_logprobs, structured_outputs=self.structured_outputs,
                                       defaults=self.state.default_sampling)
         prompt = {"prompt_token_ids": self.prompt_ids, "prompt": self.prompt_text}
-        return [NewRequest(self.id, prompt, params)]
+        return [NewRequest(self.id, prompt, params, lora_request=self.state.lora_for(self.model))]
 
     def decode(self, token_id: int) -> str:
         return self.state.tokenizer.decode([token_id])

@@ -74,7 +74,7 @@ class _Completion:
             params = body.sampling_params(max_tokens, body.logprobs, prompt_logprobs,
                                           structured_outputs=self.structured_outputs, defaults=state.default_sampling)
             engine_prompt = {"prompt_token_ids": prompt.ids, "prompt": prompt.text}
-            requests.append(NewRequest(rid, engine_prompt, params))
+            requests.append(NewRequest(rid, engine_prompt, params, lora_request=state.lora_for(self.model)))
         return requests
 
     # -- formatting ---------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from typing import Any, Callable, Optional
 from dovetail.engine.async_engine import AsyncLLMEngine
 from dovetail.engine.prompt_tokenizer import PromptTokenizer
 from dovetail.errors import RequestError
+from dovetail.lora.request import LoRARequest
 from dovetail.server.errors import APIError
 from dovetail.server.metrics import ServerMetrics
 
@@ -37,6 +38,8 @@ class ServerSettings:
     tool_call_parser: Optional[str] = None
     #: The chat template used in place of the tokenizer's (``--chat-template``), or None.
     chat_template: Optional[str] = None
+    #: LoRA adapters served as models of their own (``--lora-modules``), by name.
+    lora_modules: dict[str, LoRARequest] = field(default_factory=dict)
 
 
 @dataclass
@@ -76,11 +79,15 @@ class ServerState:
         """The served name the response reports; 404 for a model this server does not serve."""
         if requested is None or requested == "":
             return self.model_name
-        if requested not in self.settings.served_model_names:
-            names = ", ".join(repr(n) for n in self.settings.served_model_names)
+        if requested not in self.settings.served_model_names and requested not in self.settings.lora_modules:
+            names = ", ".join(repr(n) for n in [*self.settings.served_model_names, *self.settings.lora_modules])
             raise APIError(404, f"model: {requested!r} does not exist; this server serves {names}",
                            param="model", code="model_not_found")
         return requested
+
+    def lora_for(self, model: str) -> Optional[LoRARequest]:
+        """The adapter a request for the served name ``model`` runs with (None: the base model)."""
+        return self.settings.lora_modules.get(model)
 
     def require_tokenizer(self, field_name: str) -> Any:
         if self.tokenizer is None:
