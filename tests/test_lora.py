@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import shutil
 
-import httpx
 import pytest
 import torch
 
@@ -16,7 +15,6 @@ import tiny_models
 from dovetail import LLM, SamplingParams
 from dovetail.errors import ConfigError, RequestError
 from dovetail.lora import LoRARequest
-from test_server_cli import ServerProcess
 
 EVERY_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 #: A block of 16 tokens and more (so that prefix caching has full blocks to share), a short one, a long one.
@@ -70,8 +68,8 @@ def generate(llm: LLM, adapters, jobs: list[tuple[int, str | None]]):
     return tiny_models.completions(outputs)
 
 
-def check(llm: LLM, adapters, expected, jobs: list[tuple[int, str | None]]) -> None:
-    tiny_models.check_matches(generate(llm, adapters, jobs), [expected[job] for job in jobs])
+def check(llm: LLM, adapters, expected, jobs: list[tuple[int, str | None]], tol: float = 1e-4) -> None:
+    tiny_models.check_matches(generate(llm, adapters, jobs), [expected[job] for job in jobs], tol)
 
 
 #: Every prompt with every adapter and without, interleaved; the same prompt under several adapters shares
@@ -127,6 +125,18 @@ def test_two_ranks_match_peft_and_survive_a_broken_adapter(tiny_llama_dir, adapt
         llm.llm_engine.shutdown()
 
 
+@pytest.mark.gpu
+def test_cuda_decode_graphs_replay_each_rows_adapter(tiny_llama_dir, adapters, expected):
+    llm = LLM(str(tiny_llama_dir), max_loras=2, max_lora_rank=8, max_num_batched_tokens=32,
+              gpu_memory_utilization=0.3, **dict(COMMON, device="cuda"))
+    try:
+        assert llm.llm_engine.runner.graphs is not None
+        check(llm, adapters, expected, MIXED, tol=1e-3)
+        check(llm, adapters, expected, MIXED[::-1], tol=1e-3)
+    finally:
+        llm.llm_engine.shutdown()
+
+
 def _copy_with_config(source: str, path, lora_int_id: int, **changes) -> LoRARequest:
     shutil.copytree(source, path)
     config = json.loads((path / "adapter_config.json").read_text())
@@ -171,7 +181,10 @@ def test_configurations_that_cannot_serve_adapters(tiny_llama_dir, adapters, tmp
 
 
 def test_the_server_serves_adapters_as_models(tiny_llama_dir, adapters, expected):
+    import httpx
     from transformers import AutoTokenizer
+
+    from test_server_cli import ServerProcess
 
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_llama_dir))
     some = adapters["some"][0]

@@ -7,7 +7,8 @@ request's arrival). ``--prompt TEXT`` gives every request that text instead of
 random token ids, so that queueing includes tokenising. ``--structured-output
 json`` adds the same run under a JSON schema (:mod:`dovetail.bench.structured`). ``--step-stats`` adds
 where the timed run's wall time went, by kind of step, and the decode steps that stalled
-(:mod:`dovetail.bench.step_stats`).
+(:mod:`dovetail.bench.step_stats`). ``--lora-adapters K`` runs every request with one of ``K`` random LoRA
+adapters (round robin; rank ``--max-lora-rank``, every projection), to measure serving adapters.
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ def add_parser(sub) -> None:
     p.add_argument("--structured-output", choices=("json",), default=None,
                    help="run the requests again, each under one JSON schema, and report both runs, their ratio "
                         "and the grammar's compile time (a named shape gets a synthetic tokenizer)")
+    p.add_argument("--lora-adapters", type=int, default=0, metavar="K",
+                   help="every request runs with one of K random LoRA adapters of rank --max-lora-rank on every "
+                        "projection (needs --enable-lora; --max-loras K puts them all in one batch)")
     p.add_argument("--step-stats", action="store_true",
                    help="report the timed run's wall time by kind of step: prefill, and decode-only steps by "
                         "their number of sequences; and the decode steps that stalled (much longer than their "
@@ -53,6 +57,22 @@ def workload(args, vocab_size: int) -> tuple[list[BenchRequest], tuple[int, int]
     return random_requests(num, in_range, out_range, vocab_size, args.workload_seed), in_range, out_range
 
 
+def _lora_requests(args, engine, num: int) -> list | None:
+    """Each request's adapter, round robin over ``--lora-adapters`` random ones; None without them."""
+    if not args.lora_adapters:
+        return None
+    import tempfile
+
+    from dovetail.bench.lora_adapters import random_adapters
+
+    lora = engine.config.lora
+    if not lora.enable_lora:
+        raise SystemExit("--lora-adapters: needs --enable-lora")
+    directory = tempfile.mkdtemp(prefix="dovetail-bench-lora-")
+    adapters = random_adapters(engine.hf_config, args.lora_adapters, lora.max_lora_rank, directory)
+    return [adapters[i % len(adapters)] for i in range(num)]
+
+
 def run(args) -> int:
     if args.prompt is not None and args.compare_hf:
         raise SystemExit("--prompt: HF runs the random token-id requests; leave out --compare-hf")
@@ -62,14 +82,15 @@ def run(args) -> int:
     requests, in_range, out_range = workload(args, engine.vocab_size)
     num = len(requests)
     prompts, params = greedy_inputs(requests)
+    loras = _lora_requests(args, engine, num)
     if args.prompt is not None:
         llm.generate([args.prompt[::-1]] * 2, params[:2], use_tqdm=False)  # the warm-up, on other text
         prompts = [args.prompt] * num
     else:
-        warm_up(llm, prompts, params)
+        warm_up(llm, prompts, params, loras[:2] if loras else None)
     with profiled(llm, args.profile) as summaries, recorded_steps(engine, args.step_stats) as steps:
         t0, t0_monotonic = time.perf_counter(), time.monotonic()
-        outputs = llm.generate(prompts, params, use_tqdm=False)
+        outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
         elapsed = time.perf_counter() - t0
     enqueue = max(o.metrics.arrival_time for o in outputs) - t0_monotonic
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
@@ -83,7 +104,8 @@ def run(args) -> int:
                      "device": engine.platform.name, "attention_backend": engine.attention_backend.name,
                      "world_size": engine.world_size, "executor": engine.executor_name,
                      "kv_cache_blocks_per_rank": engine.num_blocks, "kv_block_size": engine.config.cache.block_size,
-                     "profile_summaries": summaries, "load_seconds": load_s, "preemptions": engine.scheduler.num_preemptions},
+                     "profile_summaries": summaries, "load_seconds": load_s, "preemptions": engine.scheduler.num_preemptions,
+                     "lora_adapters": args.lora_adapters},
     }
     if args.step_stats:
         result["dovetail"]["step_stats"] = steps

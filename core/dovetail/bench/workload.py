@@ -49,10 +49,11 @@ def greedy_inputs(requests: list[BenchRequest]) -> tuple[list[dict], list]:
     return prompts, params
 
 
-def warm_up(llm, prompts: list[dict], params: list) -> None:
-    """One ``generate`` on the first two prompts reversed, so that the measured prompts are not already in the
-    prefix cache."""
-    llm.generate([{"prompt_token_ids": p["prompt_token_ids"][::-1]} for p in prompts[:2]], params[:2], use_tqdm=False)
+def warm_up(llm, prompts: list[dict], params: list, loras: list | None = None) -> None:
+    """One ``generate`` on the first two prompts reversed (with the first two adapters given), so that the
+    measured prompts are not already in the prefix cache."""
+    llm.generate([{"prompt_token_ids": p["prompt_token_ids"][::-1]} for p in prompts[:2]], params[:2], use_tqdm=False,
+                 lora_request=loras)
 
 
 def parse_range(text: str) -> tuple[int, int]:
