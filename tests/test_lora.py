@@ -40,19 +40,16 @@ def save_adapter(base_dir, path, seed: int, rank: int, targets: list[str], **con
     return model.merge_and_unload().eval()
 
 
-@pytest.fixture(scope="module")
-def adapters(tiny_llama_dir, tmp_path_factory):
+def save_adapters(base_dir, root) -> dict:
     """name -> (LoRARequest, the merged reference model); ``None`` is the base model."""
-    root = tmp_path_factory.mktemp("lora")
-    every = save_adapter(tiny_llama_dir, root / "every", 1, 8, EVERY_LINEAR)
-    some = save_adapter(tiny_llama_dir, root / "some", 2, 4, ["q_proj", "v_proj", "down_proj"], use_rslora=True)
+    every = save_adapter(base_dir, root / "every", 1, 8, EVERY_LINEAR)
+    some = save_adapter(base_dir, root / "some", 2, 4, ["q_proj", "v_proj", "down_proj"], use_rslora=True)
     return {"every": (LoRARequest("every", 1, str(root / "every")), every),
             "some": (LoRARequest("some", 2, str(root / "some")), some),
-            None: (None, tiny_models.load_hf(tiny_llama_dir))}
+            None: (None, tiny_models.load_hf(base_dir))}
 
 
-@pytest.fixture(scope="module")
-def expected(adapters):
+def expected_outputs(adapters) -> dict:
     """(prompt index, adapter name) -> the reference's greedy tokens and top logprobs."""
     table = {}
     for name, (_, model) in adapters.items():
@@ -60,6 +57,16 @@ def expected(adapters):
             tokens, logprobs = tiny_models.hf_greedy(model, prompt, MAX_TOKENS)
             table[i, name] = (tokens, [{t: float(lp[t]) for t in lp.topk(3).indices.tolist()} for lp in logprobs])
     return table
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_llama_dir, tmp_path_factory):
+    return save_adapters(tiny_llama_dir, tmp_path_factory.mktemp("lora"))
+
+
+@pytest.fixture(scope="module")
+def expected(adapters):
+    return expected_outputs(adapters)
 
 
 def generate(llm: LLM, adapters, jobs: list[tuple[int, str | None]]):
@@ -126,15 +133,22 @@ def test_two_ranks_match_peft_and_survive_a_broken_adapter(tiny_llama_dir, adapt
 
 
 @pytest.mark.gpu
-def test_cuda_decode_graphs_replay_each_rows_adapter(tiny_llama_dir, adapters, expected):
-    llm = LLM(str(tiny_llama_dir), max_loras=2, max_lora_rank=8, max_num_batched_tokens=32,
-              gpu_memory_utilization=0.3, **dict(COMMON, device="cuda"))
-    try:
-        assert llm.llm_engine.runner.graphs is not None
-        check(llm, adapters, expected, MIXED, tol=1e-3)
-        check(llm, adapters, expected, MIXED[::-1], tol=1e-3)
-    finally:
+def test_cuda_adapters_match_peft_and_decode_graphs_replay_them(tmp_path):
+    base = tiny_models.save_model(tmp_path / "base", tiny_models.tiny_llama_config(
+        hidden_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=64))  # a head size TRITON takes
+    adapters = save_adapters(base, tmp_path)
+    common = dict(COMMON, device="cuda", max_loras=2, max_lora_rank=8, max_num_batched_tokens=32,
+                  gpu_memory_utilization=0.3)
+    llm = LLM(str(base), **common)  # float32: against PEFT's float32 model
+    check(llm, adapters, expected_outputs(adapters), MIXED, tol=1e-3)
+    llm.llm_engine.shutdown()
+    runs = {}
+    for eager in (True, False):  # bfloat16 on TRITON, whose decode steps replay graphs unless eager
+        llm = LLM(str(base), attention_backend="TRITON", enforce_eager=eager, **dict(common, dtype="bfloat16"))
+        assert (llm.llm_engine.runner.graphs is None) == eager
+        runs[eager] = generate(llm, adapters, MIXED)
         llm.llm_engine.shutdown()
+    tiny_models.check_matches(runs[False], runs[True], tol=1e-3)
 
 
 def _copy_with_config(source: str, path, lora_int_id: int, **changes) -> LoRARequest:
