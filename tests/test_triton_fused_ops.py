@@ -225,3 +225,20 @@ def test_argmax_leaves_other_inputs_to_torch():
 
     assert not argmax.supports(rand(65, 100)) and not argmax.supports(rand(2, 100).t())
     assert torch.equal(TRITON.argmax(rand(65, 100)), rand(65, 100).argmax(dim=-1))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("out_sizes,slots,rank,tokens", [([64], 1, 16, 5), ([128, 64, 64], 4, 16, 37),
+                                                         ([64, 64], 3, 8, 16)])
+def test_lora_expand_matches_torch(out_sizes, slots, rank, tokens, dtype):
+    """LoRA's expand step: each token's own slot (or none) of every merged part, added into the output."""
+    gen = torch.Generator().manual_seed(tokens)
+    shrunk = rand(tokens, len(out_sizes) * slots * rank, dtype=dtype, seed=1)
+    token_slots = torch.randint(-1, slots, (tokens,), generator=gen)
+    mask = torch.nn.functional.one_hot(token_slots + 1, slots + 1)[:, 1:].to(device=DEVICE, dtype=dtype)
+    b = rand(slots * rank, sum(out_sizes), dtype=dtype, seed=2)
+    out = rand(tokens, sum(out_sizes), dtype=dtype, seed=3)
+    expected = TORCH.lora_expand(shrunk, mask, b, out.clone(), out_sizes, rank)
+    got = TRITON.lora_expand(shrunk, mask, b, out.clone(), out_sizes, rank)
+    torch.testing.assert_close(got, expected, **TOLERANCE[dtype])
+    assert not torch.equal(expected, out), "some rows take an update"

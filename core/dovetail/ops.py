@@ -22,6 +22,20 @@ class FusedOps:
         """``x @ weight.T + bias``: every unquantized linear layer and the LM head call this."""
         return F.linear(x, weight, bias)
 
+    def lora_expand(self, shrunk: torch.Tensor, mask: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
+                    out_sizes: list[int], rank: int) -> torch.Tensor:
+        """LoRA's expand step, in place (:mod:`dovetail.lora.layer`): ``out[:, part p] += (shrunk[:, part p], each
+        token's row zeroed outside its slot) @ b[:, part p]``. ``shrunk`` is ``[tokens, parts * slots * rank]``,
+        ``mask`` the one-hot ``[tokens, slots]``, ``b`` ``[slots * rank, sum(out_sizes)]``."""
+        tokens, slots = mask.shape
+        parts = shrunk.view(tokens, len(out_sizes), slots, rank) * mask[:, None, :, None]
+        offset = 0
+        for part, size in enumerate(out_sizes):
+            out[:, offset:offset + size].addmm_(parts[:, part].reshape(tokens, slots * rank),
+                                                b[:, offset:offset + size])
+            offset += size
+        return out
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """``x / rms(x) * weight``, computed in float32 and returned in ``x``'s dtype."""
         dtype = x.dtype

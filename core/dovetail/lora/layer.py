@@ -18,6 +18,7 @@ from torch import nn
 
 from dovetail.lora.adapter import LoRAWeights
 from dovetail.lora.context import slot_mask
+from dovetail.ops import FusedOps
 
 
 class LinearLoRA(nn.Module):
@@ -29,6 +30,8 @@ class LinearLoRA(nn.Module):
                  device: torch.device | None = None):
         super().__init__()
         self.num_parts, self.num_slots, self.max_rank = len(linear.output_sizes), max_loras, max_rank
+        #: The platform's fused ops, whose ``lora_expand`` does the masked expand step.
+        self.ops = linear.ops or FusedOps()
         self.output_sizes = list(linear.output_sizes)
         self.offsets = [sum(self.output_sizes[:p]) for p in range(self.num_parts)]
         width = max_loras * max_rank
@@ -54,14 +57,8 @@ class LinearLoRA(nn.Module):
 
     def add_to(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """``out`` (the layer's output for ``x``) plus each token's adapter update, in place."""
-        tokens, width = x.shape[0], self.num_slots * self.max_rank
-        shrunk = torch.nn.functional.linear(x, self.a).view(tokens, self.num_parts, self.num_slots, self.max_rank)
-        shrunk = shrunk * slot_mask()[:, None, :, None]
-        if self.num_parts == 1:
-            return out.addmm_(shrunk.view(tokens, width), self.b)
-        for part, (offset, size) in enumerate(zip(self.offsets, self.output_sizes)):
-            out[:, offset:offset + size].addmm_(shrunk[:, part].reshape(tokens, width), self.b[:, offset:offset + size])
-        return out
+        shrunk = torch.nn.functional.linear(x, self.a)
+        return self.ops.lora_expand(shrunk, slot_mask(), self.b, out, self.output_sizes, self.max_rank)
 
     def extra_repr(self) -> str:
         return f"slots={self.num_slots}, max_rank={self.max_rank}, parts={self.num_parts}"

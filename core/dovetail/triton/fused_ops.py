@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from dovetail.ops import FusedOps
-from dovetail.triton import activation, argmax, fused_moe, gemv, moe_routing, norm, rotary
+from dovetail.triton import activation, argmax, fused_moe, gemv, lora, moe_routing, norm, rotary
 
 #: Most tokens for which a 16-bit unquantized linear runs the Triton GEMV where a platform turns it on
 #: (the cuda platform on Hopper). At one token the GEMV beat cuBLAS on nearly every layer linear of
@@ -58,6 +58,13 @@ class TritonFusedOps(FusedOps):
         if self.gemv_max_rows and gemv_applies(x, weight, bias, self.gemv_max_rows):
             return gemv.gemv(x, weight, bias)
         return super().linear(x, weight, bias)
+
+    def lora_expand(self, shrunk: torch.Tensor, mask: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
+                    out_sizes: list[int], rank: int) -> torch.Tensor:
+        if not (lora.supports(out_sizes) and out.is_contiguous() and b.is_contiguous() and mask.is_contiguous()
+                and shrunk.stride(1) == 1):
+            return super().lora_expand(shrunk, mask, b, out, out_sizes, rank)
+        return lora.lora_expand(shrunk, mask, b, out, out_sizes, rank)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if not norm.supports(x, weight):
