@@ -61,7 +61,7 @@ class TritonFusedOps(FusedOps):
 
     def lora_expand(self, shrunk: torch.Tensor, mask: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
                     out_sizes: list[int], rank: int) -> torch.Tensor:
-        if not (lora.supports(out_sizes) and out.is_contiguous() and b.is_contiguous() and mask.is_contiguous()
+        if not (lora.supports(mask.shape[0], out_sizes) and out.is_contiguous() and b.is_contiguous() and mask.is_contiguous()
                 and shrunk.stride(1) == 1):
             return super().lora_expand(shrunk, mask, b, out, out_sizes, rank)
         return lora.lora_expand(shrunk, mask, b, out, out_sizes, rank)
