@@ -113,6 +113,8 @@ def test_one_slot_runs_the_adapters_in_turn_and_reads_them_again(tiny_llama_dir,
     outputs = llm.generate([PROMPTS[0]], GREEDY, lora_request=LoRARequest("copy", 3, str(copy)), use_tqdm=False)
     tiny_models.check_matches(tiny_models.completions(outputs), [expected[0, "some"]])
     assert list(engine.loras.adapters) == [3]  # max_cpu_loras=1: the others were forgotten
+    with pytest.raises(RequestError, match="1 already names the adapter at"):  # forgotten, but still its folder
+        llm.generate([PROMPTS[0]], GREEDY, lora_request=LoRARequest("copy", 1, str(copy)), use_tqdm=False)
     check(llm, adapters, expected, [(2, "every"), (1, "some")])  # read again, each into the one slot in turn
 
 

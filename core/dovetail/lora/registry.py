@@ -2,7 +2,9 @@
 
 An adapter is read by every rank when a request first names it (an adapter that cannot run is refused
 then, with that request, naming ``lora_request``); beyond ``max_cpu_loras`` the adapters least recently
-named by a request, and used by no unfinished one, are forgotten, and read again when named again.
+named by a request, and used by no unfinished one, are forgotten, and read again when named again. An id
+names one folder for the engine's life, forgotten or not: a slot and the prefix cache know an adapter by
+its id.
 """
 
 from __future__ import annotations
@@ -21,25 +23,24 @@ class AdapterRegistry:
         self.call = call
         self.max_cpu_loras = max_cpu_loras
         self.adapters: OrderedDict[int, LoRARequest] = OrderedDict()
+        #: Every id ever read, and its adapter.
+        self.named: dict[int, LoRARequest] = {}
 
     def ensure(self, request: LoRARequest, in_use: Iterable[int]) -> None:
         """Have every worker hold ``request``'s adapter, or raise :class:`RequestError` with the reason."""
-        known = self.adapters.get(request.lora_int_id)
-        if known is not None:
-            if known.lora_path != request.lora_path:
-                raise RequestError(f"lora_request.lora_int_id: {request.lora_int_id} already names the adapter at "
-                                   f"{known.lora_path!r} ({known.lora_name!r}); give {request.lora_path!r} another id",
-                                   field="lora_request")
+        known = self.named.get(request.lora_int_id)
+        if known is not None and known.lora_path != request.lora_path:
+            raise RequestError(f"lora_request.lora_int_id: {request.lora_int_id} already names the adapter at "
+                               f"{known.lora_path!r} ({known.lora_name!r}); give {request.lora_path!r} another id",
+                               field="lora_request")
+        if request.lora_int_id in self.adapters:
             self.adapters.move_to_end(request.lora_int_id)
             return
         errors = [e for e in self.call("add_lora", request) if e]
         if errors:
             raise RequestError(errors[0], field="lora_request")
-        self.adapters[request.lora_int_id] = request
+        self.adapters[request.lora_int_id] = self.named[request.lora_int_id] = request
         busy = set(in_use) | {request.lora_int_id}
         for lora_id in [i for i in self.adapters if i not in busy][:max(0, len(self.adapters) - self.max_cpu_loras)]:
             del self.adapters[lora_id]
             self.call("remove_lora", lora_id)
-
-    def names(self) -> list[str]:
-        return [r.lora_name for r in self.adapters.values()]
