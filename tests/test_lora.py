@@ -196,33 +196,66 @@ def test_configurations_that_cannot_serve_adapters(tiny_llama_dir, adapters, tmp
         LLM(str(save_base_model(tmp_path / "embed")), **COMMON)
 
 
-def test_the_server_serves_adapters_as_models(tiny_llama_dir, adapters, expected):
+def test_the_server_serves_adapters_as_models_and_loads_them_at_run_time(tiny_llama_dir, adapters, expected,
+                                                                          tmp_path):
     import httpx
     from transformers import AutoTokenizer
 
     from test_server_cli import ServerProcess
 
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_llama_dir))
-    some = adapters["some"][0]
+    some, every = adapters["some"][0], adapters["every"][0]
     server = ServerProcess(tiny_llama_dir, "--served-model-name", "base", "--max-model-len", "128",
-                           "--enable-lora", "--max-lora-rank", "8", "--lora-modules", f"some={some.lora_path}",
-                           json.dumps({"name": "every", "path": adapters["every"][0].lora_path}))
+                           "--enable-lora", "--max-lora-rank", "8", "--lora-modules",
+                           json.dumps({"name": "some", "path": some.lora_path}),
+                           env={"DOVETAIL_ALLOW_RUNTIME_LORA_UPDATING": "true"})
+
+    def complete(model: str) -> httpx.Response:
+        return httpx.post(server.url("/v1/completions"), json={
+            "model": model, "prompt": PROMPTS[1], "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+            "logprobs": 1})
+
+    def post(path: str, **body) -> httpx.Response:
+        return httpx.post(server.url(path), json=body)
+
     try:
+        loaded = post("/v1/load_lora_adapter", lora_name="every", lora_path=every.lora_path)
+        assert loaded.status_code == 200 and "every" in loaded.text
         models = httpx.get(server.url("/v1/models")).json()["data"]
         assert [(m["id"], m["parent"]) for m in models] == [("base", None), ("some", "base"), ("every", "base")]
         assert models[1]["root"] == some.lora_path
         for model, name in (("some", "some"), ("every", "every"), ("base", None)):
-            reply = httpx.post(server.url("/v1/completions"), json={
-                "model": model, "prompt": PROMPTS[1], "max_tokens": MAX_TOKENS, "temperature": 0,
-                "ignore_eos": True, "logprobs": 1}).json()
+            reply = complete(model).json()
             assert reply["model"] == model
             assert reply["choices"][0]["text"] == tokenizer.decode(expected[1, name][0], skip_special_tokens=True)
             first = max(expected[1, name][1][0].items(), key=lambda kv: kv[1])
             assert reply["choices"][0]["logprobs"]["token_logprobs"][0] == pytest.approx(first[1], abs=1e-4)
-        missing = httpx.post(server.url("/v1/completions"), json={"model": "nope", "prompt": "hi"})
+        missing = complete("nope")
         assert missing.status_code == 404 and "'some'" in missing.json()["error"]["message"]
+        for body, field, message in (({"lora_name": "some", "lora_path": every.lora_path}, "lora_name",
+                                      "already served"),
+                                     ({"lora_name": "x", "lora_path": str(tmp_path)}, "lora_path",
+                                      "has no adapter_config.json"),
+                                     ({"lora_name": "x"}, "lora_path", "")):
+            refused = post("/v1/load_lora_adapter", **body)
+            assert refused.status_code == 400 and refused.json()["error"]["param"] == field, refused.text
+            assert message in refused.json()["error"]["message"]
+        assert post("/v1/unload_lora_adapter", lora_name="every").status_code == 200
+        assert complete("every").status_code == 404
+        gone = post("/v1/unload_lora_adapter", lora_name="every")
+        assert gone.status_code == 404 and gone.json()["error"]["param"] == "lora_name"
+        assert complete("some").status_code == 200
     finally:
         server.stop()
+
+
+def test_runtime_loading_needs_lora_and_the_variable():
+    from dovetail.server.lora_adapters import runtime_updating_allowed
+
+    assert runtime_updating_allowed(True, {"DOVETAIL_ALLOW_RUNTIME_LORA_UPDATING": "True"})
+    assert not runtime_updating_allowed(False, {"DOVETAIL_ALLOW_RUNTIME_LORA_UPDATING": "1"})
+    assert not runtime_updating_allowed(True, {"DOVETAIL_ALLOW_RUNTIME_LORA_UPDATING": "0"})
+    assert not runtime_updating_allowed(True, {})
 
 
 def test_lora_modules_flag_is_checked_before_the_model_loads(adapters):

@@ -408,8 +408,12 @@ class LLMEngine:
 
     def _check_lora(self, lora_request: LoRARequest | None) -> None:
         """Have the workers hold the request's adapter, or refuse the request naming ``lora_request``."""
-        if lora_request is None:
-            return
+        if lora_request is not None:
+            self.add_lora(lora_request)
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Have every rank read the adapter now (requests naming it later find it read); a
+        :class:`RequestError` naming ``lora_request`` says why it cannot run."""
         if not isinstance(lora_request, LoRARequest):
             raise RequestError(f"lora_request: expected a LoRARequest, got {type(lora_request).__name__}",
                                field="lora_request")

@@ -17,6 +17,7 @@ from dovetail.server.completions import create_completion
 from dovetail.server.embeddings import create_embedding
 from dovetail.server.scoring import create_classification, create_rerank, create_score
 from dovetail.server.errors import APIError, install_error_handlers
+from dovetail.server.lora_adapters import load_lora_adapter, runtime_updating_allowed, unload_lora_adapter
 from dovetail.server.metrics import ServerMetrics
 from dovetail.server.middleware import AllowedHostsMiddleware, APIKeyMiddleware, BodyLimitMiddleware
 from dovetail.server.state import ServerSettings, ServerState
@@ -133,4 +134,7 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     if os.environ.get(PROFILER_DIR_ENV, "").strip():
         app.post("/start_profile")(start_profile)
         app.post("/stop_profile")(stop_profile)
+    if runtime_updating_allowed(llm.loras is not None):
+        app.post("/v1/load_lora_adapter", response_model=None)(load_lora_adapter)
+        app.post("/v1/unload_lora_adapter", response_model=None)(unload_lora_adapter)
     return app

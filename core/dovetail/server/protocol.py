@@ -352,3 +352,16 @@ class DetokenizeRequest(_Body):
 
     model: Optional[str] = None
     tokens: TokenIds
+
+
+class LoadLoRAAdapterRequest(_Body):
+    """``POST /v1/load_lora_adapter`` (vLLM's): serve the PEFT adapter at ``lora_path`` as model ``lora_name``."""
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoRAAdapterRequest(_Body):
+    """``POST /v1/unload_lora_adapter`` (vLLM's): stop serving model ``lora_name`` (an adapter)."""
+
+    lora_name: str = Field(min_length=1)

@@ -66,6 +66,7 @@ class ServerState:
     classifier_labels: Optional[list[str]] = None
 
     def __post_init__(self):
+        self._last_lora_id = max((r.lora_int_id for r in self.settings.lora_modules.values()), default=0)
         if self.prompt_tokenizer is None:
             self.prompt_tokenizer = PromptTokenizer(self.tokenizer, self.max_model_len)
         if self.preparer is None:
@@ -84,6 +85,11 @@ class ServerState:
             raise APIError(404, f"model: {requested!r} does not exist; this server serves {names}",
                            param="model", code="model_not_found")
         return requested
+
+    def next_lora_id(self) -> int:
+        """An adapter id no adapter of this server had (the engine keeps an id's folder for its life)."""
+        self._last_lora_id += 1
+        return self._last_lora_id
 
     def lora_for(self, model: str) -> Optional[LoRARequest]:
         """The adapter a request for the served name ``model`` runs with (None: the base model)."""
