@@ -135,19 +135,23 @@ def test_two_ranks_match_peft_and_survive_a_broken_adapter(tiny_llama_dir, adapt
 
 
 @pytest.mark.gpu
-def test_cuda_adapters_match_peft_and_decode_graphs_replay_them(tmp_path):
+@pytest.mark.parametrize("tp", [1, 2])
+def test_cuda_adapters_match_peft_and_decode_graphs_replay_them(tmp_path, tp):
+    if torch.cuda.device_count() < tp:
+        pytest.skip(f"needs {tp} GPUs")
     base = tiny_models.save_model(tmp_path / "base", tiny_models.tiny_llama_config(
         hidden_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=64))  # a head size TRITON takes
     adapters = save_adapters(base, tmp_path)
     common = dict(COMMON, device="cuda", max_loras=2, max_lora_rank=8, max_num_batched_tokens=32,
-                  gpu_memory_utilization=0.3)
+                  gpu_memory_utilization=0.3, tensor_parallel_size=tp)
     llm = LLM(str(base), **common)  # float32: against PEFT's float32 model
     check(llm, adapters, expected_outputs(adapters), MIXED, tol=1e-3)
     llm.llm_engine.shutdown()
     runs = {}
     for eager in (True, False):  # bfloat16 on TRITON, whose decode steps replay graphs unless eager
         llm = LLM(str(base), attention_backend="TRITON", enforce_eager=eager, **dict(common, dtype="bfloat16"))
-        assert (llm.llm_engine.runner.graphs is None) == eager
+        ranks = llm.llm_engine.executor.collective_rpc("describe")
+        assert all((rank["graph_sizes"] is None) == eager for rank in ranks) and len(ranks) == tp
         runs[eager] = generate(llm, adapters, MIXED)
         llm.llm_engine.shutdown()
     tiny_models.check_matches(runs[False], runs[True], tol=1e-3)
