@@ -181,7 +181,7 @@ def test_refusals_name_the_field_and_leave_the_engine_serving(tiny_llama_dir, ad
     head = tmp_path / "head"
     save_adapter(tiny_llama_dir, head, 3, 4, ["lm_head"])
     cases = [
-        (every, "has rank 8 at 'model.layers.0.mlp.down_proj', above max_lora_rank=4"),
+        (every, "changes 'model.layers.0.mlp.down_proj', with rank 8, above max_lora_rank=4"),
         (LoRARequest("missing", 3, str(tmp_path / "missing")), "has no adapter_config.json"),
         (_copy_with_config(some.lora_path, tmp_path / "dora", 5, use_dora=True), "uses DoRA"),
         (_copy_with_config(some.lora_path, tmp_path / "bias", 6, bias="all"), "trains biases"),
@@ -196,6 +196,25 @@ def test_refusals_name_the_field_and_leave_the_engine_serving(tiny_llama_dir, ad
     check(llm, adapters, expected, [(1, "some"), (0, None)])
     with pytest.raises(RequestError, match="lora_request: got 1 for 2 prompts"):
         llm.generate(PROMPTS[:2], GREEDY, lora_request=[some], use_tqdm=False)
+
+
+def test_an_adapter_on_a_mixture_of_experts_models_attention_matches_peft(tmp_path):
+    from test_models_vs_hf import CASES, save_checkpoint
+
+    base = save_checkpoint(tmp_path / "base", CASES["qwen3moe-normtopk-dense-layer"]())
+    reference = save_adapter(base, tmp_path / "attention", 5, 8, ["q_proj", "k_proj", "v_proj", "o_proj"])
+    save_adapter(base, tmp_path / "experts", 6, 8, ["q_proj", "down_proj"])
+    llm = LLM(str(base), max_lora_rank=8, **COMMON)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False,
+                           lora_request=LoRARequest("attention", 1, str(tmp_path / "attention")))
+    expected = []
+    for prompt in PROMPTS:
+        tokens, logprobs = tiny_models.hf_greedy(reference, prompt, MAX_TOKENS)
+        expected.append((tokens, [{t: float(lp[t]) for t in lp.topk(3).indices.tolist()} for lp in logprobs]))
+    tiny_models.check_matches(tiny_models.completions(outputs), expected)
+    with pytest.raises(RequestError, match=r"changes 'model.layers.0.mlp.experts', which is not a linear layer"):
+        llm.generate([PROMPTS[0]], GREEDY, lora_request=LoRARequest("experts", 2, str(tmp_path / "experts")),
+                     use_tqdm=False)
 
 
 def test_configurations_that_cannot_serve_adapters(tiny_llama_dir, adapters, tmp_path):

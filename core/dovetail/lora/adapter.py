@@ -91,7 +91,7 @@ def _read_tensors(path: str) -> dict[str, torch.Tensor]:
     raise _error(path, f"has no weights ({' or '.join(WEIGHT_FILES)})")
 
 
-def read_adapter(path: str, max_lora_rank: int) -> dict[str, LoRAWeights]:
+def read_adapter(path: str) -> dict[str, LoRAWeights]:
     """Every module the adapter changes, by the base checkpoint's module name (``model.layers.0.self_attn.q_proj``),
     with the float32 weights and scale of its update."""
     config = read_config(path)
@@ -116,8 +116,6 @@ def read_adapter(path: str, max_lora_rank: int) -> dict[str, LoRAWeights]:
             raise _error(path, f"has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} for {module!r}, which "
                                "do not make a product B @ A")
         rank = a.shape[0]
-        if rank > max_lora_rank:
-            raise _error(path, f"has rank {rank} at {module!r}, above max_lora_rank={max_lora_rank}")
         scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
         weights[module] = LoRAWeights(a.float(), b.float(), scale)
     return weights

@@ -47,7 +47,7 @@ class ModelLoRA:
         if request.lora_int_id in self.adapters:
             return None
         try:
-            weights = read_adapter(request.lora_path, self.max_lora_rank)
+            weights = read_adapter(request.lora_path)
             self.adapters[request.lora_int_id] = [p for module, w in weights.items()
                                                   for p in self._placements(request.lora_path, module, w)]
         except DovetailError as exc:
@@ -93,6 +93,8 @@ class ModelLoRA:
         if target is None:
             raise refuse("which is not a linear layer of this model that takes LoRA")
         linear, shard = target
+        if weights.rank > self.max_lora_rank:
+            raise refuse(f"with rank {weights.rank}, above max_lora_rank={self.max_lora_rank}")
         if weights.a.shape[1] != linear.total_input_size:
             raise refuse(f"with lora_A of {weights.a.shape[1]} inputs; the layer has {linear.total_input_size}")
         a = weights.a
