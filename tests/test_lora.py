@@ -92,6 +92,21 @@ def test_adapters_and_the_base_model_in_one_batch_match_peft(tiny_llama_dir, ada
     assert llm.llm_engine.kv_manager.prefix_hits > hits
 
 
+def test_beam_search_runs_with_the_adapter(tiny_llama_dir, adapters):
+    from dovetail import BeamSearchParams
+
+    llm = LLM(str(tiny_llama_dir), max_lora_rank=8, **COMMON)
+    prompt = {"prompt_token_ids": PROMPTS[1]}
+    params = BeamSearchParams(beam_width=2, max_tokens=4, ignore_eos=True)
+    reference = adapters["some"][1].generate(torch.tensor([PROMPTS[1]]), num_beams=2, num_return_sequences=2,
+                                             max_new_tokens=4, min_new_tokens=4, do_sample=False, eos_token_id=None,
+                                             pad_token_id=0, length_penalty=1.0, early_stopping=True)
+    (got,) = llm.beam_search([prompt], params, lora_request=adapters["some"][0])
+    assert [b.tokens for b in got.sequences] == reference.tolist()
+    (base,) = llm.beam_search([prompt], params)
+    assert [b.tokens for b in base.sequences] != reference.tolist()
+
+
 def test_one_slot_runs_the_adapters_in_turn_and_reads_them_again(tiny_llama_dir, adapters, expected, tmp_path):
     llm = LLM(str(tiny_llama_dir), max_loras=1, max_cpu_loras=1, max_lora_rank=8, **COMMON)
     engine = llm.llm_engine

@@ -140,11 +140,15 @@ class LLM:
         params = [PoolingParams(task="score")] * len(prompts)
         return self._add_all(prompts, params, None, use_tqdm)
 
-    def beam_search(self, prompts: Union[PromptType, Sequence[PromptType]],
-                    params: BeamSearchParams) -> list[BeamSearchOutput]:
+    def beam_search(self, prompts: Union[PromptType, Sequence[PromptType]], params: BeamSearchParams,
+                    lora_request: LoRARequest | None = None) -> list[BeamSearchOutput]:
         """The best ``params.beam_width`` continuations of each prompt by beam search (vLLM's
-        ``LLM.beam_search``; see :mod:`dovetail.beam_search`), in input order."""
-        return beam_search(self.llm_engine, self.generate, self._prompt_list(prompts), params)
+        ``LLM.beam_search``; see :mod:`dovetail.beam_search`), in input order; every beam with
+        ``lora_request``'s adapter when given."""
+        def generate(*args, **kwargs):
+            return self.generate(*args, lora_request=lora_request, **kwargs)
+
+        return beam_search(self.llm_engine, generate, self._prompt_list(prompts), params)
 
     def chat(self, messages: Union[list[Message], list[list[Message]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
