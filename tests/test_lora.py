@@ -232,6 +232,27 @@ def test_an_adapter_on_a_mixture_of_experts_models_attention_matches_peft(tmp_pa
                      use_tqdm=False)
 
 
+def test_an_adapter_on_a_gptq_checkpoint_matches_peft_on_its_dequantised_weights(tmp_path):
+    """The update adds to a quantized layer's output: GPTQ's 4-bit weights with an adapter give PEFT's tokens on
+    the same weights dequantised (log-probabilities within 1e-3, as the GPTQ checkpoint alone does)."""
+    from test_quant_checkpoints import build_gptq, dequantised_hf
+
+    base = tiny_models.save_model(tmp_path / "float", tiny_models.tiny_llama_config(
+        hidden_size=128, intermediate_size=256))
+    checkpoint, refs = build_gptq(base, tmp_path / "gptq", group_size=32, desc_act=True, sym=True)
+    dequantised_hf(base, tmp_path / "dequantised", refs)
+    reference = save_adapter(tmp_path / "dequantised", tmp_path / "adapter", 7, 8, EVERY_LINEAR)
+    llm = LLM(str(checkpoint), max_lora_rank=8, **COMMON)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False,
+                           lora_request=LoRARequest("adapter", 1, str(tmp_path / "adapter")))
+    expected = []
+    for prompt in PROMPTS:
+        tokens, logprobs = tiny_models.hf_greedy(reference, prompt, MAX_TOKENS)
+        expected.append((tokens, [{t: float(lp[t]) for t in lp.topk(3).indices.tolist()} for lp in logprobs]))
+    assert llm.llm_engine.quant_method.name == "gptq"
+    tiny_models.check_matches(tiny_models.completions(outputs), expected, tol=1e-3)
+
+
 def test_configurations_that_cannot_serve_adapters(tiny_llama_dir, adapters, tmp_path):
     with pytest.raises(ConfigError, match="max_cpu_loras: .*at least max_loras"):
         LLM(str(tiny_llama_dir), max_loras=2, max_cpu_loras=1, **COMMON)

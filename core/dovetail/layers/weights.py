@@ -58,6 +58,7 @@ class WeightMapper:
         self.ignore = [re.compile(p) for p in (r"rotary_emb\.inv_freq$", *ignore)]
         self.rename = [(re.compile(p), r) for p, r in rename]
         self.params: dict[str, tuple[nn.Module, nn.Parameter]] = {}
+        self._modules: dict[str, nn.Module] | None = None  # by name, once ``linear_target`` needs them
         for module_name, module in model.named_modules():
             for pname, param in module.named_parameters(recurse=False):
                 full = f"{module_name}.{pname}" if module_name else pname
@@ -120,14 +121,22 @@ class WeightMapper:
             return {f"{match['module']}.{param}"}
         return None
 
-    def linear_target(self, name: str) -> tuple[Linear, int | None] | None:
-        """The linear layer that checkpoint tensor ``name`` (renamed as when loading) fills, and its merged part
-        (None: the whole layer); None when no linear layer takes it."""
+    def linear_target(self, module: str) -> tuple[Linear, int | None] | None:
+        """The linear layer that the checkpoint's module ``module`` (``model.layers.0.self_attn.q_proj``, renamed
+        as when loading) is part of, and its merged part (None: the whole layer); None when no linear layer is.
+        Its tensors may be any the layer's quantization method reads."""
+        name = f"{module}."
         for pattern, replacement in self.rename:
             name = pattern.sub(replacement, name)
-        target, shard = self._target(name)
-        module = self.params[target][0] if target is not None else None
-        return (module, shard) if isinstance(module, Linear) else None
+        if self._modules is None:
+            self._modules = dict(self.model.named_modules())
+        modules = self._modules
+        for param_part, ckpt_part, shard in self.stacked:
+            candidate = modules.get(name.replace(ckpt_part, param_part).rstrip(".")) if ckpt_part in name else None
+            if isinstance(candidate, Linear):
+                return candidate, shard
+        found = modules.get(name.rstrip("."))
+        return (found, None) if isinstance(found, Linear) else None
 
     def _target(self, name: str) -> tuple[str | None, int | None]:
         for param_part, ckpt_part, shard in self.stacked:

@@ -89,7 +89,7 @@ class ModelLoRA:
             return RequestError(f"lora_request: the adapter at {path!r} changes {module!r}, {message}",
                                 field="lora_request")
 
-        target = self.mapper.linear_target(f"{module}.weight")
+        target = self.mapper.linear_target(module)
         if target is None:
             raise refuse("which is not a linear layer of this model that takes LoRA")
         linear, shard = target
