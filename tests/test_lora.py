@@ -53,10 +53,18 @@ def expected_outputs(adapters) -> dict:
     """(prompt index, adapter name) -> the reference's greedy tokens and top logprobs."""
     table = {}
     for name, (_, model) in adapters.items():
-        for i, prompt in enumerate(PROMPTS):
-            tokens, logprobs = tiny_models.hf_greedy(model, prompt, MAX_TOKENS)
-            table[i, name] = (tokens, [{t: float(lp[t]) for t in lp.topk(3).indices.tolist()} for lp in logprobs])
+        for i, completion in enumerate(reference_completions(model)):
+            table[i, name] = completion
     return table
+
+
+def reference_completions(model) -> list:
+    """Each of PROMPTS' greedy tokens under HF's ``model`` and, per step, its top-3 logprobs."""
+    completions = []
+    for prompt in PROMPTS:
+        tokens, logprobs = tiny_models.hf_greedy(model, prompt, MAX_TOKENS)
+        completions.append((tokens, [{t: float(lp[t]) for t in lp.topk(3).indices.tolist()} for lp in logprobs]))
+    return completions
 
 
 @pytest.fixture(scope="module")
@@ -222,10 +230,7 @@ def test_an_adapter_on_a_mixture_of_experts_models_attention_matches_peft(tmp_pa
     llm = LLM(str(base), max_lora_rank=8, **COMMON)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False,
                            lora_request=LoRARequest("attention", 1, str(tmp_path / "attention")))
-    expected = []
-    for prompt in PROMPTS:
-        tokens, logprobs = tiny_models.hf_greedy(reference, prompt, MAX_TOKENS)
-        expected.append((tokens, [{t: float(lp[t]) for t in lp.topk(3).indices.tolist()} for lp in logprobs]))
+    expected = reference_completions(reference)
     tiny_models.check_matches(tiny_models.completions(outputs), expected)
     with pytest.raises(RequestError, match=r"changes 'model.layers.0.mlp.experts', which is not a linear layer"):
         llm.generate([PROMPTS[0]], GREEDY, lora_request=LoRARequest("experts", 2, str(tmp_path / "experts")),
@@ -245,10 +250,7 @@ def test_an_adapter_on_a_gptq_checkpoint_matches_peft_on_its_dequantised_weights
     llm = LLM(str(checkpoint), max_lora_rank=8, **COMMON)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False,
                            lora_request=LoRARequest("adapter", 1, str(tmp_path / "adapter")))
-    expected = []
-    for prompt in PROMPTS:
-        tokens, logprobs = tiny_models.hf_greedy(reference, prompt, MAX_TOKENS)
-        expected.append((tokens, [{t: float(lp[t]) for t in lp.topk(3).indices.tolist()} for lp in logprobs]))
+    expected = reference_completions(reference)
     assert llm.llm_engine.quant_method.name == "gptq"
     tiny_models.check_matches(tiny_models.completions(outputs), expected, tol=1e-3)
 
