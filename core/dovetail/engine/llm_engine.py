@@ -420,8 +420,8 @@ class LLMEngine:
         if self.loras is None:
             raise RequestError("lora_request: LoRA adapters are not enabled; start the engine with "
                                "enable_lora=True (--enable-lora)", field="lora_request")
-        self.loras.ensure(lora_request, {r.lora_request.lora_int_id for r in self._requests.values()
-                                         if r.lora_request is not None})
+        self.loras.ensure(lora_request, lambda: {r.lora_request.lora_int_id for r in self._requests.values()
+                                                 if r.lora_request is not None})
 
     def _grammar(self, params: SamplingParams):
         """The compiled grammar (a future) of a constrained request, else None."""

@@ -256,10 +256,13 @@ class Worker:
         requests = self.requests
         for request_id in step.finished_request_ids:
             requests.pop(request_id, None)
+        def adapters_in_use() -> set[int]:
+            return {r.lora_id for r in requests.values()}
+
         for data in step.new_requests:
             state = requests[data.request_id] = RequestState(data)
             if state.lora_id:
-                state.lora_slot = self.lora.activate(state.lora_id, {r.lora_id for r in requests.values()})
+                state.lora_slot = self.lora.activate(state.lora_id, adapters_in_use)
         for request_id, blocks in step.new_block_ids.items():
             requests[request_id].block_ids.extend(blocks)
         states = [requests[r] for r in step.request_ids]

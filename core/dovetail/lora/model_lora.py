@@ -10,6 +10,7 @@ so every rank puts each adapter in the same slot.
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Callable
 
 import torch
 from torch import nn
@@ -58,9 +59,9 @@ class ModelLoRA:
         """Forget an adapter's weights (a slot holding it keeps it until the slot is reused)."""
         self.adapters.pop(lora_int_id, None)
 
-    def activate(self, lora_int_id: int, in_use: set[int]) -> int:
-        """The slot holding the adapter, loading it there first if needed; the adapters in ``in_use`` (those of
-        the running requests) keep theirs."""
+    def activate(self, lora_int_id: int, in_use: Callable[[], set[int]]) -> int:
+        """The slot holding the adapter, loading it there first if needed; the adapters in ``in_use()`` (those of
+        the running requests, asked only when every slot is taken) keep theirs."""
         if lora_int_id in self.slot_of:
             self.slot_of.move_to_end(lora_int_id)
             return self.slot_of[lora_int_id]
@@ -72,7 +73,8 @@ class ModelLoRA:
         if free:
             slot = free[0]
         else:
-            victim = next((i for i in self.slot_of if i not in in_use), None)
+            busy = in_use()
+            victim = next((i for i in self.slot_of if i not in busy), None)
             if victim is None:
                 raise RuntimeError(f"all {self.max_loras} LoRA slots hold adapters of running requests")
             slot = self.slot_of.pop(victim)

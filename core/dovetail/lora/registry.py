@@ -10,7 +10,7 @@ its id.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Callable, Iterable
+from typing import Callable
 
 from dovetail.errors import RequestError
 from dovetail.lora.request import LoRARequest
@@ -26,8 +26,9 @@ class AdapterRegistry:
         #: Every id ever read, and its adapter.
         self.named: dict[int, LoRARequest] = {}
 
-    def ensure(self, request: LoRARequest, in_use: Iterable[int]) -> None:
-        """Have every worker hold ``request``'s adapter, or raise :class:`RequestError` with the reason."""
+    def ensure(self, request: LoRARequest, in_use: Callable[[], set[int]]) -> None:
+        """Have every worker hold ``request``'s adapter, or raise :class:`RequestError` with the reason;
+        ``in_use()`` gives the ids of the unfinished requests' adapters, asked only when one is to be forgotten."""
         known = self.named.get(request.lora_int_id)
         if known is not None and known.lora_path != request.lora_path:
             raise RequestError(f"lora_request.lora_int_id: {request.lora_int_id} already names the adapter at "
@@ -40,7 +41,10 @@ class AdapterRegistry:
         if errors:
             raise RequestError(errors[0], field="lora_request")
         self.adapters[request.lora_int_id] = self.named[request.lora_int_id] = request
-        busy = set(in_use) | {request.lora_int_id}
-        for lora_id in [i for i in self.adapters if i not in busy][:max(0, len(self.adapters) - self.max_cpu_loras)]:
+        excess = len(self.adapters) - self.max_cpu_loras
+        if excess <= 0:
+            return
+        busy = in_use() | {request.lora_int_id}
+        for lora_id in [i for i in self.adapters if i not in busy][:excess]:
             del self.adapters[lora_id]
             self.call("remove_lora", lora_id)
