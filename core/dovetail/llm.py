@@ -75,13 +75,7 @@ class LLM:
         params = self._final_only(self._params_list(sampling_params, len(prompts)))
         if priority is not None and len(priority) != len(prompts):
             raise RequestError(f"priority: got {len(priority)} priorities for {len(prompts)} prompts", field="priority")
-        if lora_request is None or isinstance(lora_request, LoRARequest):
-            loras = [lora_request] * len(prompts)
-        else:
-            loras = list(lora_request)
-            if len(loras) != len(prompts):
-                raise RequestError(f"lora_request: got {len(loras)} for {len(prompts)} prompts",
-                                   field="lora_request")
+        loras = self._per_prompt(lora_request, LoRARequest, len(prompts), "lora_request")
         return self._add_all(self._tokenized(prompts), params, priority, use_tqdm, loras)
 
     def _add_all(self, prompts: list[PromptType], params: list, priority: list[int] | None,
@@ -113,13 +107,7 @@ class LLM:
         """Embed each prompt with a pooling model (``runner="pooling"``, or a base-model checkpoint);
         outputs come back in input order, each vector in ``output.outputs.embedding``."""
         prompts = self._prompt_list(prompts)
-        if pooling_params is None or isinstance(pooling_params, PoolingParams):
-            params = [pooling_params or PoolingParams()] * len(prompts)
-        else:
-            params = list(pooling_params)
-            if len(params) != len(prompts):
-                raise RequestError(f"pooling_params: got {len(params)} for {len(prompts)} prompts",
-                                   field="pooling_params")
+        params = self._per_prompt(pooling_params or PoolingParams(), PoolingParams, len(prompts), "pooling_params")
         params = [p if p.task == "embed" else p.model_copy(update={"task": "embed"}) for p in params]
         return self._add_all(self._pooled_prompts(prompts, params), params, None, use_tqdm)
 
@@ -216,12 +204,17 @@ class LLM:
     def _params_list(self, sampling_params, count: int) -> list[SamplingParams]:
         if sampling_params is None:
             return [self.get_default_sampling_params() for _ in range(count)]
-        if isinstance(sampling_params, SamplingParams):
-            return [sampling_params] * count
-        params = list(sampling_params)
-        if len(params) != count:
-            raise RequestError(f"sampling_params: got {len(params)} for {count} prompts", field="sampling_params")
-        return params
+        return self._per_prompt(sampling_params, SamplingParams, count, "sampling_params")
+
+    @staticmethod
+    def _per_prompt(value, one: type, count: int, field: str) -> list:
+        """``value`` for each of ``count`` prompts: one ``one`` (or None) for all of them, or one per prompt."""
+        if value is None or isinstance(value, one):
+            return [value] * count
+        values = list(value)
+        if len(values) != count:
+            raise RequestError(f"{field}: got {len(values)} for {count} prompts", field=field)
+        return values
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list:
         engine = self.llm_engine
