@@ -19,6 +19,8 @@ from dovetail.server.scoring import create_classification, create_rerank, create
 from dovetail.server.errors import APIError, install_error_handlers
 from dovetail.server.lora_adapters import load_lora_adapter, runtime_updating_allowed, unload_lora_adapter
 from dovetail.server.metrics import ServerMetrics
+from dovetail.server.response_store import ResponseStore
+from dovetail.server.responses import create_response, delete_response, retrieve_response
 from dovetail.server.middleware import AllowedHostsMiddleware, APIKeyMiddleware, BodyLimitMiddleware
 from dovetail.server.state import ServerSettings, ServerState
 from dovetail.server.tokens import detokenize, tokenize
@@ -95,7 +97,8 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
                         max_model_len=llm.max_model_len, vocab_size=llm.vocab_size, model_path=str(llm.model_path),
                         created=int(time.time()), reasoning=llm.reasoning, default_sampling=llm.default_sampling,
                         classifier_labels=(llm.pooling_model.classifier.labels
-                                           if llm.pooling_model and llm.pooling_model.classifier else None))
+                                           if llm.pooling_model and llm.pooling_model.classifier else None),
+                        response_store=ResponseStore.from_environment())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -125,6 +128,9 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     app.post("/detokenize")(detokenize)
     app.post("/v1/completions", response_model=None)(create_completion)
     app.post("/v1/chat/completions", response_model=None)(create_chat_completion)
+    app.post("/v1/responses", response_model=None)(create_response)
+    app.get("/v1/responses/{response_id}")(retrieve_response)
+    app.delete("/v1/responses/{response_id}")(delete_response)
     app.post("/v1/embeddings", response_model=None)(create_embedding)
     app.post("/classify", response_model=None)(create_classification)
     for path in ("/score", "/v1/score"):

@@ -25,7 +25,7 @@ _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "inva
           405: "invalid_request_error", 413: "invalid_request_error", 500: "server_error", 503: "server_error"}
 
 #: Requests that generate (counted in the ``dovetail_requests_total`` metric).
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 
 
 class APIError(Exception):

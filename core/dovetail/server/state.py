@@ -64,6 +64,8 @@ class ServerState:
     default_sampling: dict[str, Any] = field(default_factory=dict)
     #: A sequence classifier's label names (``id2label``), or None for other models.
     classifier_labels: Optional[list[str]] = None
+    #: Finished ``/v1/responses`` kept for retrieval and ``previous_response_id``, or None (not stored).
+    response_store: Any = None
 
     def __post_init__(self):
         self._last_lora_id = max((r.lora_int_id for r in self.settings.lora_modules.values()), default=0)

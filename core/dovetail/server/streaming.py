@@ -10,7 +10,7 @@ import asyncio
 import json
 import math
 import time
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Optional
 
 from fastapi import Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -31,6 +31,11 @@ def finite(value: float) -> float:
 
 def sse(data: dict) -> bytes:
     return b"data: " + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+def sse_event(data: dict) -> bytes:
+    """A server-sent event named by its data's ``type`` (as the Responses API streams)."""
+    return b"event: " + data["type"].encode() + b"\n" + sse(data)
 
 
 def outcome_of(api: APIError, started: bool = True) -> str:
@@ -95,8 +100,11 @@ async def collect(stream: RequestStream, tracker: RequestTracker, request: Reque
             tracker.finish("aborted")
 
 
-def event_stream(stream: RequestStream, tracker: RequestTracker, events: AsyncIterator[bytes]) -> StreamingResponse:
-    """Server-sent events ending in ``data: [DONE]``; an engine failure becomes an error event."""
+def event_stream(stream: RequestStream, tracker: RequestTracker, events: AsyncIterator[bytes],
+                 error_event: Optional[Callable[[APIError], bytes]] = None,
+                 end: Optional[bytes] = DONE) -> StreamingResponse:
+    """Server-sent events ending in ``end`` (chat's and completions' ``data: [DONE]``); an engine failure
+    becomes an error event (``error_event``'s, else OpenAI's error body)."""
 
     async def guarded():
         try:
@@ -106,12 +114,14 @@ def event_stream(stream: RequestStream, tracker: RequestTracker, events: AsyncIt
         except Exception as exc:  # the stream has started: report in-band, as OpenAI does
             api = exc if isinstance(exc, APIError) else to_api_error(exc)
             tracker.finish(outcome_of(api))
-            yield sse(error_body(api.status, api.message, api.param, api.code))
+            yield (error_event(api) if error_event is not None
+                   else sse(error_body(api.status, api.message, api.param, api.code)))
         finally:
             stream.abort()
             if not tracker.done:
                 tracker.finish("aborted")
-        yield DONE
+        if end is not None:
+            yield end
 
     return StreamingResponse(guarded(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -119,8 +129,9 @@ def event_stream(stream: RequestStream, tracker: RequestTracker, events: AsyncIt
 
 async def respond(request: Request, body: Any, build: Callable[[ServerState, Any], Any]) -> Response:
     """Run one API request to its end: ``build(state, body)``, called off the event loop, makes its handler
-    (``engine_requests()``, ``events(stream, tracker)``, ``response(finals)``); server-sent events when
-    ``body.stream``, else one JSON response; 499 when the client goes away first."""
+    (``engine_requests()``, ``events(stream, tracker)``, ``response(finals)``, and optionally ``error_event``
+    and ``stream_end`` for :func:`event_stream`); server-sent events when ``body.stream``, else one JSON
+    response; 499 when the client goes away first."""
     state: ServerState = request.app.state.server
     tracker = RequestTracker(state.metrics, time.monotonic())
     handler: list = []
@@ -131,7 +142,8 @@ async def respond(request: Request, body: Any, build: Callable[[ServerState, Any
 
     stream = await start(state, tracker, prepare)
     if getattr(body, "stream", False):
-        return event_stream(stream, tracker, handler[0].events(stream, tracker))
+        return event_stream(stream, tracker, handler[0].events(stream, tracker),
+                            getattr(handler[0], "error_event", None), getattr(handler[0], "stream_end", DONE))
     try:
         finals = await collect(stream, tracker, request)
     except ClientDisconnected:
