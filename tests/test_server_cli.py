@@ -93,12 +93,12 @@ class ServerProcess:
 _SHARED: dict[tuple, ServerProcess] = {}
 
 
-def shared_server(model_dir, *flags: str) -> ServerProcess:
-    """One server per (model, flags) for the whole test session."""
-    key = (str(model_dir), *flags)
+def shared_server(model_dir, *flags: str, env: dict | None = None) -> ServerProcess:
+    """One server per (model, flags, environment) for the whole test session."""
+    key = (str(model_dir), *flags, *sorted((env or {}).items()))
     server = _SHARED.get(key)
     if server is None or server.proc.poll() is not None:
-        server = _SHARED[key] = ServerProcess(model_dir, *flags)
+        server = _SHARED[key] = ServerProcess(model_dir, *flags, env=env)
     return server
 
 

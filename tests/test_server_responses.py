@@ -16,31 +16,17 @@ import httpx
 import openai
 import pytest
 
-import tiny_models
-from test_server_cli import API_KEY, ServerProcess, auth
+from scripted_agent import ARGUMENTS, CALL, MAX_MODEL_LEN, PARAMETERS, QUESTION, REASONING, STORE_MAX, agent_server
+from test_server_cli import auth
 
-REASONING = "I should look up the weather."
-ARGUMENTS = {"city": "Paris", "unit": "celsius"}
-CALL = "\n" + json.dumps({"name": "get_weather", "arguments": ARGUMENTS}) + "\n"
-SCRIPT = ["<think>", REASONING, "</think>", "<tool_call>", CALL, "</tool_call>"]
-PARAMETERS = {"type": "object", "properties": {"city": {"type": "string"},
-                                               "unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["city"]}
 TOOLS = [{"type": "function", "name": "get_weather", "description": "the forecast", "parameters": PARAMETERS}]
 CHAT_TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "the forecast",
                                                 "parameters": PARAMETERS}}]
-QUESTION = "What is the weather in Paris?"
-STORE_MAX = 3
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    model = tiny_models.save_scripted_model(tmp_path_factory.mktemp("scripted"), SCRIPT)
-    proc = ServerProcess(model, "--api-key", API_KEY, "--served-model-name", "scripted", "--max-model-len", "512",
-                         "--reasoning-parser", "qwen3", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-                         env={"DOVETAIL_ENABLE_RESPONSES_API_STORE": "true",
-                              "DOVETAIL_RESPONSES_API_STORE_MAX": str(STORE_MAX)})
-    yield proc
-    proc.stop()
+    return agent_server(tmp_path_factory)
 
 
 def _chat(client, messages, **kwargs):
@@ -185,7 +171,7 @@ def test_auto_truncation_leaves_out_the_oldest_messages(client, server):
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "input"
     response = _create(client, input=conversation, truncation="auto")
     assert response.status == "completed" and response.truncation == "auto"
-    assert response.usage.input_tokens + 20 <= 512
+    assert response.usage.input_tokens + 20 <= MAX_MODEL_LEN
     assert response.output_text == f"<tool_call>{CALL}</tool_call>"
 
 

@@ -14,13 +14,9 @@ import json
 import httpx
 import pytest
 
-import tiny_models
-from test_server_cli import API_KEY, auth, shared_server
+from scripted_agent import ARGUMENTS, CALL, REASONING, agent_server
+from test_server_cli import auth
 
-REASONING = "I should look up the weather."
-ARGUMENTS = {"city": "Paris", "unit": "celsius"}
-CALL = "\n" + json.dumps({"name": "get_weather", "arguments": ARGUMENTS}) + "\n"
-SCRIPT = ["<think>", REASONING, "</think>", "<tool_call>", CALL, "</tool_call>"]
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "the forecast", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
     "required": ["city"]}}}]
@@ -30,9 +26,7 @@ NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    model = tiny_models.save_scripted_model(tmp_path_factory.mktemp("scripted"), SCRIPT)
-    return shared_server(model, "--api-key", API_KEY, "--served-model-name", "scripted", "--max-model-len", "512",
-                         "--reasoning-parser", "qwen3", "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+    return agent_server(tmp_path_factory)
 
 
 def _chat(client, **kwargs):

@@ -12,6 +12,7 @@ from dovetail import __version__
 from dovetail.engine.async_engine import AsyncLLMEngine
 from dovetail.engine.profiler import PROFILER_DIR_ENV
 from dovetail.errors import ConfigError
+from dovetail.server.anthropic_messages import count_message_tokens, create_message
 from dovetail.server.chat import create_chat_completion
 from dovetail.server.completions import create_completion
 from dovetail.server.embeddings import create_embedding
@@ -131,6 +132,8 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     app.post("/v1/responses", response_model=None)(create_response)
     app.get("/v1/responses/{response_id}")(retrieve_response)
     app.delete("/v1/responses/{response_id}")(delete_response)
+    app.post("/v1/messages", response_model=None)(create_message)
+    app.post("/v1/messages/count_tokens")(count_message_tokens)
     app.post("/v1/embeddings", response_model=None)(create_embedding)
     app.post("/classify", response_model=None)(create_classification)
     for path in ("/score", "/v1/score"):

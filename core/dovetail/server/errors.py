@@ -1,4 +1,6 @@
-"""Errors in OpenAI's format: ``{"error": {"message", "type", "param", "code"}}`` with the right status.
+"""Errors in OpenAI's format, ``{"error": {"message", "type", "param", "code"}}``, with the right status (on
+the Anthropic Messages paths, ``/v1/messages...``, in Anthropic's: ``{"type": "error", "error": {"type",
+"message"}}``).
 
 400 invalid values (the message and ``param`` name the field), 401 a missing or
 wrong API key, 404 an unknown model or path, 413 an oversized body, 503 a full
@@ -25,7 +27,12 @@ _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "inva
           405: "invalid_request_error", 413: "invalid_request_error", 500: "server_error", 503: "server_error"}
 
 #: Requests that generate (counted in the ``dovetail_requests_total`` metric).
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages")
+#: Paths of Anthropic's Messages API, whose clients read Anthropic's error format.
+ANTHROPIC_PATH = "/v1/messages"
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                    503: "overloaded_error"}
 
 
 class APIError(Exception):
@@ -36,18 +43,24 @@ class APIError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
 
 
-def error_body(status: int, message: str, param: Optional[str] = None, code: Optional[str] = None) -> dict:
+def error_body(status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
+               path: str = "") -> dict:
+    """The error's JSON in the format the clients of ``path`` read."""
+    if path.startswith(ANTHROPIC_PATH):
+        kind = _ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+        return {"type": "error", "error": {"type": kind, "message": message}}
     return {"error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"),
                       "param": param, "code": code}}
 
 
 def error_response(status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
-                   headers: Optional[dict] = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
+                   headers: Optional[dict] = None, path: str = "") -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, code, path), status_code=status, headers=headers)
 
 
-def error_bytes(status: int, message: str, param: Optional[str] = None, code: Optional[str] = None) -> bytes:
-    return json.dumps(error_body(status, message, param, code)).encode()
+def error_bytes(status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
+                path: str = "") -> bytes:
+    return json.dumps(error_body(status, message, param, code, path)).encode()
 
 
 def request_error_message(exc: RequestError) -> str:
@@ -120,7 +133,7 @@ def install_error_handlers(app: FastAPI) -> None:
         state = getattr(request.app.state, "server", None)
         if state is not None and request.url.path in GENERATION_PATHS:
             state.metrics.requests.labels("rejected").inc()
-        return error_response(400, message, param)
+        return error_response(400, message, param, path=request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
@@ -134,23 +147,23 @@ def install_error_handlers(app: FastAPI) -> None:
             state = getattr(request.app.state, "server", None)
             if state is not None and request.url.path in GENERATION_PATHS:
                 state.metrics.requests.labels("rejected").inc()
-        return error_response(exc.status_code, message, headers=getattr(exc, "headers", None))
+        return error_response(exc.status_code, message, headers=getattr(exc, "headers", None), path=request.url.path)
 
     @app.exception_handler(APIError)
     async def _api(request: Request, exc: APIError):
-        return error_response(exc.status, exc.message, exc.param, exc.code)
+        return error_response(exc.status, exc.message, exc.param, exc.code, path=request.url.path)
 
     @app.exception_handler(RequestError)
     async def _request(request: Request, exc: RequestError):
-        return error_response(400, request_error_message(exc), exc.field)
+        return error_response(400, request_error_message(exc), exc.field, path=request.url.path)
 
     @app.exception_handler(QueueFullError)
     @app.exception_handler(EngineStoppedError)
     async def _unavailable(request: Request, exc: Exception):
         api = to_api_error(exc)
-        return error_response(api.status, api.message, api.param, api.code)
+        return error_response(api.status, api.message, api.param, api.code, path=request.url.path)
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception):
         api = to_api_error(exc)
-        return error_response(api.status, api.message, api.param, api.code)
+        return error_response(api.status, api.message, api.param, api.code, path=request.url.path)

@@ -16,8 +16,8 @@ from dovetail.server.errors import error_bytes
 _DRAIN_BYTES = 64 * 1024 * 1024
 
 
-async def _send_error(send, status: int, message: str, code: str, headers: Iterable = ()) -> None:
-    body = error_bytes(status, message, code=code)
+async def _send_error(scope, send, status: int, message: str, code: str, headers: Iterable = ()) -> None:
+    body = error_bytes(status, message, code=code, path=scope.get("path", ""))
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                             *headers]})
@@ -25,7 +25,8 @@ async def _send_error(send, status: int, message: str, code: str, headers: Itera
 
 
 class APIKeyMiddleware:
-    """Requires ``Authorization: Bearer <key>`` on every path except the open ones (``/health``)."""
+    """Requires ``Authorization: Bearer <key>`` (or Anthropic's ``x-api-key: <key>``) on every path except the
+    open ones (``/health``)."""
 
     def __init__(self, app, api_key: str, open_paths: Iterable[str] = ("/health",)):
         self.app = app
@@ -35,14 +36,18 @@ class APIKeyMiddleware:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["path"] in self.open_paths or scope["method"] == "OPTIONS":
             return await self.app(scope, receive, send)
-        given = dict(scope["headers"]).get(b"authorization", b"")
+        headers = dict(scope["headers"])
+        given = headers.get(b"authorization", b"")
         scheme, _, token = given.partition(b" ")
-        if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.expected):
-            reason = "missing" if not given else "wrong"
-            return await _send_error(send, 401, f"authorization: {reason} API key; send the header "
-                                     "'Authorization: Bearer <key>'", "invalid_api_key",
-                                     [(b"www-authenticate", b"Bearer")])
-        return await self.app(scope, receive, send)
+        api_key = headers.get(b"x-api-key")
+        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.expected):
+            return await self.app(scope, receive, send)
+        if api_key is not None and hmac.compare_digest(api_key.strip(), self.expected):
+            return await self.app(scope, receive, send)
+        reason = "missing" if not (given or api_key) else "wrong"
+        return await _send_error(scope, send, 401, f"authorization: {reason} API key; send the header "
+                                 "'Authorization: Bearer <key>' (or 'x-api-key: <key>')", "invalid_api_key",
+                                 [(b"www-authenticate", b"Bearer")])
 
 
 class BodyLimitMiddleware:
@@ -58,7 +63,7 @@ class BodyLimitMiddleware:
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
             await self._drain(receive, int(length))
-            return await self._reject(send)
+            return await self._reject(scope, send)
         if length is not None:
             return await self.app(scope, receive, send)
         # No Content-Length (chunked): buffer up to the limit, then replay.
@@ -72,7 +77,7 @@ class BodyLimitMiddleware:
             if size > self.max_bytes:
                 if message.get("more_body", False):
                     await self._drain(receive, size + _DRAIN_BYTES)
-                return await self._reject(send)
+                return await self._reject(scope, send)
             if not message.get("more_body", False):
                 break
         body = b"".join(chunks)
@@ -97,8 +102,8 @@ class BodyLimitMiddleware:
             if not message.get("more_body", False):
                 return
 
-    async def _reject(self, send) -> None:
-        await _send_error(send, 413, f"body: the request body exceeds the limit of {self.max_bytes} bytes "
+    async def _reject(self, scope, send) -> None:
+        await _send_error(scope, send, 413, f"body: the request body exceeds the limit of {self.max_bytes} bytes "
                           "(--max-body-bytes)", "request_too_large")
 
 
@@ -133,5 +138,5 @@ class AllowedHostsMiddleware:
         given = dict(scope["headers"]).get(b"host", b"").decode("latin-1")
         if self.allows(host_name(given)):
             return await self.app(scope, receive, send)
-        return await _send_error(send, 400, f"host: {given!r} is not a name this server answers to (allowed: "
+        return await _send_error(scope, send, 400, f"host: {given!r} is not a name this server answers to (allowed: "
                                  f"{', '.join(self.allowed)}; --allowed-hosts)", "host_not_allowed")

@@ -26,7 +26,7 @@ from dovetail.server.chat import _Chat
 from dovetail.server.errors import APIError
 from dovetail.server.metrics import RequestTracker
 from dovetail.server.response_store import STORE_ENV, StoredResponse
-from dovetail.server.responses_protocol import ResponsesRequest, responses_error
+from dovetail.server.responses_protocol import ResponsesRequest, responses_field_names
 from dovetail.server.state import ServerState
 from dovetail.server.streaming import respond, sse_event
 
@@ -178,7 +178,7 @@ class _Response:
                     return chat
             except RequestError as exc:
                 if not (self._can_drop(start) and exc.field == "messages" and "max_model_len" in str(exc)):
-                    raise responses_error(exc, origins) from None
+                    raise responses_field_names(origins).error(exc) from None
             start += 1
             while start < len(self.messages) - 1 and self.messages[start]["role"] == "tool":
                 start += 1  # a tool's output goes with the call it answers
@@ -190,7 +190,7 @@ class _Response:
         try:
             requests = self.chat.engine_requests()
         except RequestError as exc:
-            raise responses_error(exc, self.origins) from None
+            raise responses_field_names(self.origins).error(exc) from None
         self.params = requests[0].params
         return requests
 

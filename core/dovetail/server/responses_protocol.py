@@ -4,18 +4,18 @@ A Responses request is a chat completion in another shape: ``instructions`` is t
 the conversation (text messages, the model's earlier function calls and their outputs), ``tools`` flat
 function definitions, ``text.format`` the response format and ``max_output_tokens`` the limit.
 :meth:`ResponsesRequest.chat_request` builds the :class:`ChatCompletionRequest` that runs it;
-:func:`responses_error` renames a chat field in an error to the field of the Responses body it came from.
+:func:`responses_field_names` names the chat fields in errors as the Responses body does.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from typing import Any, Literal, Optional, Union
 
 from pydantic import Field
 
 from dovetail.errors import RequestError
+from dovetail.server.field_names import FieldNames
 from dovetail.server.protocol import ChatCompletionRequest, _Body
 
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
@@ -210,32 +210,7 @@ def _text_of(content, where: str) -> str:
     return "\n".join(texts)
 
 
-#: Chat fields and the Responses fields they come from (the longest first).
-_RENAMES = [("response_format.json_schema.schema", "text.format.schema"), ("response_format", "text.format"),
-            ("max_completion_tokens", "max_output_tokens")]
-_TOOL_FIELD = re.compile(r"\btools\.(\d+)\.function\b")
-_MESSAGE_FIELD = re.compile(r"\bmessages(?:\.(\d+)(?:\.[\w.]+)?)?")
-
-
-def responses_field(field: str, origins: list[str]) -> str:
-    """The Responses field behind chat field ``field``; ``origins`` names each chat message's source."""
-    for chat, ours in _RENAMES:
-        field = field.replace(chat, ours)
-    field = _TOOL_FIELD.sub(lambda m: f"tools.{m.group(1)}", field)
-
-    def message(m: re.Match) -> str:
-        index = m.group(1)
-        if index is None or int(index) >= len(origins):
-            return "input"
-        origin = origins[int(index)]
-        return origin + m.group(0)[len(f"messages.{index}"):] if origin.startswith("input.") else origin
-
-    return _MESSAGE_FIELD.sub(message, field)
-
-
-def responses_error(exc: RequestError, origins: list[str]) -> RequestError:
-    """``exc`` with its field, and the field's name in its message, as the Responses body calls them."""
-    if exc.field is None:
-        return exc
-    field = responses_field(exc.field, origins)
-    return RequestError(str(exc).replace(exc.field, field), field=field)
+def responses_field_names(origins: list[str]) -> FieldNames:
+    """The Responses body's names of the chat fields a request translates into."""
+    return FieldNames({"response_format.json_schema.schema": "text.format.schema", "response_format": "text.format",
+                       "max_completion_tokens": "max_output_tokens"}, "parameters", origins, "input")
