@@ -9,8 +9,10 @@ import pytest
 
 from dovetail.reasoning import FORMATS, ReasoningParser
 from dovetail.server.chat_output import ChatOutput
+from dovetail.server.protocol import ChatCompletionRequest
 from dovetail.server.tool_parsers import (RequiredToolParser, ToolCallStream, final_calls, get_tool_parser,
                                           tool_parser_names)
+from dovetail.server.tools import output_tool_parser
 
 WEATHER = {"city": "Paris", "days": {"from": 1, "to": 3}, "note": "a } and a \" inside"}
 TIME = {"zone": "UTC"}
@@ -83,6 +85,51 @@ def test_required_tool_choice_output():
     assert content is None and [c["function"]["name"] for c in calls] == ["get_weather", "get_time"]
     _, streamed = _stream(RequiredToolParser(), text)
     assert [json.loads(c["arguments"]) for c in streamed.values()] == [WEATHER, TIME]
+
+
+CODER_TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}, "days": {"type": "object"}, "count": {"type": "integer"},
+        "ratio": {"type": "number"}, "metric": {"type": "boolean"}, "tags": {"type": "array"},
+        "code": {"type": "string"}, "note": {"type": ["integer", "null"]}}}}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {
+        "zone": {"type": "string"}}}}}]
+
+
+def _coder_parser(tools=CODER_TOOLS):
+    """The qwen3_coder parser as the server makes it for a request with ``tools``."""
+    body = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools=tools)
+    return output_tool_parser(body, "auto", "qwen3_coder")
+
+
+def _xml_call(name: str, parameters: dict) -> str:
+    body = "".join(f"<parameter={key}>\n{value}\n</parameter>\n" for key, value in parameters.items())
+    return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
+
+
+def test_qwen3_coder_calls_are_typed_by_the_tools_schemas():
+    text = "I will check.\n" + _xml_call("get_weather", {
+        "city": "Paris", "days": '{"from": 1, "to": 3}', "count": "3", "ratio": "0.5", "metric": "True",
+        "tags": '["a", "b"]', "code": "007", "note": "null"}) + "\n" + _xml_call("get_time", {"zone": "UTC"})
+    expected = [("get_weather", {"city": "Paris", "days": {"from": 1, "to": 3}, "count": 3, "ratio": 0.5,
+                                 "metric": True, "tags": ["a", "b"], "code": "007", "note": None}),
+                ("get_time", {"zone": "UTC"})]
+    content, calls = final_calls(_coder_parser(), text)
+    assert content == "I will check.\n"
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == expected
+    streamed_content, streamed = _stream(_coder_parser(), text)
+    assert streamed_content == content
+    assert [(c["name"], json.loads(c["arguments"])) for c in streamed.values()] == expected
+
+
+def test_qwen3_coder_text_that_does_not_parse_stays_a_string():
+    text = _xml_call("get_weather", {"count": "three", "city": "Paris\nFrance", "ratio": "1e3", "unknown": "7"})
+    _, (call,) = final_calls(_coder_parser(), text)
+    assert json.loads(call["function"]["arguments"]) == {"count": "three", "city": "Paris\nFrance", "ratio": 1000.0,
+                                                         "unknown": "7"}
+    _, (untyped,) = final_calls(get_tool_parser("qwen3_coder"), text)  # no tools: every value is text
+    assert json.loads(untyped["function"]["arguments"])["ratio"] == "1e3"
+    assert final_calls(_coder_parser(), text[:text.index("</function>")]) is None  # cut short: not a call
 
 
 class _Vocab:

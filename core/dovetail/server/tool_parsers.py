@@ -12,105 +12,20 @@ answer and the stream are both built from that one reading.
 - ``llama3_json`` (Llama 3.1+): the output is one or more ``{"name": ..., "parameters": {...}}``
   objects separated by ``;``, optionally after ``<|python_tag|>``;
 - ``mistral``: ``[TOOL_CALLS]`` then a JSON list of ``{"name", "arguments"}`` objects, or (newer
-  tokenizers) ``[TOOL_CALLS]name[ARGS]{...}`` per call.
+  tokenizers) ``[TOOL_CALLS]name[ARGS]{...}`` per call;
+- ``qwen3_coder`` (Qwen3-Coder): ``<function=name><parameter=p>value</parameter></function>`` blocks
+  (:mod:`dovetail.server.tool_parser_xml`).
 """
 
 from __future__ import annotations
 
 import json
-import re
 import secrets
 import string
-import uuid
-from dataclasses import dataclass, field
 
-_DECODER = json.JSONDecoder()
-_NAME = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
-_WHITESPACE = " \t\r\n"
-
-
-@dataclass
-class PartialCall:
-    """One tool call as far as it has been generated."""
-
-    name: str | None
-    #: The arguments' JSON text that may be sent now (all of it once ``complete``).
-    arguments: str
-    complete: bool
-
-
-@dataclass
-class Reading:
-    """What an output holds so far: content that may be shown, and tool calls."""
-
-    content: str
-    calls: list[PartialCall] = field(default_factory=list)
-
-
-def held_prefix(text: str, marker: str) -> int:
-    """Length of the longest end of ``text`` that begins ``marker`` (it may still become the marker)."""
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:n]):
-            return n
-    return 0
-
-
-def read_object(text: str, args_keys: tuple[str, ...] = ("arguments", "parameters"),
-                final: bool = False) -> PartialCall:
-    """The call in the raw JSON object ``text`` (which may be incomplete, unless ``final``)."""
-    try:
-        obj, _ = _DECODER.raw_decode(text)
-        complete = isinstance(obj, dict)
-    except ValueError:
-        obj, complete = None, False
-    key = re.search(r'"(%s)"\s*:\s*' % "|".join(map(re.escape, args_keys)), text)
-    if complete:
-        name = obj.get("name") if isinstance(obj.get("name"), str) else None
-    else:  # only a name before the arguments is surely the call's (one inside them is not)
-        found = _NAME.search(text, 0, key.start() if key else len(text))
-        name = json.loads(f'"{found.group(1)}"') if found else None
-    if key is None:
-        return PartialCall(name, "{}" if complete else "", complete)
-    start = key.end()
-    try:
-        _, end = _DECODER.raw_decode(text, start)
-        return PartialCall(name, text[start:end], complete)
-    except ValueError:
-        pass
-    arguments = text[start:]
-    if not final:
-        arguments = arguments.rstrip(_WHITESPACE + "}")  # the call's own closing brace may be among them
-    return PartialCall(name, arguments, complete)
-
-
-def read_objects(text: str, separators: str, args_keys: tuple[str, ...], final: bool) -> tuple[list[PartialCall], int]:
-    """Consecutive JSON objects separated by whitespace and ``separators``; stops at anything else.
-    Returns the calls and where reading stopped."""
-    calls, pos = [], 0
-    while True:
-        while pos < len(text) and text[pos] in _WHITESPACE + separators:
-            pos += 1
-        if pos >= len(text) or text[pos] != "{":
-            return calls, pos
-        try:
-            _, end = _DECODER.raw_decode(text, pos)
-        except ValueError:
-            calls.append(read_object(text[pos:], args_keys, final))
-            return calls, len(text)
-        calls.append(read_object(text[pos:end], args_keys, final))
-        pos = end
-
-
-class ToolParser:
-    """Reads one model family's tool calls (see the module's docstring)."""
-
-    name = ""
-
-    def read(self, text: str, final: bool) -> Reading:
-        raise NotImplementedError
-
-    def new_call_id(self) -> str:
-        return f"chatcmpl-tool-{uuid.uuid4().hex}"
+from dovetail.server.tool_parser_base import (JSON_DECODER, PartialCall, Reading, ToolParser, held_prefix, read_object,
+                                              read_objects)
+from dovetail.server.tool_parser_xml import Qwen3CoderToolParser
 
 
 class HermesToolParser(ToolParser):
@@ -182,7 +97,7 @@ class MistralToolParser(ToolParser):
         if not found:
             return None
         try:
-            _, end = _DECODER.raw_decode(args.lstrip())
+            _, end = JSON_DECODER.raw_decode(args.lstrip())
             return PartialCall(name.strip(), args.strip()[:end], True)
         except ValueError:
             return PartialCall(name.strip(), args.strip(), False)
@@ -211,26 +126,28 @@ class NamedToolParser(ToolParser):
     name = "named"
 
     def __init__(self, function: str):
+        super().__init__()
         self.function = function
 
     def read(self, text: str, final: bool) -> Reading:
         complete = True
         try:
-            _DECODER.raw_decode(text.strip())
+            JSON_DECODER.raw_decode(text.strip())
         except ValueError:
             complete = False
         return Reading("", [PartialCall(self.function, text, complete or final)])
 
 
-TOOL_PARSERS = {p.name: p for p in (HermesToolParser, Llama3JsonToolParser, MistralToolParser)}
+TOOL_PARSERS = {p.name: p for p in (HermesToolParser, Llama3JsonToolParser, MistralToolParser, Qwen3CoderToolParser)}
 
 
 def tool_parser_names() -> list[str]:
     return sorted(TOOL_PARSERS)
 
 
-def get_tool_parser(name: str) -> ToolParser:
-    return TOOL_PARSERS[name]()
+def get_tool_parser(name: str, tools=None) -> ToolParser:
+    """A new parser of format ``name`` for a request with ``tools``."""
+    return TOOL_PARSERS[name](tools)
 
 
 def final_calls(parser: ToolParser, text: str) -> tuple[str | None, list[dict]] | None:

@@ -89,7 +89,7 @@ def output_tool_parser(body, mode: str, tool_parser: Optional[str]) -> Optional[
     if mode == "required":
         return RequiredToolParser()
     if mode == "auto" and body.tools and tool_parser is not None:
-        return get_tool_parser(tool_parser)
+        return get_tool_parser(tool_parser, body.tools)
     return None
 
 
