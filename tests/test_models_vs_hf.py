@@ -70,6 +70,13 @@ CASES = {
         sliding_window_pattern=2, final_logit_softcapping=3.0, rope_parameters={
             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
             "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0}}),
+    "gemma-geglu-offset-norms": lambda: _config("GemmaConfig", head_dim=24, hidden_activation="gelu_pytorch_tanh"),
+    "granite-multipliers": lambda: _config("GraniteConfig", embedding_multiplier=3.0, attention_multiplier=0.3,
+                                           residual_multiplier=0.5, logits_scaling=4.0, tie_word_embeddings=True),
+    "smollm3-nope-sliding": lambda: _config("SmolLM3Config", num_hidden_layers=3, no_rope_layers=[1, 0, 1],
+                                            use_sliding_window=True, sliding_window=WINDOW,
+                                            layer_types=["sliding_attention", "full_attention",
+                                                         "sliding_attention"]),
     "phi3-fused-sliding-partial-rotary": lambda: _config(
         "Phi3Config", sliding_window=WINDOW, rope_parameters=dict(rope_type="default", rope_theta=10000.0,
                                                                   partial_rotary_factor=0.5)),

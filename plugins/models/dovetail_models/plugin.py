@@ -15,6 +15,9 @@ ARCHITECTURES = {
     "Gemma2ForCausalLM": "dovetail_models.gemma2:Gemma2ForCausalLM",
     "Gemma3ForCausalLM": "dovetail_models.gemma3:Gemma3ForCausalLM",
     "Phi3ForCausalLM": "dovetail_models.phi3:Phi3ForCausalLM",
+    "GemmaForCausalLM": "dovetail_models.gemma:GemmaForCausalLM",
+    "GraniteForCausalLM": "dovetail_models.granite:GraniteForCausalLM",
+    "SmolLM3ForCausalLM": "dovetail_models.smollm3:SmolLM3ForCausalLM",
 }
 
 
