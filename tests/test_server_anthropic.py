@@ -115,6 +115,8 @@ def test_tool_choice_none_and_stop_sequences(claude):
     assert "text" not in _blocks(stopped) or _blocks(stopped)["text"].text == ""
     cut = _create(claude, max_tokens=2)
     assert cut.stop_reason == "max_tokens" and cut.usage.output_tokens == 2
+    roomy = _create(claude, max_tokens=100_000)  # a cap: the context left bounds it, as Claude Code expects
+    assert roomy.stop_reason == "end_turn" and roomy.content[-1].text == f"<tool_call>{CALL}</tool_call>"
 
 
 def test_output_config_format_constrains_the_text(claude):
@@ -139,7 +141,6 @@ def _post(server, path="/v1/messages", headers=None, **body) -> httpx.Response:
 
 
 @pytest.mark.parametrize("body, field", [
-    ({"messages": USER, "max_tokens": 600}, "max_tokens"),
     ({"messages": USER, "max_tokens": 0}, "max_tokens"),
     ({"messages": [{"role": "system", "content": "x"}]}, "messages.0.role"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "messages.0.content.0.type"),
@@ -161,6 +162,16 @@ def test_bad_requests_are_anthropic_errors_naming_the_field(server, body, field)
     payload = response.json()
     assert payload["type"] == "error" and payload["error"]["message"].startswith(field), payload
     assert payload["error"]["type"] == ("not_found_error" if response.status_code == 404 else "invalid_request_error")
+
+
+def test_values_the_chat_request_cannot_take_are_400s_not_server_errors(server):
+    from dovetail.errors import RequestError
+    from dovetail.server.protocol import translated_chat_request
+
+    with pytest.raises(RequestError, match="^messages: ") as caught:
+        translated_chat_request({"messages": []})
+    assert caught.value.field == "messages"
+    assert _post(server, messages=USER, metadata={"user_id": 5}).status_code == 200  # not a user name: dropped
 
 
 def test_the_key_is_taken_from_either_header_and_refused_in_anthropic_form(server):

@@ -41,12 +41,15 @@ def _cap(body):
     """Bound the work an example asks for (the values stay of the generated type)."""
     if not isinstance(body, dict):
         return
-    for key, limit in (("n", 3), ("max_tokens", 16), ("max_completion_tokens", 16), ("min_tokens", 16)):
+    for key, limit in (("n", 3), ("max_tokens", 16), ("max_completion_tokens", 16), ("max_output_tokens", 16),
+                       ("min_tokens", 16)):
         value = body.get(key)
         if isinstance(value, int) and not isinstance(value, bool) and value > limit:
             body[key] = limit
     if "max_tokens" not in body and "max_completion_tokens" not in body and "messages" in body:
         body["max_completion_tokens"] = 16
+    if "input" in body and "max_output_tokens" not in body:
+        body["max_output_tokens"] = 16
 
 
 def _greedy(server):

@@ -112,6 +112,10 @@ class _Message:
             self.chat = _Chat(state, body.chat(messages))
         except RequestError as exc:
             raise self.names.error(exc) from None
+        # max_tokens is a cap here, as Anthropic's clients use it (Claude Code asks for 32,000 whatever the
+        # model's context): what the prompt leaves of the context bounds it instead of refusing the request.
+        room = state.max_model_len - len(self.chat.prompt_ids)
+        self.chat.body.max_completion_tokens = min(body.max_tokens, room)
         self.id = f"msg_{uuid.uuid4().hex}"
 
     def engine_requests(self) -> list[NewRequest]:

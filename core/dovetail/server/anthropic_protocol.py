@@ -17,7 +17,7 @@ from pydantic import Field
 
 from dovetail.errors import RequestError
 from dovetail.server.field_names import FieldNames
-from dovetail.server.protocol import ChatCompletionRequest, _Body
+from dovetail.server.protocol import ChatCompletionRequest, _Body, translated_chat_request
 
 #: Blocks that carry no text the model should read again (an earlier turn's thinking).
 SKIPPED_BLOCKS = ("thinking", "redacted_thinking")
@@ -127,7 +127,7 @@ class MessagesBody(_Body):
                 values["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}[choice.type]
             if choice.disable_parallel_tool_use:
                 values["parallel_tool_calls"] = False
-        return ChatCompletionRequest.model_validate({k: v for k, v in values.items() if v is not None})
+        return translated_chat_request({k: v for k, v in values.items() if v is not None})
 
 
 class MessagesRequest(MessagesBody):
@@ -145,10 +145,15 @@ class MessagesRequest(MessagesBody):
     def chat(self, messages: list[dict]) -> ChatCompletionRequest:
         fmt = self.output_config.format if self.output_config is not None else None
         sampling = dict(stop=self.stop_sequences, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                        stream=self.stream, user=(self.metadata or {}).get("user_id"),
+                        stream=self.stream, user=_user_id(self.metadata),
                         response_format=None if fmt is None else {
                             "type": "json_schema", "json_schema": {"name": "output", "schema": fmt.json_schema}})
         return self.chat_request(messages, self.max_tokens, **{k: v for k, v in sampling.items() if v is not None})
+
+
+def _user_id(metadata: Optional[dict]) -> Optional[str]:
+    user = (metadata or {}).get("user_id")
+    return user if isinstance(user, str) else None
 
 
 def anthropic_field_names(origins: list[str]) -> FieldNames:

@@ -10,7 +10,8 @@ from __future__ import annotations
 import logging
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictInt, Tag, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Discriminator, Field, StrictInt, Tag, ValidationError, field_validator,
+                      model_validator)
 
 from dovetail.errors import RequestError
 from dovetail.sampling_params import SamplingParams, StructuredOutputsParams
@@ -332,6 +333,17 @@ class ChatCompletionRequest(SamplingFields):
 
     def conversation(self) -> list[dict[str, Any]]:
         return conversation(self.messages)
+
+
+def translated_chat_request(values: dict[str, Any]) -> ChatCompletionRequest:
+    """The chat completion another API's body translates into; a value the chat request cannot take is a
+    :class:`RequestError` naming the chat field (for the caller to rename), never a server error."""
+    try:
+        return ChatCompletionRequest.model_validate(values)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        field = ".".join(str(part) for part in error.get("loc", ())) or "body"
+        raise RequestError(f"{field}: {error.get('msg', 'invalid value')}", field=field) from None
 
 
 class TokenizeRequest(_Body):

@@ -16,7 +16,7 @@ from pydantic import Field
 
 from dovetail.errors import RequestError
 from dovetail.server.field_names import FieldNames
-from dovetail.server.protocol import ChatCompletionRequest, _Body
+from dovetail.server.protocol import ChatCompletionRequest, _Body, translated_chat_request
 
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 TEXT_PARTS = ("input_text", "output_text", "text")
@@ -162,7 +162,7 @@ class ResponsesRequest(_Body):
             schema = {"name": fmt.name, "description": fmt.description, "schema": fmt.json_schema,
                       "strict": fmt.strict} if fmt.type == "json_schema" else None
             values["response_format"] = {"type": fmt.type, "json_schema": schema}
-        return ChatCompletionRequest.model_validate({k: v for k, v in values.items() if v is not None})
+        return translated_chat_request({k: v for k, v in values.items() if v is not None})
 
     def echo(self) -> dict:
         """The request's settings as a response object repeats them."""
