@@ -77,6 +77,13 @@ CASES = {
                                             use_sliding_window=True, sliding_window=WINDOW,
                                             layer_types=["sliding_attention", "full_attention",
                                                          "sliding_attention"]),
+    "olmo2-post-norms-projection-qknorm": lambda: _config("Olmo2Config"),
+    # One KV head for two ranks: the key norm's squares are held twice.
+    "olmo3-sliding-rope-per-type-one-kv-head": lambda: _config(
+        "Olmo3Config", num_hidden_layers=3, num_key_value_heads=1, sliding_window=WINDOW,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"], rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 500000.0}}),
     "phi3-fused-sliding-partial-rotary": lambda: _config(
         "Phi3Config", sliding_window=WINDOW, rope_parameters=dict(rope_type="default", rope_theta=10000.0,
                                                                   partial_rotary_factor=0.5)),

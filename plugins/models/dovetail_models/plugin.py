@@ -18,6 +18,8 @@ ARCHITECTURES = {
     "GemmaForCausalLM": "dovetail_models.gemma:GemmaForCausalLM",
     "GraniteForCausalLM": "dovetail_models.granite:GraniteForCausalLM",
     "SmolLM3ForCausalLM": "dovetail_models.smollm3:SmolLM3ForCausalLM",
+    "Olmo2ForCausalLM": "dovetail_models.olmo2:Olmo2ForCausalLM",
+    "Olmo3ForCausalLM": "dovetail_models.olmo2:Olmo3ForCausalLM",
 }
 
 
