@@ -84,6 +84,10 @@ CASES = {
         layer_types=["sliding_attention", "full_attention", "sliding_attention"], rope_parameters={
             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
             "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 500000.0}}),
+    "seed-oss-qkv-bias-head_dim": lambda: _config("SeedOssConfig", head_dim=24, attention_bias=True,
+                                                  attention_out_bias=False),
+    "starcoder2-layernorm-bias-sliding": lambda: _config("Starcoder2Config", sliding_window=WINDOW, use_bias=True,
+                                                         hidden_act="gelu_pytorch_tanh"),
     "phi3-fused-sliding-partial-rotary": lambda: _config(
         "Phi3Config", sliding_window=WINDOW, rope_parameters=dict(rope_type="default", rope_theta=10000.0,
                                                                   partial_rotary_factor=0.5)),

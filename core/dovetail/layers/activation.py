@@ -1,4 +1,5 @@
-"""Gated activations of MLPs, through the platform's fused ops."""
+"""Activations of MLPs: gated ones through the platform's fused ops, and the plain ones of MLPs without a
+gate (through torch)."""
 
 from __future__ import annotations
 
@@ -54,3 +55,29 @@ def gated_activation(hidden_act: str, ctx: ModelContext) -> nn.Module:
     if hidden_act == "gelu":
         return GeluAndMul()
     raise ValueError(f"hidden_act {hidden_act!r} is not supported (supported: silu, gelu, gelu_pytorch_tanh)")
+
+
+#: Plain (not gated) activations by HF ``hidden_act`` name.
+PLAIN_ACTIVATIONS = {
+    "gelu": lambda x: torch.nn.functional.gelu(x),
+    "gelu_pytorch_tanh": lambda x: torch.nn.functional.gelu(x, approximate="tanh"),
+    "gelu_tanh": lambda x: torch.nn.functional.gelu(x, approximate="tanh"),
+    "relu": torch.relu,
+    "silu": torch.nn.functional.silu,
+    "swish": torch.nn.functional.silu,
+}
+
+
+class PlainActivation(nn.Module):
+    """``act(x)`` of an MLP without a gate (StarCoder 2)."""
+
+    def __init__(self, hidden_act: str):
+        super().__init__()
+        if hidden_act not in PLAIN_ACTIVATIONS:
+            raise ValueError(f"hidden_act {hidden_act!r} is not supported (supported: "
+                             f"{', '.join(sorted(PLAIN_ACTIVATIONS))})")
+        self.name = hidden_act
+        self.fn = PLAIN_ACTIVATIONS[hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fn(x)

@@ -1,5 +1,5 @@
 """RMSNorm, fused with the residual add through the platform's ops (and with the all-reduce before it under
-tensor parallelism, where the platform's all-reduce kernel can)."""
+tensor parallelism, where the platform's all-reduce kernel can); LayerNorm for the models that use it."""
 
 from __future__ import annotations
 
@@ -50,3 +50,26 @@ class RMSNorm(nn.Module):
         if residual is None:
             return self.ops.rms_norm(x, self.weight, self.eps)
         return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm (with a bias unless ``bias=False``); ``forward(x, residual)`` adds the residual first and
+    returns both, as :class:`RMSNorm` does. Computed in float32, through torch."""
+
+    def __init__(self, hidden_size: int, eps: float, ctx: ModelContext, bias: bool = True):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=ctx.dtype), requires_grad=False)
+        self.bias = (nn.Parameter(torch.zeros(hidden_size, dtype=ctx.dtype), requires_grad=False) if bias
+                     else None)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self.bias.float() if self.bias is not None else None
+        return torch.nn.functional.layer_norm(x.float(), x.shape[-1:], self.weight.float(), bias,
+                                              self.eps).to(x.dtype)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return self._norm(x)
+        residual = x + residual
+        return self._norm(residual), residual

@@ -60,11 +60,9 @@ class GraniteModel(LlamaModel):
 
     layer_cls = GraniteDecoderLayer
 
-    def __init__(self, config, ctx, prefix="model"):
-        super().__init__(config, ctx, prefix)
-        norm = LogitScaledNorm(config.hidden_size, config.rms_norm_eps, ctx, config.logits_scaling)
-        norm.all_reduce_input = self.norm.all_reduce_input
-        self.norm = norm
+    @classmethod
+    def make_norm(cls, config, ctx) -> RMSNorm:
+        return LogitScaledNorm(config.hidden_size, config.rms_norm_eps, ctx, config.logits_scaling)
 
     @classmethod
     def embedding_scale(cls, config) -> float:

@@ -51,13 +51,14 @@ class LlamaAttention(nn.Module):
 
     ``scale`` defaults to ``head_dim ** -0.5``; ``rope`` to the config's rope
     parameters; ``qk_norm_offset`` (None: no q/k norm) is 0 for Qwen 3 and 1
-    for Gemma 3's ``(1 + weight)`` norms.
+    for Gemma 3's ``(1 + weight)`` norms; ``qkv_bias`` and ``o_bias`` default to the
+    config's ``attention_bias``.
     """
 
     def __init__(self, config, layer_index: int, ctx: ModelContext, prefix: str, *,
                  sliding_window: int | None = None, qkv_bias: bool | None = None, scale: float | None = None,
                  rope: dict | None = None, logit_softcap: float | None = None,
-                 qk_norm_offset: float | None = None):
+                 qk_norm_offset: float | None = None, o_bias: bool | None = None):
         super().__init__()
         self.total_num_heads = config.num_attention_heads
         self.total_num_kv_heads = getattr(config, "num_key_value_heads", None) or self.total_num_heads
@@ -70,8 +71,8 @@ class LlamaAttention(nn.Module):
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.o_proj = RowParallelLinear(self.total_num_heads * self.head_dim, config.hidden_size, bias, ctx,
-                                        f"{prefix}.o_proj")
+        self.o_proj = RowParallelLinear(self.total_num_heads * self.head_dim, config.hidden_size,
+                                        bias if o_bias is None else o_bias, ctx, f"{prefix}.o_proj")
         if qk_norm_offset is None:
             self.q_norm = self.k_norm = None
         else:
@@ -195,7 +196,7 @@ class LlamaModel(nn.Module):
                                            scale=self.embedding_scale(config))
         self.layers = nn.ModuleList(self.layer_cls(config, i, ctx, f"{prefix}.layers.{i}")
                                     for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ctx, weight_offset=self.norm_offset)
+        self.norm = self.make_norm(config, ctx)
         if tp_size() > 1 and all(hasattr(layer, "leave_outputs_unreduced") and layer.can_leave_outputs_unreduced()
                                  for layer in self.layers):
             for index, layer in enumerate(self.layers):
@@ -210,6 +211,11 @@ class LlamaModel(nn.Module):
     def embedding_scale(cls, config) -> float | None:
         """The factor the embeddings are multiplied by (None: none)."""
         return None
+
+    @classmethod
+    def make_norm(cls, config, ctx: ModelContext) -> nn.Module:
+        """The final norm."""
+        return RMSNorm(config.hidden_size, config.rms_norm_eps, ctx, weight_offset=cls.norm_offset)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return run_to_end(self.forward_steps(input_ids, positions))

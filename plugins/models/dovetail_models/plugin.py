@@ -20,6 +20,8 @@ ARCHITECTURES = {
     "SmolLM3ForCausalLM": "dovetail_models.smollm3:SmolLM3ForCausalLM",
     "Olmo2ForCausalLM": "dovetail_models.olmo2:Olmo2ForCausalLM",
     "Olmo3ForCausalLM": "dovetail_models.olmo2:Olmo3ForCausalLM",
+    "SeedOssForCausalLM": "dovetail_models.seed_oss:SeedOssForCausalLM",
+    "Starcoder2ForCausalLM": "dovetail_models.starcoder2:Starcoder2ForCausalLM",
 }
 
 
