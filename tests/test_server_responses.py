@@ -45,6 +45,14 @@ def _stream(client, **kwargs):
     return events, final
 
 
+def _answered(call) -> list[dict]:
+    """The chat messages of the question, the model's ``call`` and its output, "18 degrees"."""
+    return [{"role": "user", "content": QUESTION},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}]},
+            {"role": "tool", "tool_call_id": call.call_id, "content": "18 degrees"}]
+
+
 def _items(response) -> dict:
     return {item.type: item for item in response.output}
 
@@ -104,12 +112,7 @@ def test_tool_calls_are_function_call_items_and_their_outputs_continue_the_conve
                  {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
                  {"type": "function_call_output", "call_id": call.call_id, "output": "18 degrees"}]
     answered = _create(client, input=follow_up, tools=TOOLS)
-    history = [{"role": "user", "content": QUESTION},
-               {"role": "assistant", "content": None, "tool_calls": [
-                   {"id": call.call_id, "type": "function",
-                    "function": {"name": call.name, "arguments": call.arguments}}]},
-               {"role": "tool", "tool_call_id": call.call_id, "content": "18 degrees"}]
-    assert answered.usage.input_tokens == _chat(client, history, tools=CHAT_TOOLS).usage.prompt_tokens
+    assert answered.usage.input_tokens == _chat(client, _answered(call), tools=CHAT_TOOLS).usage.prompt_tokens
 
 
 def test_previous_response_id_continues_a_stored_response(client):
@@ -118,12 +121,7 @@ def test_previous_response_id_continues_a_stored_response(client):
     output = {"type": "function_call_output", "call_id": call.call_id, "output": "18 degrees"}
     second = _create(client, previous_response_id=first.id, input=[output], tools=TOOLS)
     assert second.previous_response_id == first.id and second.instructions is None
-    history = [{"role": "user", "content": QUESTION},
-               {"role": "assistant", "content": None, "tool_calls": [
-                   {"id": call.call_id, "type": "function",
-                    "function": {"name": call.name, "arguments": call.arguments}}]},
-               {"role": "tool", "tool_call_id": call.call_id, "content": "18 degrees"}]
-    assert second.usage.input_tokens == _chat(client, history, tools=CHAT_TOOLS).usage.prompt_tokens
+    assert second.usage.input_tokens == _chat(client, _answered(call), tools=CHAT_TOOLS).usage.prompt_tokens
 
     _, streamed = _stream(client, previous_response_id=second.id, input="And tomorrow?")
     assert client.responses.retrieve(streamed.id).output_text == streamed.output_text

@@ -25,69 +25,42 @@ from dovetail.server.anthropic_protocol import MessagesBody, MessagesRequest, an
 from dovetail.server.chat import _Chat
 from dovetail.server.errors import APIError, error_body
 from dovetail.server.metrics import RequestTracker
+from dovetail.server.output_parts import CALL, REASONING, TEXT, OutputParts, chat_deltas
 from dovetail.server.state import ServerState
 from dovetail.server.streaming import respond, sse_event
 
 
-class ContentBlocks:
-    """A message's content blocks, built from the pieces of its text: each piece gives the events that
-    announce it; :meth:`close` finishes the last block."""
+class ContentBlocks(OutputParts):
+    """A message's content blocks (``thinking``, ``text``, ``tool_use``) and their stream events."""
 
-    def __init__(self):
-        self.blocks: list[dict] = []
-        self.open: Optional[dict] = None
-        self.arguments = ""  # the open tool_use block's JSON text so far
+    def started(self, kind, call_id=None, name=None):
+        if kind == REASONING:
+            block = {"type": "thinking", "thinking": "", "signature": ""}
+        elif kind == TEXT:
+            block = {"type": "text", "text": ""}
+        else:
+            block = {"type": "tool_use", "id": call_id, "name": name, "input": {}}
+        return block, [{"type": "content_block_start", "index": self.index, "content_block": dict(block)}]
 
-    def feed(self, delta: dict) -> list[dict]:
-        """The events for one delta of the chat stream (``reasoning_content``, ``content``, ``tool_calls``)."""
-        events = []
-        if delta.get("reasoning_content"):
-            events += self._write("thinking", delta["reasoning_content"])
-        if delta.get("content"):
-            events += self._write("text", delta["content"])
-        for call in delta.get("tool_calls") or []:
-            function = call.get("function") or {}
-            if call.get("id"):
-                events += self.close()
-                events += self._start({"type": "tool_use", "id": call["id"], "name": function.get("name"),
-                                       "input": {}})
-            piece = function.get("arguments")
-            if piece and self.open is not None and self.open["type"] == "tool_use":
-                self.arguments += piece
-                events.append(self._delta({"type": "input_json_delta", "partial_json": piece}))
-        return events
+    def grown(self, piece):
+        if self.open_kind == CALL:
+            delta = {"type": "input_json_delta", "partial_json": piece}
+        elif self.open_kind == REASONING:
+            delta = {"type": "thinking_delta", "thinking": piece}
+        else:
+            delta = {"type": "text_delta", "text": piece}
+        return {"type": "content_block_delta", "index": self.index, "delta": delta}
 
-    def _write(self, kind: str, piece: str) -> list[dict]:
-        events = []
-        if self.open is None or self.open["type"] != kind:
-            events += self.close()
-            events += self._start({"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking"
-                                  else {"type": "text", "text": ""})
-        self.open[kind] += piece
-        delta = {"type": "thinking_delta", "thinking": piece} if kind == "thinking" else {"type": "text_delta",
-                                                                                            "text": piece}
-        return events + [self._delta(delta)]
-
-    def _start(self, block: dict) -> list[dict]:
-        self.open, self.arguments = block, ""
-        return [{"type": "content_block_start", "index": len(self.blocks), "content_block": dict(block)}]
-
-    def _delta(self, delta: dict) -> dict:
-        return {"type": "content_block_delta", "index": len(self.blocks), "delta": delta}
-
-    def close(self) -> list[dict]:
-        """Finish the open block; its closing event."""
+    def finished(self, status):
         block = self.open
-        if block is None:
-            return []
-        if block["type"] == "tool_use":
+        if self.open_kind == CALL:
             try:
-                block["input"] = json.loads(self.arguments) if self.arguments.strip() else {}
+                block["input"] = json.loads(self.text) if self.text.strip() else {}
             except ValueError:  # cut short by max_tokens
                 block["input"] = {}
-        self.blocks.append(block)
-        self.open = None
-        return [{"type": "content_block_stop", "index": len(self.blocks) - 1}]
+        else:
+            block["thinking" if self.open_kind == REASONING else "text"] = self.text
+        return [{"type": "content_block_stop", "index": self.index}]
 
 
 def _stop(completion: CompletionOutput, blocks: list[dict]) -> tuple[str, Optional[str]]:
@@ -138,10 +111,8 @@ class _Message:
         completion = out.outputs[0]
         message, _ = self.chat.output.message(completion.text, completion.finish_reason)
         blocks = ContentBlocks()
-        blocks.feed({"reasoning_content": message.get("reasoning_content"), "content": message.get("content")})
-        blocks.feed({"tool_calls": message.get("tool_calls")})
-        blocks.close()
-        return self.message(blocks.blocks, _stop(completion, blocks.blocks), self.usage(out))
+        blocks.add_message(message)
+        return self.message(blocks.parts, _stop(completion, blocks.parts), self.usage(out))
 
     def error_event(self, api: APIError) -> bytes:
         return sse_event(error_body(api.status, api.message, path="/v1/messages"))
@@ -153,27 +124,20 @@ class _Message:
         choice = self.chat.output.stream()
         started = False
         final = completion = None
-        async for item in stream:
-            tracker.observe(item)
-            out = item.output
+        async for out, completion, delta in chat_deltas(stream, tracker, choice):
             if not started:  # the first output knows how much of the prompt the cache held
                 started = True
                 usage = {**self.usage(out), "output_tokens": 0}
                 yield sse_event({"type": "message_start", "message": self.message([], (None, None), usage)})
             if out.finished:
                 final = out
-            completion = out.outputs[0]
-            delta_text, delta_ids = out.deltas[0]
-            done = completion.finish_reason is not None
-            if not (delta_text or delta_ids or done):
-                continue
-            for event in blocks.feed(choice.delta(delta_text, final=done, new_tokens=bool(delta_ids))):
+            for event in blocks.feed(delta):
                 yield sse_event(event)
         if completion is None:
             return
         for event in blocks.close():
             yield sse_event(event)
-        stop_reason, stop_sequence = _stop(completion, blocks.blocks)
+        stop_reason, stop_sequence = _stop(completion, blocks.parts)
         yield sse_event({"type": "message_delta", "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
                          "usage": self.usage(final)})
         yield sse_event({"type": "message_stop"})

@@ -25,6 +25,7 @@ from dovetail.outputs import RequestOutput
 from dovetail.server.chat import _Chat
 from dovetail.server.errors import APIError
 from dovetail.server.metrics import RequestTracker
+from dovetail.server.output_parts import CALL, REASONING, TEXT, OutputParts, chat_deltas
 from dovetail.server.response_store import STORE_ENV, StoredResponse
 from dovetail.server.responses_protocol import ResponsesRequest, responses_field_names
 from dovetail.server.state import ServerState
@@ -35,71 +36,43 @@ def _new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-class OutputItems:
-    """A response's output items, built from the pieces of its text: each piece gives the events that announce
-    it; :meth:`close` finishes the last item."""
+class OutputItems(OutputParts):
+    """A response's output items (``reasoning``, ``message``, ``function_call``) and their stream events."""
 
-    def __init__(self):
-        self.items: list[dict] = []
-        self.open: Optional[dict] = None
-        self.text = ""  # the open item's text (or arguments) so far
-
-    def feed(self, delta: dict) -> list[dict]:
-        """The events for one delta of the chat stream (``reasoning_content``, ``content``, ``tool_calls``)."""
-        events = []
-        if delta.get("reasoning_content"):
-            events += self._write("reasoning", delta["reasoning_content"])
-        if delta.get("content"):
-            events += self._write("message", delta["content"])
-        for call in delta.get("tool_calls") or []:
-            function = call.get("function") or {}
-            if call.get("id"):
-                events += self.close("completed")
-                events += self._start({"id": _new_id("fc"), "type": "function_call", "call_id": call["id"],
-                                       "name": function.get("name"), "arguments": "", "status": "in_progress"})
-            if function.get("arguments") and self.open is not None and self.open["type"] == "function_call":
-                self.text += function["arguments"]
-                events.append({"type": "response.function_call_arguments.delta", **self._where(),
-                               "delta": function["arguments"]})
-        return events
-
-    def _write(self, kind: str, piece: str) -> list[dict]:
-        events = []
-        if self.open is None or self.open["type"] != kind:
-            events += self.close("completed")
-            if kind == "reasoning":
-                events += self._start({"id": _new_id("rs"), "type": "reasoning", "summary": [], "content": [],
-                                       "status": "in_progress"})
-            else:
-                events += self._start({"id": _new_id("msg"), "type": "message", "role": "assistant", "content": [],
-                                       "status": "in_progress"})
-                events.append({"type": "response.content_part.added", **self._where(), "content_index": 0,
-                               "part": _text_part("")})
-        self.text += piece
-        name = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
-        event = {"type": name, **self._where(), "content_index": 0, "delta": piece}
-        if kind == "message":
-            event["logprobs"] = []
-        return events + [event]
-
-    def _start(self, item: dict) -> list[dict]:
-        self.open, self.text = item, ""
-        return [{"type": "response.output_item.added", "output_index": len(self.items), "item": copy.deepcopy(item)}]
+    def started(self, kind, call_id=None, name=None):
+        where = {"output_index": self.index}
+        if kind == REASONING:
+            item = {"id": _new_id("rs"), "type": "reasoning", "summary": [], "content": [], "status": "in_progress"}
+        elif kind == TEXT:
+            item = {"id": _new_id("msg"), "type": "message", "role": "assistant", "content": [],
+                    "status": "in_progress"}
+        else:
+            item = {"id": _new_id("fc"), "type": "function_call", "call_id": call_id, "name": name, "arguments": "",
+                    "status": "in_progress"}
+        events = [{"type": "response.output_item.added", **where, "item": copy.deepcopy(item)}]
+        if kind == TEXT:
+            events.append({"type": "response.content_part.added", "item_id": item["id"], **where,
+                           "content_index": 0, "part": _text_part("")})
+        return item, events
 
     def _where(self) -> dict:
-        return {"item_id": self.open["id"], "output_index": len(self.items)}
+        return {"item_id": self.open["id"], "output_index": self.index}
 
-    def close(self, status: str) -> list[dict]:
-        """Finish the open item with ``status`` (``completed`` or ``incomplete``); its closing events."""
-        item = self.open
-        if item is None:
-            return []
-        where = self._where()
+    def grown(self, piece):
+        if self.open_kind == CALL:
+            return {"type": "response.function_call_arguments.delta", **self._where(), "delta": piece}
+        if self.open_kind == REASONING:
+            return {"type": "response.reasoning_text.delta", **self._where(), "content_index": 0, "delta": piece}
+        return {"type": "response.output_text.delta", **self._where(), "content_index": 0, "delta": piece,
+                "logprobs": []}
+
+    def finished(self, status):
+        item, where = self.open, self._where()
         item["status"] = status
-        if item["type"] == "reasoning":
+        if self.open_kind == REASONING:
             item["content"] = [{"type": "reasoning_text", "text": self.text}]
             events = [{"type": "response.reasoning_text.done", **where, "content_index": 0, "text": self.text}]
-        elif item["type"] == "message":
+        elif self.open_kind == TEXT:
             part = _text_part(self.text)
             item["content"] = [part]
             events = [{"type": "response.output_text.done", **where, "content_index": 0, "text": self.text,
@@ -109,9 +82,7 @@ class OutputItems:
             item["arguments"] = self.text
             events = [{"type": "response.function_call_arguments.done", **where, "name": item["name"],
                        "arguments": self.text}]
-        self.items.append(item)
-        self.open, self.text = None, ""
-        return events + [{"type": "response.output_item.done", "output_index": where["output_index"],
+        return events + [{"type": "response.output_item.done", "output_index": self.index,
                           "item": copy.deepcopy(item)}]
 
 
@@ -219,9 +190,9 @@ class _Response:
                 "top_p": self.params.top_p if self.params else self.body.top_p, **self.body.echo()}
 
     def finish(self, out: Optional[RequestOutput], items: OutputItems, status: str) -> dict:
-        response = self.snapshot(status, items.items, self.usage(out, _reasoning_text(items.items)))
+        response = self.snapshot(status, items.parts, self.usage(out, _reasoning_text(items.parts)))
         if self.stored:
-            self.state.response_store.put(StoredResponse(response, self.messages + [_assistant_message(items.items)]))
+            self.state.response_store.put(StoredResponse(response, self.messages + [_assistant_message(items.parts)]))
         return response
 
     def response(self, finals: dict[str, RequestOutput]) -> dict:
@@ -229,10 +200,8 @@ class _Response:
         choice = out.outputs[0]
         message, _ = self.chat.output.message(choice.text, choice.finish_reason)
         items = OutputItems()
-        items.feed({"reasoning_content": message.get("reasoning_content"), "content": message.get("content")})
-        items.feed({"tool_calls": message.get("tool_calls")})
         status = "incomplete" if choice.finish_reason == "length" else "completed"
-        items.close(status)
+        items.add_message(message, status)
         return self.finish(out, items, status)
 
     def event(self, data: dict) -> bytes:
@@ -250,19 +219,12 @@ class _Response:
         items = OutputItems()
         choice = self.chat.output.stream()
         final, status = None, "completed"
-        async for item in stream:
-            tracker.observe(item)
-            out = item.output
+        async for out, completion, delta in chat_deltas(stream, tracker, choice):
             if out.finished:
                 final = out
-            completion = out.outputs[0]
-            delta_text, delta_ids = out.deltas[0]
-            done = completion.finish_reason is not None
-            if not (delta_text or delta_ids or done):
-                continue
-            if done and completion.finish_reason == "length":
+            if completion.finish_reason == "length":
                 status = "incomplete"
-            for event in items.feed(choice.delta(delta_text, final=done, new_tokens=bool(delta_ids))):
+            for event in items.feed(delta):
                 yield self.event(event)
         for event in items.close(status):
             yield self.event(event)

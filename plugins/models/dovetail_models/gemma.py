@@ -4,8 +4,12 @@ GeGLU MLP (``gelu_pytorch_tanh``); no soft-capping and no sliding window (those 
 from __future__ import annotations
 
 from dovetail.layers.norm import RMSNorm
-from dovetail_models.gemma2 import gemma_activation
 from dovetail_models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
+
+
+def gemma_activation(config) -> str:
+    """Gemma's MLP activation: ``hidden_activation`` (older configs: ``hidden_act``)."""
+    return getattr(config, "hidden_activation", None) or config.hidden_act
 
 
 class GemmaDecoderLayer(LlamaDecoderLayer):

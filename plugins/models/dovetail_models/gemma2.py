@@ -14,12 +14,8 @@ from torch import nn
 
 from dovetail.layers.norm import RMSNorm
 from dovetail.model_interface import ModelContext, run_to_end
-from dovetail_models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, LlamaModel, window_from_layer_types
-
-
-def gemma_activation(config) -> str:
-    """Gemma's MLP activation: ``hidden_activation`` (older configs: ``hidden_act``)."""
-    return getattr(config, "hidden_activation", None) or config.hidden_act
+from dovetail_models.gemma import GemmaModel, gemma_activation
+from dovetail_models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, window_from_layer_types
 
 
 class Gemma2DecoderLayer(nn.Module):
@@ -64,15 +60,10 @@ class Gemma2DecoderLayer(nn.Module):
         return hidden_states, residual
 
 
-class Gemma2Model(LlamaModel):
-    """Scaled embeddings, Gemma 2 layers, a ``(1 + weight)`` final norm."""
+class Gemma2Model(GemmaModel):
+    """Gemma's scaled embeddings and ``(1 + weight)`` final norm, Gemma 2 layers."""
 
     layer_cls = Gemma2DecoderLayer
-    norm_offset = 1.0
-
-    @classmethod
-    def embedding_scale(cls, config) -> float:
-        return config.hidden_size**0.5
 
 
 class Gemma2ForCausalLM(LlamaForCausalLM):

@@ -16,7 +16,8 @@ from dovetail.distributed.partition import Part
 from dovetail.layers.norm import RMSNorm
 from dovetail.layers.rotary import rope_parameters
 from dovetail.model_interface import ModelContext
-from dovetail_models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, LlamaModel, window_from_layer_types
+from dovetail_models.llama import (LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel,
+                                   window_from_layer_types)
 
 
 class ProjectionNorm(nn.Module):
@@ -58,31 +59,28 @@ class Olmo2Attention(LlamaAttention):
         return self.o_proj(self.attn.forward_rotary(positions, self.q_norm(q), self.k_norm(k), v, self.rotary_emb))
 
 
-class Olmo2DecoderLayer(nn.Module):
-    """``h + norm(attention(h))``, then ``h + norm(mlp(h))``; the next layer (or the final norm) adds the last."""
+class Olmo2DecoderLayer(LlamaDecoderLayer):
+    """``h + norm(attention(h))``, then ``h + norm(mlp(h))``; the next layer (or the final norm) adds the last.
+    Each block sums its own output under tensor parallelism: the norm after it needs the whole."""
 
     def __init__(self, config, layer_index: int, ctx: ModelContext, prefix: str):
-        super().__init__()
+        nn.Module.__init__(self)
         self.self_attn = self.make_attention(config, layer_index, ctx, f"{prefix}.self_attn")
-        self.mlp = LlamaMLP(config, ctx, f"{prefix}.mlp")
+        self.mlp = self.make_mlp(config, layer_index, ctx, f"{prefix}.mlp")
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ctx)
         self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ctx)
-
-    @staticmethod
-    def sliding_window(config, layer_index: int) -> int | None:
-        return None
-
-    @staticmethod
-    def attn_logit_softcap(config) -> float | None:
-        return None
 
     def make_attention(self, config, layer_index, ctx, prefix):
         return Olmo2Attention(config, layer_index, ctx, prefix)
 
-    def forward(self, positions, hidden_states, residual):
+    def can_leave_outputs_unreduced(self) -> bool:
+        return False
+
+    def forward_steps(self, positions, hidden_states, residual):
         if residual is not None:
             hidden_states = hidden_states + residual
         hidden_states = hidden_states + self.post_attention_layernorm(self.self_attn(positions, hidden_states))
+        yield
         return self.post_feedforward_layernorm(self.mlp(hidden_states)), hidden_states
 
 
