@@ -88,6 +88,11 @@ CASES = {
                                                   attention_out_bias=False),
     "starcoder2-layernorm-bias-sliding": lambda: _config("Starcoder2Config", sliding_window=WINDOW, use_bias=True,
                                                          hidden_act="gelu_pytorch_tanh"),
+    # Windowed layers with rope, the global one without.
+    "exaone4-post-norms-qknorm-nope-global": lambda: _config(
+        "Exaone4Config", num_hidden_layers=3, head_dim=24, sliding_window=WINDOW, sliding_window_pattern=2,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+    "arcee-relu2-no-gate": lambda: _config("ArceeConfig", hidden_act="relu2", mlp_bias=True),
     "phi3-fused-sliding-partial-rotary": lambda: _config(
         "Phi3Config", sliding_window=WINDOW, rope_parameters=dict(rope_type="default", rope_theta=10000.0,
                                                                   partial_rotary_factor=0.5)),

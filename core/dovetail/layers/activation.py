@@ -63,13 +63,14 @@ PLAIN_ACTIVATIONS = {
     "gelu_pytorch_tanh": lambda x: torch.nn.functional.gelu(x, approximate="tanh"),
     "gelu_tanh": lambda x: torch.nn.functional.gelu(x, approximate="tanh"),
     "relu": torch.relu,
+    "relu2": lambda x: torch.relu(x).square(),
     "silu": torch.nn.functional.silu,
     "swish": torch.nn.functional.silu,
 }
 
 
 class PlainActivation(nn.Module):
-    """``act(x)`` of an MLP without a gate (StarCoder 2)."""
+    """``act(x)`` of an MLP without a gate (StarCoder 2, Arcee)."""
 
     def __init__(self, hidden_act: str):
         super().__init__()

@@ -22,6 +22,8 @@ ARCHITECTURES = {
     "Olmo3ForCausalLM": "dovetail_models.olmo2:Olmo3ForCausalLM",
     "SeedOssForCausalLM": "dovetail_models.seed_oss:SeedOssForCausalLM",
     "Starcoder2ForCausalLM": "dovetail_models.starcoder2:Starcoder2ForCausalLM",
+    "Exaone4ForCausalLM": "dovetail_models.exaone4:Exaone4ForCausalLM",
+    "ArceeForCausalLM": "dovetail_models.arcee:ArceeForCausalLM",
 }
 
 
