@@ -156,6 +156,17 @@ def test_engine_matches_hf(case, one_rank):
     check_matches_hf(one_rank, reference)
 
 
+@pytest.mark.gpu
+def test_engine_on_a_gpu_matches_the_engine_on_the_cpu(case):
+    """Every architecture on an NVIDIA GPU in float32 (``dtype="auto"`` would run these float32 checkpoints in
+    bfloat16 there), the REFERENCE backend, against the engine on the CPU (which the test above holds to HF:
+    compared here rather than HF on the same machine, whose transformers release may differ, e.g. in whether
+    Gemma 2's attention soft-capping applies)."""
+    _, path, _ = case
+    on_cpu = completions(run_engine(path, device="cpu", dtype="float32")[1])
+    check_matches(completions(run_engine(path, device="cuda", dtype="float32")[1]), on_cpu, tol=1e-3)
+
+
 def tp_generate(path: str) -> list:
     """On each rank of a tensor-parallel group: the engine's completions (run by tests/spmd.py)."""
     return completions(run_engine(path, cpu_threads=1)[1])
