@@ -93,6 +93,17 @@ def test_shared_prefix_blocks_are_reference_counted():
     assert kv.pool.num_free == 16
 
 
+def test_reset_forgets_every_cached_block_but_only_when_none_is_in_use():
+    kv = KVCacheManager(16, BLOCK)
+    a = _request("a", list(range(10)))
+    assert kv.allocate(a, 10)
+    assert not kv.reset_prefix_cache() and kv.pool.num_cached() == 2
+    kv.free(a)
+    assert kv.reset_prefix_cache() and kv.pool.num_cached() == 0
+    assert kv.find_cached_prefix(_request("b", list(range(10)))) == []
+    _check_invariants(kv)
+
+
 def test_eviction_takes_least_recently_freed_first_and_tail_first():
     kv = KVCacheManager(6, BLOCK)
     a = _request("a", list(range(12)))  # three full blocks

@@ -43,6 +43,17 @@ def test_repeated_prompt_hits_prefix_cache_without_changing_output(tiny_llama_di
     assert any(o.num_cached_tokens > 0 for o in second), "the repeated prompts should hit the prefix cache"
     _check(second, hf_reference)
     assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in second]
+    assert llm.reset_prefix_cache()
+    third = _generate(llm)
+    assert all(o.num_cached_tokens == 0 for o in third), "a reset prefix cache holds nothing"
+    assert [o.outputs[0].token_ids for o in third] == [o.outputs[0].token_ids for o in first]
+    engine = llm.llm_engine
+    engine.add_request("running", {"prompt_token_ids": list(range(3, 40))}, SamplingParams(max_tokens=4))
+    engine.step()
+    assert not llm.reset_prefix_cache(), "a reset must wait until no request holds blocks"
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert llm.reset_prefix_cache()
 
 
 def test_small_kv_cache_preempts_and_recomputes_correctly(tiny_llama_dir, hf_reference):

@@ -264,3 +264,14 @@ def test_metrics_cover_tokens_latencies_and_cache(server, client):
                  "dovetail_num_preemptions_total"):
         assert _metric(text, name) >= 0
     assert 0 < _metric(text, "dovetail_prefix_cache_hit_rate") <= 1
+
+
+def test_reset_prefix_cache_endpoint_forgets_the_cached_prompts(server, client):
+    prompt = "After a reset the engine computes every prompt in full again, cached or not. " * 2
+    client.completions.create(model="tiny", prompt=prompt, **GREEDY)
+    client.completions.create(model="tiny", prompt=prompt, **GREEDY)  # a hit: the hit rate is above zero
+    reset = httpx.post(server.url("/reset_prefix_cache"), headers=auth())
+    assert reset.status_code == 200 and reset.json() == {"reset": True}
+    before = _metric(_metrics(server), "dovetail_prefix_cache_hit_rate")
+    client.completions.create(model="tiny", prompt=prompt, **GREEDY)  # no hit: the rate falls
+    assert 0 < _metric(_metrics(server), "dovetail_prefix_cache_hit_rate") < before

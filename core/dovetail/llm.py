@@ -53,6 +53,10 @@ class LLM:
         model's ``generation_config.json`` on top (``generation_config="vllm"`` leaves them out)."""
         return SamplingParams(**self.llm_engine.default_sampling)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (see :meth:`LLMEngine.reset_prefix_cache`); True once done."""
+        return self.llm_engine.reset_prefix_cache()
+
     def start_profile(self) -> None:
         """Start torch.profiler on every rank; needs ``DOVETAIL_TORCH_PROFILER_DIR`` (traces go there)."""
         self.llm_engine.start_profile()

@@ -86,3 +86,12 @@ class BlockPool:
 
     def num_cached(self) -> int:
         return len(self._cached)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block; refused (False) while any block is in use."""
+        if len(self._free) != self.num_blocks:
+            return False
+        for block in self.blocks:
+            block.key = None
+        self._cached.clear()
+        return True

@@ -107,3 +107,7 @@ class KVCacheManager:
 
     def usage(self) -> float:
         return self.pool.usage()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (False, and nothing forgotten, while a request holds blocks)."""
+        return self.pool.reset_prefix_cache()

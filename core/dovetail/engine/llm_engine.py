@@ -711,6 +711,13 @@ class LLMEngine:
         self._profiling = False
         return self.executor.collective_rpc("stop_profile")
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix, so that the next requests compute their prompts in full (as vLLM's
+        ``reset_prefix_cache``); False, and nothing forgotten, while requests are unfinished."""
+        if self.scheduler.has_work():
+            return False
+        return self.kv_manager.reset_prefix_cache()
+
     def shutdown(self) -> None:
         """Stop the workers (their processes, with executors other than ``uni``) and the grammar compiler's
         threads."""

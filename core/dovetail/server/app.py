@@ -68,6 +68,12 @@ async def stop_profile(request: Request) -> dict:
     return {"summaries": await _profiler_call(request, lambda engine: engine.stop_profile())}
 
 
+async def reset_prefix_cache(request: Request) -> dict:
+    """Forget the prefix cache (vLLM's endpoint); ``{"reset": false}`` while requests run."""
+    state: ServerState = request.app.state.server
+    return {"reset": await state.engine.call(lambda engine: engine.reset_prefix_cache())}
+
+
 async def list_models(request: Request) -> dict:
     state: ServerState = request.app.state.server
     return {"object": "list", "data": [_model_card(state, n) for n in _served_names(state)]}
@@ -126,6 +132,7 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     app.get("/v1/models")(list_models)
     app.get("/v1/models/{model:path}")(retrieve_model)
     app.post("/tokenize")(tokenize)
+    app.post("/reset_prefix_cache")(reset_prefix_cache)
     app.post("/detokenize")(detokenize)
     app.post("/v1/completions", response_model=None)(create_completion)
     app.post("/v1/chat/completions", response_model=None)(create_chat_completion)
