@@ -3,7 +3,8 @@ one ``dovetail serve`` of it they all talk to.
 
 The model (:func:`tiny_models.save_scripted_model`) thinks ``<think>...</think>`` and then calls
 ``get_weather`` in a ``<tool_call>`` block, so the server's parsers (``--reasoning-parser qwen3
---enable-auto-tool-choice --tool-call-parser hermes``) have a known text to split. The server keeps
+--enable-auto-tool-choice --tool-call-parser hermes``) have a known text to split. It reports cached prompt
+tokens (``--enable-prompt-tokens-details``) and keeps
 ``/v1/responses`` (``DOVETAIL_ENABLE_RESPONSES_API_STORE``), at most ``STORE_MAX`` of them.
 """
 
@@ -33,6 +34,6 @@ def agent_server(tmp_path_factory) -> ServerProcess:
         _MODEL_DIR.append(tiny_models.save_scripted_model(tmp_path_factory.mktemp("scripted"), SCRIPT))
     return shared_server(_MODEL_DIR[0], "--api-key", API_KEY, "--served-model-name", "scripted",
                          "--max-model-len", str(MAX_MODEL_LEN), "--reasoning-parser", "qwen3",
-                         "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                         "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--enable-prompt-tokens-details",
                          env={"DOVETAIL_ENABLE_RESPONSES_API_STORE": "true",
                               "DOVETAIL_RESPONSES_API_STORE_MAX": str(STORE_MAX)})

@@ -266,6 +266,11 @@ def test_metrics_cover_tokens_latencies_and_cache(server, client):
     assert 0 < _metric(text, "dovetail_prefix_cache_hit_rate") <= 1
 
 
+def test_usage_has_no_prompt_tokens_details_unless_asked(client):
+    usage = client.completions.create(model="tiny", prompt="hello world", **GREEDY).usage
+    assert usage.prompt_tokens_details is None and usage.prompt_tokens > 0
+
+
 def test_reset_prefix_cache_endpoint_forgets_the_cached_prompts(server, client):
     prompt = "After a reset the engine computes every prompt in full again, cached or not. " * 2
     client.completions.create(model="tiny", prompt=prompt, **GREEDY)

@@ -70,6 +70,16 @@ def test_auto_tool_choice_parses_the_call_and_the_reasoning(client):
     assert json.loads(call["arguments"]) == ARGUMENTS
 
 
+def test_prompt_tokens_details_count_the_prefix_cache_hits(client):
+    first = _chat(client, tools=TOOLS)
+    again = _chat(client, tools=TOOLS)  # the same prompt: its full blocks come from the prefix cache
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert 0 < cached <= again.usage.prompt_tokens == first.usage.prompt_tokens
+    streamed = list(client.chat.completions.create(model="scripted", messages=MESSAGES, max_tokens=20, tools=TOOLS,
+                                                   stream=True, stream_options={"include_usage": True}))
+    assert streamed[-1].usage.prompt_tokens_details.cached_tokens == cached
+
+
 def test_chat_template_kwargs_reach_the_template(client):
     thinking = _chat(client, tools=TOOLS)
     response = _chat(client, tools=TOOLS, extra_body=NO_THINKING)

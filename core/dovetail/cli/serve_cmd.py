@@ -38,6 +38,8 @@ def add_parser(sub) -> None:
                    help='let the model choose to call tools (tool_choice "auto"); needs --tool-call-parser')
     s.add_argument("--tool-call-parser", default=None, choices=tool_parser_names(),
                    help="how the model writes tool calls: hermes (Qwen2.5, Qwen3, Hermes), llama3_json, mistral")
+    s.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="report the prompt tokens the prefix cache held (usage.prompt_tokens_details.cached_tokens)")
     s.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
                    help="the Jinja chat template for /v1/chat/completions, in place of the tokenizer's: a file, or "
                         "the template itself")
@@ -83,7 +85,8 @@ def run(args: argparse.Namespace) -> int:
                               max_sequences_per_request=args.max_sequences_per_request,
                               allowed_hosts=allowed_hosts(args.allowed_hosts, args.host, api_key),
                               tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
-                              chat_template=chat_template, lora_modules=lora_modules)
+                              chat_template=chat_template, lora_modules=lora_modules,
+                              enable_prompt_tokens_details=args.enable_prompt_tokens_details)
     return serve(model, kwargs, settings, host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout,
                  uvicorn_log_level=args.uvicorn_log_level, access_log=not args.disable_uvicorn_access_log)
 

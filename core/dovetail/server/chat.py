@@ -70,8 +70,7 @@ class _Chat:
 
     def usage(self, out: RequestOutput | None) -> dict:
         completion_tokens = sum(len(c.token_ids) for c in out.outputs) if out else 0
-        return {"prompt_tokens": len(self.prompt_ids), "completion_tokens": completion_tokens,
-                "total_tokens": len(self.prompt_ids) + completion_tokens}
+        return self.state.settings.usage(len(self.prompt_ids), completion_tokens, out.num_cached_tokens if out else 0)
 
     def choice(self, c: CompletionOutput) -> dict:
         message, finish_reason = self.output.message(c.text, c.finish_reason)

@@ -105,8 +105,8 @@ class _Completion:
     def usage(self, finals: dict[str, RequestOutput]) -> dict:
         prompt_tokens = sum(len(p.ids) for p in self.prompts)
         completion_tokens = sum(len(c.token_ids) for out in finals.values() for c in out.outputs)
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens}
+        cached = sum(out.num_cached_tokens for out in finals.values())
+        return self.state.settings.usage(prompt_tokens, completion_tokens, cached)
 
     def response(self, finals: dict[str, RequestOutput]) -> dict:
         choices = []

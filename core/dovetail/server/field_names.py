@@ -30,10 +30,6 @@ class FieldNames:
         self.messages = messages
         self._renamed = re.compile(r"(?<![\w.])(%s)(?![\w])" % "|".join(map(re.escape, renames))) if renames else None
 
-    def field(self, chat_field: str) -> str:
-        """The body's name of ``chat_field``."""
-        return self._rename(chat_field)
-
     def _rename(self, text: str) -> str:
         if self._renamed is not None:
             text = self._renamed.sub(lambda m: self.renames[m.group(1)], text)

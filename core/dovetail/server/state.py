@@ -40,6 +40,17 @@ class ServerSettings:
     chat_template: Optional[str] = None
     #: LoRA adapters served as models of their own (``--lora-modules``), by name.
     lora_modules: dict[str, LoRARequest] = field(default_factory=dict)
+    #: Report the prompt tokens the prefix cache held in ``usage.prompt_tokens_details.cached_tokens``
+    #: (``--enable-prompt-tokens-details``, vLLM's).
+    enable_prompt_tokens_details: bool = False
+
+    def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+        """A chat or completions ``usage`` object."""
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                 "total_tokens": prompt_tokens + completion_tokens}
+        if self.enable_prompt_tokens_details:
+            usage["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+        return usage
 
 
 @dataclass

@@ -27,7 +27,7 @@ class ProjectionNorm(nn.Module):
     def __init__(self, total_size: int, part: Part, replicas: int, eps: float, ctx: ModelContext):
         super().__init__()
         self.total_size, self.part, self.replicas, self.eps = total_size, part, replicas, eps
-        start, size = part.of(total_size, "q/k norm")
+        _, size = part.of(total_size, "q/k norm")
         self.weight = nn.Parameter(torch.ones(size, dtype=ctx.dtype), requires_grad=False)
         self.weight.weight_loader = self._load
 
