@@ -52,13 +52,13 @@ class LlamaAttention(nn.Module):
     ``scale`` defaults to ``head_dim ** -0.5``; ``rope`` to the config's rope
     parameters; ``qk_norm_offset`` (None: no q/k norm) is 0 for Qwen 3 and 1
     for Gemma 3's ``(1 + weight)`` norms; ``qkv_bias`` and ``o_bias`` default to the
-    config's ``attention_bias``.
+    config's ``attention_bias``; ``use_rope=False`` makes a NoPE layer (SmolLM3, EXAONE 4.0's global layers).
     """
 
     def __init__(self, config, layer_index: int, ctx: ModelContext, prefix: str, *,
                  sliding_window: int | None = None, qkv_bias: bool | None = None, scale: float | None = None,
                  rope: dict | None = None, logit_softcap: float | None = None,
-                 qk_norm_offset: float | None = None, o_bias: bool | None = None):
+                 qk_norm_offset: float | None = None, o_bias: bool | None = None, use_rope: bool = True):
         super().__init__()
         self.total_num_heads = config.num_attention_heads
         self.total_num_kv_heads = getattr(config, "num_key_value_heads", None) or self.total_num_heads
@@ -84,9 +84,15 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5 if scale is None else scale,
                               self.num_kv_heads, ctx, layer_index, sliding_window=sliding_window,
                               logit_softcap=logit_softcap)
+        self.use_rope = use_rope
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if not self.use_rope:
+            if self.q_norm is not None:
+                q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
+                k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
+            return self.o_proj(self.attn(q, k, v))
         # The per-head norms (when present) and the rotary are the backend's to apply, in its kernels if it can.
         return self.o_proj(self.attn.forward_rotary(positions, q, k, v, self.rotary_emb, self.q_norm, self.k_norm))
 

@@ -3,8 +3,6 @@ sliding windows where ``use_sliding_window`` and ``layer_types`` put them."""
 
 from __future__ import annotations
 
-import torch
-
 from dovetail_models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 
 
@@ -16,27 +14,14 @@ def smollm3_window(config, layer_index: int) -> int | None:
     return None
 
 
-class SmolLM3Attention(LlamaAttention):
-    """Llama's attention, without the rotary embedding on NoPE layers."""
-
-    def __init__(self, config, layer_index, ctx, prefix, sliding_window):
-        super().__init__(config, layer_index, ctx, prefix, sliding_window=sliding_window)
-        self.use_rope = bool(config.no_rope_layers[layer_index])
-
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        if self.use_rope:
-            return super().forward(positions, hidden_states)
-        q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        return self.o_proj(self.attn(q, k, v))
-
-
 class SmolLM3DecoderLayer(LlamaDecoderLayer):
     """A Llama layer of SmolLM3's attention."""
 
     sliding_window = staticmethod(smollm3_window)
 
     def make_attention(self, config, layer_index, ctx, prefix):
-        return SmolLM3Attention(config, layer_index, ctx, prefix, self.sliding_window(config, layer_index))
+        return LlamaAttention(config, layer_index, ctx, prefix, sliding_window=self.sliding_window(config, layer_index),
+                              use_rope=bool(config.no_rope_layers[layer_index]))
 
 
 class SmolLM3Model(LlamaModel):
