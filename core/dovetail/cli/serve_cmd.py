@@ -37,7 +37,8 @@ def add_parser(sub) -> None:
     s.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='let the model choose to call tools (tool_choice "auto"); needs --tool-call-parser')
     s.add_argument("--tool-call-parser", default=None, choices=tool_parser_names(),
-                   help="how the model writes tool calls: hermes (Qwen2.5, Qwen3, Hermes), llama3_json, mistral")
+                   help="how the model writes tool calls: hermes (Qwen2.5, Qwen3, Hermes), llama3_json, mistral, "
+                        "qwen3_coder")
     s.add_argument("--enable-prompt-tokens-details", action="store_true",
                    help="report the prompt tokens the prefix cache held (usage.prompt_tokens_details.cached_tokens)")
     s.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",

@@ -23,7 +23,7 @@ from dovetail.errors import RequestError
 from dovetail.outputs import CompletionOutput, RequestOutput
 from dovetail.server.anthropic_protocol import MessagesBody, MessagesRequest, anthropic_field_names
 from dovetail.server.chat import _Chat
-from dovetail.server.errors import APIError, error_body
+from dovetail.server.errors import ANTHROPIC_PATH, APIError, error_body
 from dovetail.server.metrics import RequestTracker
 from dovetail.server.output_parts import CALL, REASONING, TEXT, OutputParts, chat_deltas
 from dovetail.server.state import ServerState
@@ -115,7 +115,7 @@ class _Message:
         return self.message(blocks.parts, _stop(completion, blocks.parts), self.usage(out))
 
     def error_event(self, api: APIError) -> bytes:
-        return sse_event(error_body(api.status, api.message, path="/v1/messages"))
+        return sse_event(error_body(api.status, api.message, path=ANTHROPIC_PATH))
 
     stream_end = None  # Anthropic's stream ends with message_stop
 

@@ -127,7 +127,7 @@ class MessagesBody(_Body):
                 values["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}[choice.type]
             if choice.disable_parallel_tool_use:
                 values["parallel_tool_calls"] = False
-        return translated_chat_request({k: v for k, v in values.items() if v is not None})
+        return translated_chat_request(values)
 
 
 class MessagesRequest(MessagesBody):
@@ -148,7 +148,7 @@ class MessagesRequest(MessagesBody):
                         stream=self.stream, user=_user_id(self.metadata),
                         response_format=None if fmt is None else {
                             "type": "json_schema", "json_schema": {"name": "output", "schema": fmt.json_schema}})
-        return self.chat_request(messages, self.max_tokens, **{k: v for k, v in sampling.items() if v is not None})
+        return self.chat_request(messages, self.max_tokens, **sampling)
 
 
 def _user_id(metadata: Optional[dict]) -> Optional[str]:

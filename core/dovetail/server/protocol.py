@@ -336,10 +336,11 @@ class ChatCompletionRequest(SamplingFields):
 
 
 def translated_chat_request(values: dict[str, Any]) -> ChatCompletionRequest:
-    """The chat completion another API's body translates into; a value the chat request cannot take is a
-    :class:`RequestError` naming the chat field (for the caller to rename), never a server error."""
+    """The chat completion another API's body translates into (its None values left unset); a value the chat
+    request cannot take is a :class:`RequestError` naming the chat field (for the caller to rename), never a
+    server error."""
     try:
-        return ChatCompletionRequest.model_validate(values)
+        return ChatCompletionRequest.model_validate({k: v for k, v in values.items() if v is not None})
     except ValidationError as exc:
         error = exc.errors()[0]
         field = ".".join(str(part) for part in error.get("loc", ())) or "body"

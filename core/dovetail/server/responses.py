@@ -186,8 +186,7 @@ class _Response:
                 "background": False, "error": None,
                 "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
                 "model": self.chat.model, "output": output, "usage": usage, "store": self.stored,
-                "temperature": self.params.temperature if self.params else self.body.temperature,
-                "top_p": self.params.top_p if self.params else self.body.top_p, **self.body.echo()}
+                "temperature": self.params.temperature, "top_p": self.params.top_p, **self.body.echo()}
 
     def finish(self, out: Optional[RequestOutput], items: OutputItems, status: str) -> dict:
         response = self.snapshot(status, items.parts, self.usage(out, _reasoning_text(items.parts)))

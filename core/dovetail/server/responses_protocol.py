@@ -162,7 +162,7 @@ class ResponsesRequest(_Body):
             schema = {"name": fmt.name, "description": fmt.description, "schema": fmt.json_schema,
                       "strict": fmt.strict} if fmt.type == "json_schema" else None
             values["response_format"] = {"type": fmt.type, "json_schema": schema}
-        return translated_chat_request({k: v for k, v in values.items() if v is not None})
+        return translated_chat_request(values)
 
     def echo(self) -> dict:
         """The request's settings as a response object repeats them."""

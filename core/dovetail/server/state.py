@@ -14,6 +14,7 @@ from dovetail.errors import RequestError
 from dovetail.lora.request import LoRARequest
 from dovetail.server.errors import APIError
 from dovetail.server.metrics import ServerMetrics
+from dovetail.server.response_store import ResponseStore
 
 
 #: Arguments of ``apply_chat_template`` that ``chat_template_kwargs`` may not override.
@@ -76,7 +77,7 @@ class ServerState:
     #: A sequence classifier's label names (``id2label``), or None for other models.
     classifier_labels: Optional[list[str]] = None
     #: Finished ``/v1/responses`` kept for retrieval and ``previous_response_id``, or None (not stored).
-    response_store: Any = None
+    response_store: Optional[ResponseStore] = None
 
     def __post_init__(self):
         self._last_lora_id = max((r.lora_int_id for r in self.settings.lora_modules.values()), default=0)
