@@ -24,15 +24,16 @@ launches shaped like B1's (192 sequences, contexts 100-2048) for each model, wit
 each configuration reaches, and only that; ``--sweep-prefill`` for prefill-only launches like B1's
 first steps (28 prompts of 100-1024 tokens), with TFLOP/s; ``--sweep-splits`` KV splits of decode batches of
 8-192 long sequences (B1's last steps); ``--sweep-order`` 256 B1-like decodes by the order of their programs;
-``--sweep-lengths`` the engine's decode launches at 64-256 sequences of one context length and of lengths spread
-over 100-2048 (longest first) with the same mean, and of twice that length: whether a launch loses its bandwidth
-to unequal lengths (its programs ending at different times) or to what every launch costs.
+``--sweep-layout`` the same launches by the cache's block size, and one compact layer against the engine's layout
+(one cache per layer, blocks spread over each); ``--sweep-lengths`` the engine's decode launches at 64-256 sequences of one context length and
+of lengths spread over 100-2048 (longest first) with the same mean, and of twice that length: whether a launch
+loses its bandwidth to unequal lengths (its programs ending at different times) or to what every launch costs.
 
 Usage::
 
     python benchmarks/kernels_attention.py [--models qwen3-0.6b,llama-3.1-8b,qwen3-moe-15b-a3b] [--dtype bfloat16]
         [--iters 50] [--sweep] [--sweep-decode] [--sweep-prefill] [--sweep-splits] [--sweep-order]
-        [--sweep-lengths] [--skip-fused]
+        [--sweep-lengths] [--sweep-layout [--layers 32] [--cache-gb 48]] [--skip-fused]
         [--json results.json]
 """
 
@@ -394,6 +395,54 @@ def decode_figures(seqs, shape, dtype, iters, splits_list) -> dict:
     return figures
 
 
+def sweep_layout(dtype, iters, models, layers: int, cache_gb: float, batch_size=256):
+    """256 B1-like decodes (contexts 100-2048, longest first), the default launch, against the cache's layout:
+    block sizes 16, 32 and 64; one layer's compact cache (the batch's blocks only, shuffled, the launch repeated)
+    against ``layers`` such caches, the launches walking layer after layer, and against ``layers`` caches of
+    ``cache_gb / layers`` GB each, as the engine allocates them, the batch's blocks drawn from the whole of each:
+    whether the change of layer or the spread costs bandwidth (the engine's decode attention reads its cache
+    slower than one repeated launch does)."""
+    from dovetail.attention.batch import AttentionBatch
+    from dovetail.triton.paged_attention import paged_attention
+
+    rng = random.Random(2)
+    seqs = sorted(((rng.randint(100, 2048), 1) for _ in range(batch_size)), reverse=True)
+    results = []
+    for model, (num_heads, num_kv_heads, head_size) in shapes(models):
+        nbytes = kv_bytes(seqs, num_kv_heads, head_size, dtype)
+        for block_size, (count, spread) in itertools.product((16, 32, 64), ((1, False), (layers, False),
+                                                                             (layers, True))):
+            needed = [-(-(c + n) // block_size) for c, n in seqs]
+            block_bytes = 2 * block_size * num_kv_heads * head_size * torch.tensor([], dtype=dtype).element_size()
+            num_blocks = max(int(cache_gb * 1e9 / layers / block_bytes), sum(needed)) if spread else sum(needed) + 1
+            blocks = random.Random(3).sample(range(num_blocks), sum(needed))
+            tables = [[blocks.pop() for _ in range(n)] for n in needed]
+            batch = AttentionBatch.from_lists([n for _, n in seqs], [c + n for c, n in seqs], tables, block_size,
+                                              DEVICE)
+            q = torch.randn(batch.num_tokens, num_heads, head_size, device=DEVICE, dtype=dtype)
+            out = torch.empty_like(q)
+            caches = [torch.randn(2, num_blocks, block_size, num_kv_heads, head_size, device=DEVICE, dtype=dtype)
+                      for _ in range(count)]
+            calls = max(count, 10)
+
+            def call():
+                for i in range(calls):
+                    cache = caches[i % count]
+                    paged_attention(q, cache[0], cache[1], out, batch.block_table, batch.seq_lens,
+                                    batch.query_start_loc, batch.num_tokens, batch.num_seqs, head_size ** -0.5,
+                                    decode=True)
+            ms = time_ms(graphed(call), iters, warmup=2) / calls
+            layout = (f"{count} layers of {num_blocks * block_bytes / 1e9:.2f} GB" if spread
+                      else f"{count} compact layer{'s' if count > 1 else ''}")
+            results.append({"model": model, "block_size": block_size, "layout": layout, "ms": ms,
+                            "TBps": nbytes / ms / 1e9})
+            print(f"sweep-layout {model:13} block {block_size:3} {layout:26} {ms:8.4f} ms "
+                  f"{nbytes / ms / 1e9:5.2f} TB/s", flush=True)
+            del caches, q, out, batch
+            torch.cuda.empty_cache()
+    return results
+
+
 def sweep_lengths(dtype, iters, models):
     """The engine's decode launches (default tiles and splits) of 64-256 sequences: contexts spread over 100-2048
     (longest first, as the engine orders them), all of their mean length, and all twice that; KV bytes/s of each,
@@ -472,6 +521,10 @@ def main():
     parser.add_argument("--sweep-order", action="store_true", help="only B1-like decode launches by program order")
     parser.add_argument("--sweep-lengths", action="store_true",
                         help="only decode launches of spread against uniform context lengths")
+    parser.add_argument("--sweep-layout", action="store_true",
+                        help="only B1-like decode launches by block size and by how the cache is laid out")
+    parser.add_argument("--layers", type=int, default=32, help="--sweep-layout: the caches the launches walk")
+    parser.add_argument("--cache-gb", type=float, default=48.0, help="--sweep-layout: their size together")
     parser.add_argument("--skip-fused", action="store_true")
     parser.add_argument("--json", default=None, help="write all results to this file")
     args = parser.parse_args()
@@ -494,8 +547,12 @@ def main():
             "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
             "commit": commit, "dtype": args.dtype, "copy_bandwidth_TBps": bandwidth / 1e12}
     print(json.dumps(meta), flush=True)
-    if args.sweep_decode or args.sweep_prefill or args.sweep_splits or args.sweep_order or args.sweep_lengths:
+    if args.sweep_decode or args.sweep_prefill or args.sweep_splits or args.sweep_order or args.sweep_lengths\
+            or args.sweep_layout:
         results = {"meta": meta}
+        if args.sweep_layout:
+            results["sweep_layout"] = sweep_layout(dtype, max(10, args.iters // 5), models, args.layers,
+                                                   args.cache_gb)
         if args.sweep_lengths:
             results["sweep_lengths"] = sweep_lengths(dtype, max(10, args.iters // 5), models)
         if args.sweep_order:
