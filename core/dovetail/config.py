@@ -2,7 +2,7 @@
 
 :class:`EngineArgs` is the flat form users pass (``LLM(**kwargs)``, CLI flags);
 :meth:`EngineArgs.create_engine_config` groups it into an :class:`EngineConfig`
-of model, cache, scheduler, device, parallel and structured-outputs sections.
+of model, cache, scheduler, device, parallel, structured-outputs, LoRA and speculative sections.
 Any invalid value raises :class:`dovetail.errors.ConfigError` naming the field
 and the rule.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from dovetail.errors import ConfigError
 
@@ -163,6 +163,38 @@ class LoRAConfig(_Section):
         return value
 
 
+class SpeculativeConfig(_Section):
+    """Speculative decoding (vLLM's ``speculative_config``): each step proposes up to ``num_speculative_tokens``
+    tokens per sequence, and one forward pass checks them all.
+
+    ``ngram`` (prompt lookup) proposes the tokens that followed the latest earlier occurrence of the
+    sequence's last ``prompt_lookup_max`` .. ``prompt_lookup_min`` tokens (the longest that occurs). When
+    neither bound is given both are 5; when one is given the other takes its value (vLLM's rule).
+    """
+
+    method: Literal["ngram"]
+    num_speculative_tokens: int = Field(ge=1, le=64)
+    prompt_lookup_max: Optional[int] = Field(default=None, ge=1)
+    prompt_lookup_min: Optional[int] = Field(default=None, ge=1)
+
+    @model_validator(mode="after")
+    def _lookup_bounds(self):
+        low, high = self.prompt_lookup_min, self.prompt_lookup_max
+        if low is None and high is None:
+            low = high = 5
+        low, high = (high if low is None else low), (low if high is None else high)
+        if low > high:
+            raise ValueError(f"prompt_lookup_min ({low}) must not exceed prompt_lookup_max ({high})")
+        self.__dict__.update(prompt_lookup_min=low, prompt_lookup_max=high)
+        return self
+
+
+class SpeculativeSection(_Section):
+    """Where :class:`SpeculativeConfig` sits among the flat engine arguments (None: no speculation)."""
+
+    speculative_config: Optional[SpeculativeConfig] = None
+
+
 class EngineConfig(BaseModel):
     """The whole engine configuration, by section."""
 
@@ -175,12 +207,13 @@ class EngineConfig(BaseModel):
     parallel: ParallelConfig = ParallelConfig()
     structured_outputs: StructuredOutputsConfig = StructuredOutputsConfig()
     lora: LoRAConfig = LoRAConfig()
+    speculative: SpeculativeSection = SpeculativeSection()
 
 
 _SECTIONS = {
     "model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
     "device": DeviceConfig, "parallel": ParallelConfig, "structured_outputs": StructuredOutputsConfig,
-    "lora": LoRAConfig,
+    "lora": LoRAConfig, "speculative": SpeculativeSection,
 }
 _FIELD_SECTION = {name: section for section, cls in _SECTIONS.items() for name in cls.model_fields}
 

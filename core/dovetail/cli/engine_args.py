@@ -95,6 +95,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser, model_positional: bool
     g.add_argument("--max-lora-rank", type=int, default=None, metavar="R", help="the largest adapter rank (default 16)")
     g.add_argument("--max-cpu-loras", type=int, default=None, metavar="N",
                    help="adapters kept read in host memory (default: --max-loras)")
+    g.add_argument("--speculative-config", type=_json_object, default=None, metavar="JSON",
+                   help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+                        '"prompt_lookup_max": 4}\' (n-gram lookup in the prompt and output so far; outputs stay '
+                        'those of plain decoding)')
     g.add_argument("--reasoning-parser", default=None, choices=reasoning_parser_names(),
                    help="how the model's reasoning is delimited: qwen3, deepseek_r1 (structured outputs apply "
                         "after it; the server returns it as reasoning_content)")
@@ -108,7 +112,7 @@ ENGINE_KEYS = (
     "cudagraph_capture_sizes", "max_cudagraph_capture_size", "cpu_threads", "tensor_parallel_size",
     "distributed_executor_backend", "enable_dbo", "dbo_prefill_token_threshold", "reasoning_parser",
     "generation_config", "override_generation_config", "runner", "pooler_config",
-    "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras",
+    "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras", "speculative_config",
 )
 
 

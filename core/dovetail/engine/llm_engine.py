@@ -30,6 +30,7 @@ from dovetail.engine.profiler import profiler_dir
 from dovetail.engine.prompt_tokenizer import PromptTokenizer
 from dovetail.engine.request import Request, RequestStatus
 from dovetail.engine.scheduler import ScheduledBatch, Scheduler
+from dovetail.engine.speculative import NgramProposer
 from dovetail.engine.step import NewRequestData, StepDescription
 from dovetail.engine.structured_output import StructuredOutputManager
 from dovetail.engine.worker import WorkerSpec, attention_requirements, check_heads_divide
@@ -143,6 +144,9 @@ class LLMEngine:
             self._configure_pooling()
             if config.lora.enable_lora:
                 raise ConfigError("enable_lora: LoRA adapters run on generating models only (runner='generate')")
+            if config.speculative.speculative_config is not None:
+                raise ConfigError("speculative_config: speculative decoding runs on generating models only "
+                                  "(runner='generate')")
         shape = self.model_choice.cls.attention_shape(self.hf_config)
         check_heads_divide(shape, self.world_size)
         spec = WorkerSpec(config, str(self.model_path), self.dtype, self.max_model_len)
@@ -205,6 +209,17 @@ class LLMEngine:
         self._profiling = False
         async_scheduling = config.scheduler.async_scheduling
         self.overlap = self.platform.is_accelerator if async_scheduling is None else async_scheduling
+        speculative = config.speculative.speculative_config
+        #: Proposes each step's draft tokens (None: no speculative decoding).
+        self.proposer = NgramProposer(speculative, self.max_model_len) if speculative is not None else None
+        #: Draft tokens proposed, and of them accepted, since start-up.
+        self.num_draft_tokens = self.num_accepted_tokens = 0
+        if self.proposer is not None and self.overlap:
+            if async_scheduling:
+                raise ConfigError("async_scheduling: speculative decoding proposes from every token so far, "
+                                  "so it cannot overlap steps (leave async_scheduling unset or false)")
+            logger.info("speculative decoding: steps do not overlap (the drafts need the step before's tokens)")
+            self.overlap = False
         self.startup_seconds = time.monotonic() - t0
         logger.info("engine ready in %.1fs: model %s (%s) on %s, dtype %s, attention %s, %d KV blocks of %d tokens, "
                     "world size %d (executor %s)", self.startup_seconds, self.model_path,
@@ -486,6 +501,8 @@ class LLMEngine:
         if self._in_flight is not None and (not self.overlap or self._needs_every_token()):
             outputs += self._apply(self._in_flight)
             self._in_flight = None
+        if self.proposer is not None:
+            self.proposer.propose(self.scheduler.running, allowed=not self._num_constrained)
         batch = self.scheduler.schedule()
         for req in batch.preempted:
             self._drop_from_workers(req)
@@ -547,15 +564,16 @@ class LLMEngine:
                 new_blocks[req.request_id] = blocks[req.num_sent_blocks:]
                 req.num_sent_blocks = len(blocks)
         forget, self._forget = self._forget, []
+        drafts = {r.request_id: list(r.draft_token_ids) for r in batch.requests if r.draft_token_ids}
         return StepDescription([r.request_id for r in batch.requests], batch.num_new_tokens, new_requests,
-                               new_blocks, forget)
+                               new_blocks, forget, draft_token_ids=drafts)
 
     def _launch(self, batch: ScheduledBatch) -> tuple[_InFlight, bool]:
         """Hand the step to the workers; nothing waits for them. Returns the requests whose rows sample, and
         whether the workers wait for their bitmask (:meth:`Executor.sample_with_bitmask`) before sampling."""
         step = self.describe_step(batch)
         rows = [req for req, n in zip(batch.requests, batch.num_new_tokens)
-                if req.num_computed_tokens + n == req.num_tokens]
+                if req.num_computed_tokens + n == req.num_tokens + len(req.draft_token_ids)]
         deferred = False
         if self._num_constrained and rows:
             if self._in_flight is not None and self.structured.needs_host_tokens(rows):
@@ -599,11 +617,18 @@ class LLMEngine:
         now = time.monotonic()
         touched: dict[str, None] = {}
         constrained = []
-        for req, token, info in zip(in_flight.requests, result.token_ids, result.logprobs):
+        for row, (req, token, info) in enumerate(zip(in_flight.requests, result.token_ids, result.logprobs)):
             req.num_pending -= 1
+            tokens = [(token, info)]
+            if req.draft_token_ids:
+                tokens += result.draft_rows.get(row, ())
+                self._settle_drafts(req, len(tokens) - 1)
             if req.is_finished or req.request_id not in self._requests:
                 continue  # finished by an earlier token, or aborted, while this step ran
-            self.outputs.append_token(req, token, info, now)
+            for token, info in tokens:
+                self.outputs.append_token(req, token, info, now)
+                if req.is_finished:
+                    break
             if req.grammar is not None and not req.is_finished:
                 constrained.append((req, token))
             if req.is_finished:
@@ -624,6 +649,15 @@ class LLMEngine:
                 continue
             outputs.append(self._parent_output(pid))
         return outputs
+
+    def _settle_drafts(self, req: Request, accepted: int) -> None:
+        """Count a speculative row's drafts, and take back the computed positions of those not accepted (their
+        cache slots are written again when the sequence gets there)."""
+        drafted = len(req.draft_token_ids)
+        self.num_draft_tokens += drafted
+        self.num_accepted_tokens += accepted
+        req.num_computed_tokens -= drafted - accepted
+        req.draft_token_ids = []
 
     def _apply_pooled(self, in_flight: _InFlight, embeddings) -> list[PoolingRequestOutput]:
         """Finish the requests whose prompt a pooling step completed, with their embeddings (or their
@@ -732,4 +766,6 @@ class LLMEngine:
             "kv_cache_usage": self.kv_manager.usage(),
             "prefix_cache_hit_rate": self.kv_manager.hit_rate(),
             "num_preemptions": self.scheduler.num_preemptions,
+            "spec_decode_num_draft_tokens": self.num_draft_tokens,
+            "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
         }

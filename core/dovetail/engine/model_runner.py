@@ -34,6 +34,7 @@ from dovetail.engine.micro_batches import parts_share_blocks, run_interleaved, s
 from dovetail.engine.pooler import Pooler
 from dovetail.engine.scheduler import ScheduledBatch
 from dovetail.engine.sharded_logits import ShardedLogits
+from dovetail.engine.speculative import sampling_positions
 from dovetail.forward_context import set_forward_context
 from dovetail.layers.attention import Attention
 from dovetail.lora.context import lora_slots, slot_mask_of
@@ -73,7 +74,9 @@ def graph_batch_sizes(max_num_seqs: int, capture_sizes: list[int] | None = None,
 
 @dataclass
 class StepLogits:
-    """Logits of one step: the sampling rows, and per request its prompt-logprob rows."""
+    """Logits of one step: the sampling rows, and per request its prompt-logprob rows. A speculative row's
+    sequence is followed in ``sample_requests`` by one :class:`~dovetail.engine.speculative.DraftPosition` per
+    draft."""
 
     sample_logits: torch.Tensor | ShardedLogits | None
     sample_requests: list[RequestState]
@@ -90,10 +93,21 @@ def pending_inputs(batch: ScheduledBatch) -> tuple[list[int], list[int]]:
     dst, src, offset = [], [], 0
     for req, n in zip(batch.requests, batch.num_new_tokens):
         offset += n
-        if req.num_computed_tokens + n > len(req.all_token_ids):
+        if req.num_computed_tokens + n > len(req.all_token_ids) + len(req.draft_token_ids):
             dst.append(offset - 1)
             src.append(req.pending_row)
     return dst, src
+
+
+def input_tokens(req, start: int, count: int) -> list[int]:
+    """The ``count`` input tokens of a sequence from position ``start``: its known tokens, then its draft tokens
+    (speculative decoding), or a 0 where its last token is still on the device (:func:`pending_inputs`)."""
+    known = req.all_token_ids
+    if start + count <= len(known):
+        return known[start:start + count]
+    if req.draft_token_ids:
+        return [*known[start:], *req.draft_token_ids][:count]
+    return [*known[start:], 0]
 
 
 def fill_pending(input_ids: torch.Tensor, rows: tuple[list[int], list[int]], prev_tokens: torch.Tensor | None):
@@ -239,8 +253,7 @@ class ModelRunner:
         starts = [req.num_computed_tokens for req in batch.requests]
         query_lens = list(batch.num_new_tokens)
         input_ids = list(itertools.chain.from_iterable(
-            req.all_token_ids[s:s + n] if s + n <= len(req.all_token_ids) else [*req.all_token_ids[s:], 0]
-            for req, s, n in zip(batch.requests, starts, query_lens)))
+            map(input_tokens, batch.requests, starts, query_lens)))
         q_lens = torch.tensor(query_lens, dtype=torch.long)
         seq_lens = torch.tensor(starts, dtype=torch.long) + q_lens
         qsl = torch.zeros(len(query_lens) + 1, dtype=torch.long)
@@ -299,9 +312,14 @@ class ModelRunner:
         offset = 0
         for req, n in zip(batch.requests, batch.num_new_tokens):
             start = req.num_computed_tokens
-            if start + n == req.num_tokens:
-                sample_rows.append(offset + n - 1)
-                sample_requests.append(req)
+            drafts = len(req.draft_token_ids)
+            if start + n == req.num_tokens + drafts:
+                if drafts:  # a speculative row samples at its last token and at each draft
+                    sample_rows.extend(range(offset + n - 1 - drafts, offset + n))
+                    sample_requests.extend(sampling_positions(req))
+                else:
+                    sample_rows.append(offset + n - 1)
+                    sample_requests.append(req)
             if req.params.prompt_logprobs is not None and start < req.num_prompt_tokens - 1:
                 last = min(start + n, req.num_prompt_tokens - 1)
                 rows = list(range(offset, offset + last - start))

@@ -87,6 +87,8 @@ class Request(SequenceTokens):
         self.pooling_params = None
         #: The :class:`dovetail.lora.LoRARequest` it runs with, else None (the base model).
         self.lora_request = None
+        #: Speculative decoding's tokens proposed to follow its last one, computed with it in the next step.
+        self.draft_token_ids: list[int] = []
 
     @property
     def is_finished(self) -> bool:

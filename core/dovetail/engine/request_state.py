@@ -20,7 +20,7 @@ class RequestState(SequenceTokens):
 
     __slots__ = ("request_id", "params", "eos_token_ids", "prompt_token_ids", "all_token_ids",
                  "output_token_ids", "num_computed_tokens", "num_pending", "pending_row", "block_ids",
-                 "pooled", "lora_id", "lora_slot")
+                 "pooled", "lora_id", "lora_slot", "draft_token_ids")
 
     def __init__(self, data: NewRequestData):
         self.request_id = data.request_id
@@ -38,3 +38,5 @@ class RequestState(SequenceTokens):
         #: The LoRA adapter's id (0: the base model) and the slot holding it (-1: none), set by the worker.
         self.lora_id = data.lora_request.lora_int_id if data.lora_request is not None else 0
         self.lora_slot = -1
+        #: The draft tokens this step computes after the last known token (speculative decoding), else [].
+        self.draft_token_ids: list[int] = []

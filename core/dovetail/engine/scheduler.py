@@ -143,6 +143,7 @@ class Scheduler:
             budget[0] += batch.num_new_tokens.pop(i)
             batch.requests.pop(i)
         victim.num_computed_tokens = 0
+        victim.draft_token_ids = []
         victim.num_preemptions += 1
         victim.status = RequestStatus.PREEMPTED
         self.num_preemptions += 1
@@ -157,7 +158,10 @@ class Scheduler:
         for request in order:
             if request not in self.running or budget[0] <= 0 or request.stop_scheduling:
                 continue
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget[0])
+            drafts = request.draft_token_ids
+            num_new = min(request.num_tokens - request.num_computed_tokens + len(drafts), budget[0])
+            if drafts:
+                del drafts[num_new - 1:]  # the budget's room after the last token
             while not self.kv.allocate(request, num_new):
                 victim = self._victim()
                 self._preempt(victim, batch, budget)

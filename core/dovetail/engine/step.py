@@ -5,7 +5,7 @@ the workers see it (:class:`NewRequestData`), afterwards only the blocks it
 gained and how many tokens it computes. The workers keep their own mirror of
 each request (its tokens, sampling parameters and progress) and add the tokens
 they sample themselves, so the description never carries the tokens of a
-running request. Everything here is plain data: it pickles for worker
+running request (but the draft tokens of speculative decoding). Everything here is plain data: it pickles for worker
 processes and Ray actors, and costs nothing to hand over in process.
 
 A worker answers each step with a :class:`StepOutput`: the sampled tokens, in
@@ -71,6 +71,9 @@ class StepDescription:
     #: Run the model but wait for :meth:`Worker.sample_with_bitmask` to sample (the engine builds the
     #: bitmask meanwhile, from tokens the step before is still bringing back).
     sample_later: bool = False
+    #: Speculative decoding: the draft tokens each such request computes after its last token this step
+    #: (its row is ``1 + len(drafts)`` tokens, and samples at each of them: :mod:`dovetail.engine.speculative`).
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -86,6 +89,9 @@ class StepOutput:
     #: A pooling model's answer instead of tokens: the pooled hidden states ``[rows, hidden]`` (float32) of
     #: the requests whose prompt the step completed, in batch order; None when none did.
     embeddings: Optional[np.ndarray] = None
+    #: Speculative rows (by their index in ``token_ids``) that yield more than one token: the tokens after the
+    #: first, each with its logprobs (or None), in order.
+    draft_rows: dict[int, list[tuple[int, Optional[TokenLogprobs]]]] = field(default_factory=dict)
 
 
 EMPTY_OUTPUT = StepOutput([], [])

@@ -32,6 +32,7 @@ from dovetail.engine.profiler import StepProfiler
 from dovetail.engine.request_state import RequestState
 from dovetail.engine.sampler import PendingSample, launch_sample, prompt_logprobs
 from dovetail.engine.scheduler import ScheduledBatch
+from dovetail.engine.speculative import DraftPosition, accepted_tokens
 from dovetail.engine.step_timeline import StepTimeline
 from dovetail.engine.sharded_logits import ShardedLogits
 from dovetail.engine.step import EMPTY_OUTPUT, StepDescription, StepOutput, apply_token_bitmask
@@ -93,6 +94,8 @@ class _Launched:
     prompt_logprobs: dict
     #: A pooling step's pooled states of ``rows``, in host memory once the device gets there (driver rank).
     embeddings: Optional[HostCopy] = None
+    #: Whether some rows are speculative (their sequences followed in ``rows`` by their draft positions).
+    speculative: bool = False
 
 
 def host_threads(platform: Platform, owns_process: bool, environ=os.environ) -> int | None:
@@ -265,6 +268,8 @@ class Worker:
                 state.lora_slot = self.lora.activate(state.lora_id, adapters_in_use)
         for request_id, blocks in step.new_block_ids.items():
             requests[request_id].block_ids.extend(blocks)
+        for request_id, drafts in step.draft_token_ids.items():
+            requests[request_id].draft_token_ids = drafts
         states = [requests[r] for r in step.request_ids]
         batch = ScheduledBatch(states, step.num_new_tokens)
         logits = self.runner.execute(batch, [s.block_ids for s in states], self._last_tokens)
@@ -283,7 +288,7 @@ class Worker:
             self._last_tokens = None
             return
         rows = logits.sample_requests
-        self._launched.append(_Launched(None, rows, prompt))
+        self._launched.append(_Launched(None, rows, prompt, speculative=bool(step.draft_token_ids)))
         if rows and step.sample_later:
             self._unsampled = logits.sample_logits  # the bitmask follows (sample_with_bitmask)
             return
@@ -311,8 +316,9 @@ class Worker:
             launched.sample = launch_sample(sample_logits, rows, self.vocab_size, self.ops.argmax)
             launched.sample.start_transfer(self.platform)
             for row, state in enumerate(rows):
-                state.num_pending += 1
-                state.pending_row = row
+                if not isinstance(state, DraftPosition):
+                    state.num_pending += 1
+                    state.pending_row = row
         self._last_tokens = launched.sample.tokens if launched.sample is not None else None
 
     def _pooled_to_host(self, pooled) -> tuple[list[RequestState], Optional[HostCopy]]:
@@ -337,6 +343,8 @@ class Worker:
             return output if self.rank == 0 else None
         result = launched.sample.result()
         self.timeline.mark("tokens")
+        if launched.speculative:
+            return self._take_speculative(launched, result)
         for state, token in zip(launched.rows, result.token_ids):
             state.num_pending -= 1
             state.output_token_ids.append(token)
@@ -344,6 +352,32 @@ class Worker:
         if self.rank != 0:
             return None
         return StepOutput(result.token_ids, result.logprobs, launched.prompt_logprobs)
+
+    def _take_speculative(self, launched: _Launched, result) -> StepOutput | None:
+        """A step with speculative rows: each keeps the tokens :func:`accepted_tokens` gives it, and forgets the
+        computed positions of its drafts that were not accepted; the first of its tokens is its row's token in
+        the output, the rest go in ``draft_rows``."""
+        token_ids, logprobs, draft_rows = [], [], {}
+        i, rows = 0, launched.rows
+        while i < len(rows):
+            state = rows[i]
+            drafts = state.draft_token_ids
+            span = 1 + len(drafts)
+            tokens = accepted_tokens(result.token_ids[i:i + span], drafts)
+            infos = result.logprobs[i:i + len(tokens)]
+            state.num_pending -= 1
+            state.num_computed_tokens -= len(drafts) - (len(tokens) - 1)
+            state.draft_token_ids = []
+            state.output_token_ids.extend(tokens)
+            state.all_token_ids.extend(tokens)
+            if len(tokens) > 1:
+                draft_rows[len(token_ids)] = list(zip(tokens[1:], infos[1:]))
+            token_ids.append(tokens[0])
+            logprobs.append(infos[0])
+            i += span
+        if self.rank != 0:
+            return None
+        return StepOutput(token_ids, logprobs, launched.prompt_logprobs, draft_rows=draft_rows)
 
     def execute_then_take(self, step: StepDescription) -> StepOutput | None:
         """:meth:`execute_model` on ``step``, then :meth:`take_output` (of the oldest step launched): the ``ray``

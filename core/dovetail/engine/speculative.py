@@ -1,0 +1,135 @@
+"""Speculative decoding by n-gram lookup (vLLM's ``method: ngram``): proposing, then checking, draft tokens.
+
+Before each step the engine gives every sequence that decodes a few draft tokens: those that followed the
+latest earlier occurrence of its last ``n`` tokens (``prompt_lookup_max`` down to ``prompt_lookup_min``; the
+first ``n`` that occurs wins). The step then computes the sequence's last token and its drafts in one pass,
+and the worker samples a token at every one of those positions, each as if the drafts before it were the
+sequence's own tokens (:class:`DraftPosition`): the same parameters, penalties over the tokens so far, the
+same seeded noise at the same output position. Drafts are kept while they equal what was sampled; the first
+sampled token that differs, or the one after the last draft, ends the step's tokens (:func:`accepted_tokens`).
+
+Drawing the token and keeping the draft only when the two are equal is the rejection rule of speculative
+sampling for a proposal that puts all its probability on one token: the draft is kept with the probability
+the model gives it, and otherwise the token comes from the model's distribution without it. So outputs are
+those of decoding one token at a time, and a seeded or greedy request gives the very same tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import numpy as np
+
+from dovetail.config import SpeculativeConfig
+
+
+def latest_match(tokens: np.ndarray, length: int, n: int) -> int | None:
+    """Where the latest earlier occurrence of the last ``n`` of ``tokens[:length]`` starts (None: nowhere)."""
+    if length <= n:
+        return None
+    suffix = tokens[length - n:length]
+    starts = np.flatnonzero(tokens[:length - n] == suffix[0])
+    for offset in range(1, n):
+        if starts.size == 0:
+            break
+        starts = starts[tokens[starts + offset] == suffix[offset]]
+    return int(starts[-1]) if starts.size else None
+
+
+def ngram_proposal(tokens: np.ndarray, length: int, count: int, min_n: int, max_n: int) -> list[int]:
+    """Up to ``count`` tokens that followed the latest earlier occurrence of the sequence's last ``n`` tokens,
+    for the largest ``n`` from ``max_n`` down to ``min_n`` that occurs; [] when none does."""
+    for n in range(max_n, min_n - 1, -1):
+        start = latest_match(tokens, length, n)
+        if start is not None:
+            return tokens[start + n:min(start + n + count, length)].tolist()
+    return []
+
+
+def accepted_tokens(sampled: list[int], drafts: list[int]) -> list[int]:
+    """The tokens a speculative row yields: ``sampled[j]`` is what was drawn after the first ``j`` drafts; each
+    draft stands while it equals the token drawn in its place, and the first that differs is replaced by it
+    (or, when every draft stands, the token drawn after the last one is added)."""
+    tokens = []
+    for draft, token in zip(drafts, sampled):
+        tokens.append(token)
+        if token != draft:
+            return tokens
+    tokens.append(sampled[len(drafts)])
+    return tokens
+
+
+class DraftPosition:
+    """The sampler's view of a sequence ``index`` drafts into its speculative row: the tokens so far are the
+    sequence's own followed by its first ``index`` drafts (what penalties, ``min_tokens`` and seeded noise
+    read)."""
+
+    __slots__ = ("state", "index")
+
+    def __init__(self, state, index: int):
+        self.state, self.index = state, index
+
+    @property
+    def params(self):
+        return self.state.params
+
+    @property
+    def eos_token_ids(self):
+        return self.state.eos_token_ids
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.state.num_output_tokens + self.index
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return [*self.state.all_token_ids, *self.state.draft_token_ids[:self.index]]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return [*self.state.output_token_ids, *self.state.draft_token_ids[:self.index]]
+
+
+def sampling_positions(state) -> list:
+    """The rows a sequence samples this step: itself, then one :class:`DraftPosition` per draft."""
+    return [state, *(DraftPosition(state, j) for j in range(1, len(state.draft_token_ids) + 1))]
+
+
+class NgramProposer:
+    """Gives the engine's decoding requests their drafts before each step; keeps each one's tokens as an array
+    that grows with it, so a lookup costs no copy of the whole sequence."""
+
+    def __init__(self, config: SpeculativeConfig, max_model_len: int):
+        self.count = config.num_speculative_tokens
+        self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
+        self.max_model_len = max_model_len
+        self._tokens: dict[str, tuple[np.ndarray, int]] = {}
+
+    def propose(self, requests: Iterable, allowed: bool = True) -> None:
+        """Set ``draft_token_ids`` of every request that decodes next with room for a draft: one whose tokens are
+        all known (none in flight), that has a single token left to compute, no grammar, and neither its
+        ``max_tokens`` nor the model's length reached by the step's last token. ``allowed`` False: no drafts this
+        step (the engine's constrained rows take their bitmasks by sampled row, one row per request)."""
+        seen = {}
+        for req in requests:
+            req.draft_token_ids = []
+            if (not allowed or req.num_pending or req.grammar is not None or req.stop_scheduling
+                    or req.num_tokens - req.num_computed_tokens != 1):
+                continue
+            room = min(self.count, req.max_tokens - req.num_output_tokens - 1,
+                       self.max_model_len - req.num_tokens - 1)
+            if room <= 0:
+                continue
+            tokens, length = self._array(req)
+            seen[req.request_id] = (tokens, length)
+            req.draft_token_ids = ngram_proposal(tokens, length, room, self.min_n, self.max_n)
+        self._tokens = seen
+
+    def _array(self, req) -> tuple[np.ndarray, int]:
+        known = req.all_token_ids
+        tokens, length = self._tokens.get(req.request_id, (None, 0))
+        if tokens is None or length > len(known) or tokens.size < len(known):
+            tokens = np.empty(max(2 * len(known), 64), dtype=np.int64)
+            length = 0
+        tokens[length:len(known)] = known[length:]
+        return tokens, len(known)
