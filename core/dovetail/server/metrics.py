@@ -2,7 +2,7 @@
 
 Counters and histograms are fed by :class:`RequestTracker` as each request's
 outputs arrive; gauges (running, waiting, KV-cache usage, prefix-cache hit
-rate, preemptions) are read from the engine loop's latest stats at scrape time.
+rate, preemptions, speculative decoding's draft and accepted tokens) are read from the engine loop's latest stats at scrape time.
 Each server owns its registry, so several servers can live in one process.
 """
 
@@ -44,6 +44,12 @@ class _EngineStatsCollector:
                                 value=s.get("prefix_cache_hit_rate", 0.0))
         yield CounterMetricFamily("dovetail_num_preemptions", "Sequences preempted (recomputed later).",
                                   value=s.get("num_preemptions", 0))
+        yield CounterMetricFamily("dovetail_spec_decode_num_draft_tokens",
+                                  "Draft tokens proposed by speculative decoding.",
+                                  value=s.get("spec_decode_num_draft_tokens", 0))
+        yield CounterMetricFamily("dovetail_spec_decode_num_accepted_tokens",
+                                  "Draft tokens that speculative decoding accepted.",
+                                  value=s.get("spec_decode_num_accepted_tokens", 0))
 
 
 class ServerMetrics:

@@ -1,0 +1,240 @@
+"""Speculative decoding by n-gram lookup (``speculative_config``): proposals, verification and the engine.
+
+Draft tokens must never change what is generated: greedy tokens match HF, and greedy, seeded, penalised,
+``min_tokens``, stop-string, ``n`` and preempted requests give with drafts exactly the tokens (and logprobs)
+they give without, on one rank and at TP=2. A proposer that knows the right continuation, with one token
+wrong, checks every branch of verification: drafts all kept (the extra token after them), cut at the
+wrong one, and the computed positions of rejected drafts recomputed.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from dovetail import LLM, SamplingParams
+from dovetail.cli.engine_args import add_engine_arguments, engine_kwargs
+from dovetail.config import EngineArgs
+from dovetail.engine.speculative import accepted_tokens, latest_match, ngram_proposal
+from dovetail.errors import ConfigError
+from tiny_models import assert_greedy_matches, hf_greedy
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+COMMON = dict(device="cpu", attention_backend="REFERENCE", dtype="float32", max_model_len=256)
+#: Prompts that repeat themselves, so that n-grams find drafts, and one that does not.
+PROMPTS = [[5, 6, 7, 8, 9] * 4, [40, 41, 42, 43, 44, 45, 46, 47] * 3, list(range(100, 131)), [7, 7, 7, 7]]
+
+
+def _plain_latest_match(tokens: list[int], n: int) -> int | None:
+    suffix = tokens[-n:]
+    starts = [i for i in range(len(tokens) - n) if tokens[i:i + n] == suffix]
+    return starts[-1] if starts else None
+
+
+def test_latest_match_and_proposal_agree_with_a_plain_search():
+    rng = random.Random(0)
+    for _ in range(300):
+        tokens = [rng.randrange(4) for _ in range(rng.randint(1, 40))]
+        array = np.array(tokens + [99] * 5, dtype=np.int64)  # room beyond the length is never read
+        for n in (1, 2, 3, 4):
+            expected = _plain_latest_match(tokens, n) if len(tokens) > n else None
+            assert latest_match(array, len(tokens), n) == expected, (tokens, n)
+        count, low, high = rng.randint(1, 5), rng.randint(1, 2), rng.randint(2, 4)
+        expected = []
+        for n in range(high, low - 1, -1):
+            start = _plain_latest_match(tokens, n) if len(tokens) > n else None
+            if start is not None:
+                expected = tokens[start + n:start + n + count]
+                break
+        assert ngram_proposal(array, len(tokens), count, low, high) == expected
+
+
+def test_accepted_tokens_keep_drafts_while_they_match():
+    assert accepted_tokens([4, 5, 6, 7], [4, 5, 6]) == [4, 5, 6, 7]  # all kept, and the token after them
+    assert accepted_tokens([4, 9, 6, 7], [4, 5, 6]) == [4, 9]  # cut at the first that differs
+    assert accepted_tokens([8, 5, 6, 7], [4, 5, 6]) == [8]
+    assert accepted_tokens([3], []) == [3]
+
+
+def test_config_defaults_follow_vllm_and_bad_values_name_the_field():
+    def lookup(**values):
+        config = EngineArgs("m", speculative_config={"method": "ngram", "num_speculative_tokens": 2, **values})
+        spec = config.create_engine_config().speculative.speculative_config
+        return spec.prompt_lookup_min, spec.prompt_lookup_max
+
+    assert lookup() == (5, 5)
+    assert lookup(prompt_lookup_max=4) == (4, 4)
+    assert lookup(prompt_lookup_min=2) == (2, 2)
+    assert lookup(prompt_lookup_min=1, prompt_lookup_max=3) == (1, 3)
+    bad = [({"method": "eagle", "num_speculative_tokens": 2}, "speculative_config.method"),
+           ({"method": "ngram"}, "speculative_config.num_speculative_tokens: Field required"),
+           ({"method": "ngram", "num_speculative_tokens": 0}, "speculative_config.num_speculative_tokens"),
+           ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
+            "prompt_lookup_min (4) must not exceed prompt_lookup_max (2)"),
+           ({"method": "ngram", "num_speculative_tokens": 2, "draft_model": "x"}, "speculative_config.draft_model")]
+    for value, message in bad:
+        with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            EngineArgs("m", speculative_config=value).create_engine_config()
+
+
+def test_the_cli_flag_takes_json():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    args = parser.parse_args(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}'])
+    assert engine_kwargs(args)["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 4}
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--speculative-config", "ngram"])
+
+
+def test_overlapped_steps_are_refused(tiny_llama_dir):
+    with pytest.raises(ConfigError, match="async_scheduling: speculative decoding"):
+        LLM(str(tiny_llama_dir), async_scheduling=True, speculative_config=NGRAM, **COMMON)
+
+
+def _run(llm: LLM, params: SamplingParams, prompts=PROMPTS):
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [[(c.token_ids, c.logprobs, c.finish_reason, c.text) for c in o.outputs] for o in outputs]
+
+
+def _logprobs_close(ours, theirs, tol=1e-4) -> None:
+    for ours_step, theirs_step in zip(ours or [], theirs or []):
+        assert ours_step.keys() == theirs_step.keys()
+        for token in ours_step:
+            assert abs(ours_step[token].logprob - theirs_step[token].logprob) < tol
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_llama_dir):
+    return LLM(str(tiny_llama_dir), **COMMON), LLM(str(tiny_llama_dir), speculative_config=NGRAM, **COMMON)
+
+
+class _KnowingProposer:
+    """Proposes the reference continuation of each (prompt, sample index), with the token at ``wrong`` (counted
+    from the request's next output token, when within the drafts) replaced: every draft is kept, or those up to
+    it."""
+
+    def __init__(self, references: dict[tuple, list[int]], count: int, wrong: int | None):
+        self.references, self.count, self.wrong = references, count, wrong
+
+    def propose(self, requests, allowed=True):
+        for req in requests:
+            req.draft_token_ids = []
+            if req.num_tokens - req.num_computed_tokens != 1:
+                continue
+            done = req.num_output_tokens
+            reference = self.references[(tuple(req.prompt_token_ids), req.index)]
+            drafts = list(reference[done:done + min(self.count, req.max_tokens - done - 1)])
+            if self.wrong is not None and self.wrong < len(drafts):
+                drafts[self.wrong] = (drafts[self.wrong] + 1) % 300
+            req.draft_token_ids = drafts
+
+
+CASES = {
+    "greedy": SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2),
+    "seeded": SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=11, max_tokens=24, ignore_eos=True,
+                             logprobs=1),
+    "penalties": SamplingParams(temperature=0, repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.2,
+                                max_tokens=24, ignore_eos=True),
+    "min_tokens and EOS": SamplingParams(temperature=0, min_tokens=10, max_tokens=24),
+    "stop string": SamplingParams(temperature=0, max_tokens=24, stop=["e"], ignore_eos=True),
+    "n=2 seeded": SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=16, ignore_eos=True),
+    "max_tokens under the drafts": SamplingParams(temperature=0, max_tokens=2, ignore_eos=True),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_drafts_leave_the_outputs_as_plain_decoding_gives_them(engines, case):
+    """With n-gram drafts, and with drafts that are the right continuation but for their third token."""
+    plain, speculative = engines
+    expected = _run(plain, CASES[case])
+    ngram = speculative.llm_engine.proposer
+    knowing = _KnowingProposer({(tuple(p), i): c[0] for p, out in zip(PROMPTS, expected) for i, c in enumerate(out)},
+                               4, wrong=2)
+    for proposer in (ngram, knowing):
+        speculative.llm_engine.proposer = proposer
+        before = speculative.llm_engine.stats()
+        try:
+            got = _run(speculative, CASES[case])
+        finally:
+            speculative.llm_engine.proposer = ngram
+        for ours, theirs in zip(got, expected):
+            for (tokens, logprobs, reason, text), (ref_tokens, ref_logprobs, ref_reason, ref_text) in zip(ours,
+                                                                                                          theirs):
+                assert (tokens, reason, text) == (ref_tokens, ref_reason, ref_text)
+                _logprobs_close(logprobs, ref_logprobs)
+        after = speculative.llm_engine.stats()
+        if proposer is knowing and CASES[case].max_tokens > 3:
+            assert after["spec_decode_num_accepted_tokens"] > before["spec_decode_num_accepted_tokens"]
+
+
+def test_ngram_drafts_are_accepted_on_repeating_text(engines):
+    _, speculative = engines
+    before = speculative.llm_engine.stats()
+    _run(speculative, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True))
+    after = speculative.llm_engine.stats()
+    drafted = after["spec_decode_num_draft_tokens"] - before["spec_decode_num_draft_tokens"]
+    accepted = after["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
+    assert 0 < accepted <= drafted
+
+
+@pytest.mark.parametrize("wrong", [None, 0, 2])
+def test_verification_keeps_the_right_drafts_and_matches_hf(tiny_llama_dir, tiny_llama_hf, wrong):
+    max_tokens = 20
+    references = {tuple(p): hf_greedy(tiny_llama_hf, p, max_tokens) for p in PROMPTS}
+    llm = LLM(str(tiny_llama_dir), speculative_config=NGRAM, **COMMON)
+    engine = llm.llm_engine
+    engine.proposer = _KnowingProposer({(k, 0): v[0] for k, v in references.items()}, 4, wrong)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=2)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    for prompt, out in zip(PROMPTS, outputs):
+        tokens, hf_logprobs = references[tuple(prompt)]
+        completion = out.outputs[0]
+        assert_greedy_matches(completion.token_ids, tokens, hf_logprobs)
+        for step, token in enumerate(completion.token_ids):
+            assert abs(completion.logprobs[step][token].logprob - float(hf_logprobs[step][token])) < 1e-4
+    stats = engine.stats()
+    drafted, accepted = stats["spec_decode_num_draft_tokens"], stats["spec_decode_num_accepted_tokens"]
+    if wrong is None:
+        assert accepted == drafted > 0
+    else:
+        assert 0 <= accepted < drafted
+        if wrong == 2:
+            assert accepted > 0
+
+
+def test_preempted_requests_with_drafts_give_the_same_tokens(tiny_llama_dir):
+    small = dict(COMMON, max_model_len=96, num_gpu_blocks_override=8, max_num_seqs=4)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    plain = LLM(str(tiny_llama_dir), **small)
+    speculative = LLM(str(tiny_llama_dir), speculative_config=NGRAM, **small)
+    assert _run(speculative, params) == _run(plain, params)
+    assert speculative.llm_engine.scheduler.num_preemptions > 0
+
+
+def test_pooling_models_refuse_speculation(tiny_llama_dir):
+    with pytest.raises(ConfigError, match="speculative_config: speculative decoding runs on generating models"):
+        LLM(str(tiny_llama_dir), runner="pooling", speculative_config=NGRAM, **COMMON)
+
+
+def test_tensor_parallel_drafts_match_one_rank(tiny_llama_dir):
+    from test_tp_engine import assert_ranks_agree
+
+    params = SamplingParams(temperature=0.8, seed=5, max_tokens=24, ignore_eos=True, logprobs=1)
+    expected = _run(LLM(str(tiny_llama_dir), **COMMON), params)
+    llm = LLM(str(tiny_llama_dir), tensor_parallel_size=2, speculative_config=NGRAM, **COMMON)
+    llm.llm_engine.proposer = _KnowingProposer(
+        {(tuple(p), 0): out[0][0] for p, out in zip(PROMPTS, expected)}, 4, wrong=2)
+    try:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+        assert_ranks_agree(llm, outputs)
+        got = [[(c.token_ids, c.logprobs, c.finish_reason, c.text) for c in o.outputs] for o in outputs]
+        for ours, theirs in zip(got, expected):
+            assert ours[0][0] == theirs[0][0]
+            _logprobs_close(ours[0][1], theirs[0][1])
+        assert llm.llm_engine.stats()["spec_decode_num_accepted_tokens"] > 0
+    finally:
+        llm.llm_engine.shutdown()
