@@ -21,8 +21,12 @@ import pytest
 
 API_KEY = "sk-dovetail-test"
 #: Flags of the server most tests share (``tiny`` and ``tiny-alias`` name the model).
+#: The tiny Llama's server that most server tests share. It decodes speculatively (n-gram drafts), which must
+#: leave every answer as plain decoding gives it, so that every test of it checks that too.
 MAIN_FLAGS = ("--api-key", API_KEY, "--served-model-name", "tiny", "tiny-alias", "--max-model-len", "512",
-              "--max-body-bytes", "200000", "--max-num-seqs", "128")
+              "--max-body-bytes", "200000", "--max-num-seqs", "128",
+              "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, '
+                                      '"prompt_lookup_min": 1}')
 
 
 def free_port() -> int:

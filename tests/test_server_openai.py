@@ -261,7 +261,8 @@ def test_metrics_cover_tokens_latencies_and_cache(server, client):
                  "dovetail_e2e_request_latency_seconds_count"):
         assert _metric(text, name) > 0, name
     for name in ("dovetail_num_requests_running", "dovetail_num_requests_waiting", "dovetail_kv_cache_usage_perc",
-                 "dovetail_num_preemptions_total"):
+                 "dovetail_num_preemptions_total", "dovetail_spec_decode_num_draft_tokens_total",
+                 "dovetail_spec_decode_num_accepted_tokens_total"):
         assert _metric(text, name) >= 0
     assert 0 < _metric(text, "dovetail_prefix_cache_hit_rate") <= 1
 

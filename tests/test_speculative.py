@@ -238,3 +238,38 @@ def test_tensor_parallel_drafts_match_one_rank(tiny_llama_dir):
         assert llm.llm_engine.stats()["spec_decode_num_accepted_tokens"] > 0
     finally:
         llm.llm_engine.shutdown()
+
+
+def test_server_with_drafts_streams_what_plain_decoding_gives(tiny_llama_dir):
+    """The shared server of the tiny Llama decodes speculatively (``--speculative-config``): over a real socket,
+    the official client's streamed and whole completions equal the engine's without drafts, and ``/metrics``
+    counts the drafts."""
+    import httpx
+    import openai
+    from test_server_cli import API_KEY, MAIN_FLAGS, shared_server
+    from test_server_openai import _metric
+
+    assert "--speculative-config" in MAIN_FLAGS
+    server = shared_server(tiny_llama_dir, *MAIN_FLAGS)
+    prompts = [PROMPTS[0], PROMPTS[3]]
+    plain = LLM(str(tiny_llama_dir), max_model_len=512)
+    expected = [o.outputs[0].text for o in plain.generate(
+        [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True),
+        use_tqdm=False)]
+
+    def counts():
+        text = httpx.get(server.url("/metrics"), headers={"Authorization": f"Bearer {API_KEY}"}).text
+        return (_metric(text, "dovetail_spec_decode_num_draft_tokens_total"),
+                _metric(text, "dovetail_spec_decode_num_accepted_tokens_total"))
+
+    before = counts()
+    with openai.OpenAI(base_url=server.url("/v1"), api_key=API_KEY, max_retries=0, timeout=120) as client:
+        for prompt, text in zip(prompts, expected):
+            whole = client.completions.create(model="tiny", prompt=prompt, max_tokens=32, temperature=0,
+                                              extra_body={"ignore_eos": True})
+            assert whole.choices[0].text == text
+            stream = client.completions.create(model="tiny", prompt=prompt, max_tokens=32, temperature=0,
+                                               stream=True, extra_body={"ignore_eos": True})
+            assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == text
+    after = counts()
+    assert 0 < after[1] - before[1] <= after[0] - before[0]
