@@ -70,6 +70,14 @@ def environment(platform=None) -> dict:
             "device": platform.describe() if platform is not None else None}
 
 
+def draft_counts(engine) -> dict | None:
+    """Speculative decoding's draft tokens and accepted tokens so far (None: the engine does not speculate)."""
+    if engine.proposer is None:
+        return None
+    return {"draft_tokens": engine.num_draft_tokens, "accepted_tokens": engine.num_accepted_tokens,
+            "acceptance_rate": engine.num_accepted_tokens / max(engine.num_draft_tokens, 1)}
+
+
 def emit(result: dict, path: str | None) -> None:
     text = json.dumps(result, indent=2)
     print(text)

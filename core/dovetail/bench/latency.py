@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from dovetail.bench.common import add_common_arguments, build_llm, emit, environment, profiled
+from dovetail.bench.common import add_common_arguments, build_llm, draft_counts, emit, environment, profiled
 from dovetail.bench.workload import random_requests
 from dovetail.engine.frozen_heap import frozen_heap
 
@@ -52,7 +52,7 @@ def run(args) -> int:
                      "device": engine.platform.name, "attention_backend": engine.attention_backend.name,
                      "world_size": engine.world_size, "executor": engine.executor_name,
                      "kv_cache_blocks_per_rank": engine.num_blocks, "kv_block_size": engine.config.cache.block_size,
-                     "profile_summaries": summaries, "load_seconds": load_s},
+                     "profile_summaries": summaries, "load_seconds": load_s, "speculative": draft_counts(engine)},
     }
     if args.compare_hf:
         from dovetail.bench.hf_peer import hf_latency, load_hf_model

@@ -1,0 +1,63 @@
+"""Speculative decoding on an NVIDIA GPU (GPU): n-gram drafts leave the tokens as plain decoding gives them.
+
+Float32 greedy tokens match HF; greedy and seeded bfloat16 runs, with logprobs, equal the engine's own without
+drafts (whose decode steps replay CUDA graphs, while the steps with drafts run eagerly).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dovetail import LLM, SamplingParams
+from test_speculative import NGRAM, PROMPTS, _KnowingProposer, _logprobs_close
+from tiny_models import assert_greedy_matches, hf_greedy, load_hf, save_model, tiny_llama_config
+
+pytestmark = pytest.mark.gpu
+
+ENGINE = dict(device="cuda", gpu_memory_utilization=0.1, max_num_seqs=16, max_model_len=256)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    config = tiny_llama_config(hidden_size=512, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
+    return save_model(tmp_path_factory.mktemp("tiny-llama-h128"), config)
+
+
+def _run(llm, params):
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
+
+
+def test_float32_greedy_with_drafts_matches_hf(model_dir):
+    hf = load_hf(model_dir)
+    references = [hf_greedy(hf, p, 24) for p in PROMPTS]
+    llm = LLM(str(model_dir), dtype="float32", speculative_config=NGRAM, **ENGINE)
+    llm.llm_engine.proposer = _KnowingProposer({(tuple(p), 0): r[0] for p, r in zip(PROMPTS, references)}, 4, 2)
+    outputs = _run(llm, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    for (tokens, _), (hf_tokens, hf_logprobs) in zip(outputs, references):
+        assert_greedy_matches(tokens, hf_tokens, hf_logprobs)
+    assert llm.llm_engine.num_accepted_tokens > 0
+    del llm
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=2),
+    SamplingParams(temperature=0.8, top_p=0.9, seed=4, max_tokens=32, ignore_eos=True, logprobs=1)],
+    ids=["greedy", "seeded"])
+def test_bfloat16_outputs_with_drafts_equal_plain_decoding(model_dir, params):
+    plain = LLM(str(model_dir), dtype="bfloat16", **ENGINE)
+    expected = _run(plain, params)
+    del plain
+    torch.cuda.empty_cache()
+    llm = LLM(str(model_dir), dtype="bfloat16", speculative_config=NGRAM, **ENGINE)
+    llm.llm_engine.proposer = _KnowingProposer(
+        {(tuple(p), 0): tokens for p, (tokens, _) in zip(PROMPTS, expected)}, 4, 2)
+    got = _run(llm, params)
+    for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(got, expected):
+        assert tokens == ref_tokens
+        _logprobs_close(logprobs, ref_logprobs, tol=2e-2)
+    assert llm.llm_engine.num_accepted_tokens > 0
+    del llm
+    torch.cuda.empty_cache()
