@@ -1,7 +1,8 @@
 """Speculative decoding on an NVIDIA GPU (GPU): n-gram drafts leave the tokens as plain decoding gives them.
 
-Float32 greedy tokens match HF; greedy and seeded bfloat16 runs, with logprobs, equal the engine's own without
-drafts (whose decode steps replay CUDA graphs, while the steps with drafts run eagerly).
+Float32 greedy tokens match HF; float32 greedy and seeded runs, with logprobs, equal the engine's own without
+drafts (whose decode steps replay CUDA graphs, while the steps with drafts run eagerly), and bfloat16 greedy
+ones up to ties within bfloat16's error.
 """
 
 from __future__ import annotations
@@ -42,22 +43,48 @@ def test_float32_greedy_with_drafts_matches_hf(model_dir):
     torch.cuda.empty_cache()
 
 
+def _with_drafts(model_dir, dtype, params, expected):
+    llm = LLM(str(model_dir), dtype=dtype, speculative_config=NGRAM, **ENGINE)
+    llm.llm_engine.proposer = _KnowingProposer(
+        {(tuple(p), 0): tokens for p, (tokens, _) in zip(PROMPTS, expected)}, 4, 2)
+    got = _run(llm, params)
+    assert llm.llm_engine.num_accepted_tokens > 0
+    del llm
+    torch.cuda.empty_cache()
+    return got
+
+
+def _plain(model_dir, dtype, params):
+    plain = LLM(str(model_dir), dtype=dtype, **ENGINE)
+    expected = _run(plain, params)
+    del plain
+    torch.cuda.empty_cache()
+    return expected
+
+
 @pytest.mark.parametrize("params", [
     SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=2),
     SamplingParams(temperature=0.8, top_p=0.9, seed=4, max_tokens=32, ignore_eos=True, logprobs=1)],
     ids=["greedy", "seeded"])
-def test_bfloat16_outputs_with_drafts_equal_plain_decoding(model_dir, params):
-    plain = LLM(str(model_dir), dtype="bfloat16", **ENGINE)
-    expected = _run(plain, params)
-    del plain
-    torch.cuda.empty_cache()
-    llm = LLM(str(model_dir), dtype="bfloat16", speculative_config=NGRAM, **ENGINE)
-    llm.llm_engine.proposer = _KnowingProposer(
-        {(tuple(p), 0): tokens for p, (tokens, _) in zip(PROMPTS, expected)}, 4, 2)
-    got = _run(llm, params)
-    for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(got, expected):
+def test_float32_outputs_with_drafts_equal_plain_decoding(model_dir, params):
+    expected = _plain(model_dir, "float32", params)
+    for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(_with_drafts(model_dir, "float32", params, expected),
+                                                              expected):
         assert tokens == ref_tokens
-        _logprobs_close(logprobs, ref_logprobs, tol=2e-2)
-    assert llm.llm_engine.num_accepted_tokens > 0
-    del llm
-    torch.cuda.empty_cache()
+        _logprobs_close(logprobs, ref_logprobs, tol=1e-3)
+
+
+def test_bfloat16_greedy_with_drafts_follows_plain_decoding_up_to_ties(model_dir):
+    """In bfloat16 a step with drafts multiplies more rows at once than a decode step (other kernels, other
+    rounding): tokens may part only where the plain run's two best logprobs are within bfloat16's error."""
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=2)
+    expected = _plain(model_dir, "bfloat16", params)
+    for (tokens, _), (ref_tokens, ref_logprobs) in zip(_with_drafts(model_dir, "bfloat16", params, expected),
+                                                       expected):
+        step = next((i for i, (a, b) in enumerate(zip(tokens, ref_tokens)) if a != b), None)
+        if step is None:
+            assert tokens == ref_tokens
+            continue
+        best = ref_logprobs[step]
+        assert tokens[step] in best, f"step {step}: {tokens[step]} is not among the plain run's two best {best}"
+        assert abs(best[tokens[step]].logprob - best[ref_tokens[step]].logprob) < 0.05

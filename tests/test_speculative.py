@@ -120,7 +120,7 @@ class _KnowingProposer:
     def __init__(self, references: dict[tuple, list[int]], count: int, wrong: int | None):
         self.references, self.count, self.wrong = references, count, wrong
 
-    def propose(self, requests, allowed=True):
+    def propose(self, requests, allowed=True, num_waiting=0):
         for req in requests:
             req.draft_token_ids = []
             if req.num_tokens - req.num_computed_tokens != 1:
@@ -213,6 +213,16 @@ def test_preempted_requests_with_drafts_give_the_same_tokens(tiny_llama_dir):
     speculative = LLM(str(tiny_llama_dir), speculative_config=NGRAM, **small)
     assert _run(speculative, params) == _run(plain, params)
     assert speculative.llm_engine.scheduler.num_preemptions > 0
+
+
+def test_no_drafts_while_the_batch_is_larger_than_disable_by_batch_size(tiny_llama_dir):
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    counts = {}
+    for limit in (3, 4):
+        llm = LLM(str(tiny_llama_dir), speculative_config=dict(NGRAM, disable_by_batch_size=limit), **COMMON)
+        _run(llm, params)  # four sequences at once, all to the same length
+        counts[limit] = llm.llm_engine.num_draft_tokens
+    assert counts[3] == 0 < counts[4]
 
 
 def test_pooling_models_refuse_speculation(tiny_llama_dir):

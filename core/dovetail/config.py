@@ -176,6 +176,9 @@ class SpeculativeConfig(_Section):
     num_speculative_tokens: int = Field(ge=1, le=64)
     prompt_lookup_max: Optional[int] = Field(default=None, ge=1)
     prompt_lookup_min: Optional[int] = Field(default=None, ge=1)
+    #: No drafts while more sequences than this run or wait (None: drafts at any batch size): a large batch
+    #: computes every draft of every sequence, which costs more than the accepted ones save.
+    disable_by_batch_size: Optional[int] = Field(default=None, ge=1)
 
     @model_validator(mode="after")
     def _lookup_bounds(self):

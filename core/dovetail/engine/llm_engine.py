@@ -502,7 +502,8 @@ class LLMEngine:
             outputs += self._apply(self._in_flight)
             self._in_flight = None
         if self.proposer is not None:
-            self.proposer.propose(self.scheduler.running, allowed=not self._num_constrained)
+            self.proposer.propose(self.scheduler.running, allowed=not self._num_constrained,
+                                  num_waiting=len(self.scheduler.waiting))
         batch = self.scheduler.schedule()
         for req in batch.preempted:
             self._drop_from_workers(req)

@@ -16,7 +16,7 @@ those of decoding one token at a time, and a seeded or greedy request gives the 
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Collection
 
 import numpy as np
 
@@ -103,13 +103,18 @@ class NgramProposer:
         self.count = config.num_speculative_tokens
         self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
         self.max_model_len = max_model_len
+        self.disable_by_batch_size = config.disable_by_batch_size
         self._tokens: dict[str, tuple[np.ndarray, int]] = {}
 
-    def propose(self, requests: Iterable, allowed: bool = True) -> None:
+    def propose(self, requests: Collection, allowed: bool = True, num_waiting: int = 0) -> None:
         """Set ``draft_token_ids`` of every request that decodes next with room for a draft: one whose tokens are
         all known (none in flight), that has a single token left to compute, no grammar, and neither its
         ``max_tokens`` nor the model's length reached by the step's last token. ``allowed`` False: no drafts this
-        step (the engine's constrained rows take their bitmasks by sampled row, one row per request)."""
+        step (the engine's constrained rows take their bitmasks by sampled row, one row per request); nor while
+        more than ``disable_by_batch_size`` sequences run (``requests``) or wait (``num_waiting``)."""
+        limit = self.disable_by_batch_size
+        if limit is not None and len(requests) + num_waiting > limit:
+            allowed = False
         seen = {}
         for req in requests:
             req.draft_token_ids = []
