@@ -90,11 +90,6 @@ def test_the_cli_flag_takes_json():
         parser.parse_args(["--speculative-config", "ngram"])
 
 
-def test_overlapped_steps_are_refused(tiny_llama_dir):
-    with pytest.raises(ConfigError, match="async_scheduling: speculative decoding"):
-        LLM(str(tiny_llama_dir), async_scheduling=True, speculative_config=NGRAM, **COMMON)
-
-
 def _run(llm: LLM, params: SamplingParams, prompts=PROMPTS):
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return [[(c.token_ids, c.logprobs, c.finish_reason, c.text) for c in o.outputs] for o in outputs]
@@ -119,6 +114,9 @@ class _KnowingProposer:
 
     def __init__(self, references: dict[tuple, list[int]], count: int, wrong: int | None):
         self.references, self.count, self.wrong = references, count, wrong
+
+    def wants_tokens(self):
+        return True
 
     def propose(self, requests, allowed=True, num_waiting=0):
         for req in requests:
@@ -169,6 +167,25 @@ def test_drafts_leave_the_outputs_as_plain_decoding_gives_them(engines, case):
         after = speculative.llm_engine.stats()
         if proposer is knowing and CASES[case].max_tokens > 3:
             assert after["spec_decode_num_accepted_tokens"] > before["spec_decode_num_accepted_tokens"]
+
+
+@pytest.mark.parametrize("case", ["greedy", "seeded", "penalties"])
+def test_overlapped_steps_wait_for_tokens_only_to_look_for_drafts(tiny_llama_dir, engines, case):
+    """With steps overlapped (``async_scheduling``, the default on GPUs) a step waits for the one before only
+    when the proposer looks for drafts, and after a step with drafts: the outputs stay those of plain decoding,
+    and drafts are still found and accepted."""
+    plain, _ = engines
+    overlapped = LLM(str(tiny_llama_dir), async_scheduling=True, speculative_config=NGRAM, **COMMON)
+    assert overlapped.llm_engine.overlap
+    looks = []
+    proposer = overlapped.llm_engine.proposer
+    original = proposer.wants_tokens
+    proposer.wants_tokens = lambda: looks.append(original()) or looks[-1]
+    expected, got = _run(plain, CASES[case]), _run(overlapped, CASES[case])
+    assert [[(t, r, x) for t, _, r, x in o] for o in got] == [[(t, r, x) for t, _, r, x in o] for o in expected]
+    if case == "greedy":
+        assert False in looks and True in looks
+        assert overlapped.llm_engine.num_accepted_tokens > 0
 
 
 def test_ngram_drafts_are_accepted_on_repeating_text(engines):

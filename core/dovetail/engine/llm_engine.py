@@ -56,9 +56,11 @@ PromptType = Union[str, list[int], dict]
 
 @dataclass
 class _InFlight:
-    """A launched step: the requests of the rows it samples, in order."""
+    """A launched step: the requests of the rows it samples, in order, and whether some rows carry drafts
+    (the next step's positions then wait for how many were accepted)."""
 
     requests: list[Request]
+    speculative: bool = False
 
 
 @dataclass
@@ -214,12 +216,6 @@ class LLMEngine:
         self.proposer = NgramProposer(speculative, self.max_model_len) if speculative is not None else None
         #: Draft tokens proposed, and of them accepted, since start-up.
         self.num_draft_tokens = self.num_accepted_tokens = 0
-        if self.proposer is not None and self.overlap:
-            if async_scheduling:
-                raise ConfigError("async_scheduling: speculative decoding proposes from every token so far, "
-                                  "so it cannot overlap steps (leave async_scheduling unset or false)")
-            logger.info("speculative decoding: steps do not overlap (the drafts need the step before's tokens)")
-            self.overlap = False
         self.startup_seconds = time.monotonic() - t0
         logger.info("engine ready in %.1fs: model %s (%s) on %s, dtype %s, attention %s, %d KV blocks of %d tokens, "
                     "world size %d (executor %s)", self.startup_seconds, self.model_path,
@@ -479,7 +475,9 @@ class LLMEngine:
         the next step from the device. Requests whose penalties need the host to
         know every token so far wait for the step in flight first. A constrained
         row needs its newest token only for its bitmask: the workers run the
-        model while that token is applied, and sample once the bitmask follows.
+        model while that token is applied, and sample once the bitmask follows. With speculative decoding
+        the drafts need every token so far: a step waits for the one before when the proposer asks
+        (:meth:`~dovetail.engine.speculative.NgramProposer.wants_tokens`), and always after a step with drafts.
 
         A worker that died or failed raises :class:`WorkerError` naming its rank;
         the engine is stopped from then on (every later step raises it again).
@@ -498,7 +496,9 @@ class LLMEngine:
 
     def _step(self) -> list[RequestOutput]:
         outputs = self._fail_broken_grammars() if self.structured.waiting else []
-        if self._in_flight is not None and (not self.overlap or self._needs_every_token()):
+        if self._in_flight is not None and (not self.overlap or self._needs_every_token()
+                                            or self._in_flight.speculative
+                                            or (self.proposer is not None and self.proposer.wants_tokens())):
             outputs += self._apply(self._in_flight)
             self._in_flight = None
         if self.proposer is not None:
@@ -590,7 +590,7 @@ class LLMEngine:
             if (req.num_output_tokens >= req.max_tokens or req.num_tokens >= max_model_len
                     or req.pooling_params is not None):
                 req.stop_scheduling = True  # it finishes with this token whatever its value
-        return _InFlight(rows), deferred
+        return _InFlight(rows, bool(step.draft_token_ids)), deferred
 
     def _fail_broken_grammars(self) -> list[RequestOutput]:
         """Finish (as aborted) the requests whose grammar failed to compile."""

@@ -23,6 +23,10 @@ import numpy as np
 from dovetail.config import SpeculativeConfig
 
 
+#: Steps without a look for drafts after a look that found none.
+IDLE_STEPS = 8
+
+
 def latest_match(tokens: np.ndarray, length: int, n: int) -> int | None:
     """Where the latest earlier occurrence of the last ``n`` of ``tokens[:length]`` starts (None: nowhere)."""
     if length <= n:
@@ -104,6 +108,8 @@ class NgramProposer:
         self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
         self.max_model_len = max_model_len
         self.disable_by_batch_size = config.disable_by_batch_size
+        #: Steps to run without looking for drafts (overlapped, where the engine overlaps steps).
+        self._rest = 0
         self._tokens: dict[str, tuple[np.ndarray, int]] = {}
 
     def propose(self, requests: Collection, allowed: bool = True, num_waiting: int = 0) -> None:
@@ -115,7 +121,7 @@ class NgramProposer:
         limit = self.disable_by_batch_size
         if limit is not None and len(requests) + num_waiting > limit:
             allowed = False
-        seen = {}
+        seen, looked, found = {}, False, False
         for req in requests:
             req.draft_token_ids = []
             if (not allowed or req.num_pending or req.grammar is not None or req.stop_scheduling
@@ -128,7 +134,15 @@ class NgramProposer:
             tokens, length = self._array(req)
             seen[req.request_id] = (tokens, length)
             req.draft_token_ids = ngram_proposal(tokens, length, room, self.min_n, self.max_n)
+            looked, found = True, found or bool(req.draft_token_ids)
         self._tokens = seen
+        self._rest = 0 if found else (IDLE_STEPS if looked else max(0, self._rest - 1))
+
+    def wants_tokens(self) -> bool:
+        """Whether the next step should wait for every token of the one before, to look for drafts: after a step
+        that found some, and every :data:`IDLE_STEPS` steps while none are found (the steps between overlap the
+        host's work with the device's, where the engine overlaps steps)."""
+        return self._rest == 0
 
     def _array(self, req) -> tuple[np.ndarray, int]:
         known = req.all_token_ids
