@@ -76,15 +76,17 @@ def test_float32_outputs_with_drafts_equal_plain_decoding(model_dir, params):
 
 def test_bfloat16_greedy_with_drafts_follows_plain_decoding_up_to_ties(model_dir):
     """In bfloat16 a step with drafts multiplies more rows at once than a decode step (other kernels, other
-    rounding): tokens may part only where the plain run's two best logprobs are within bfloat16's error."""
-    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=2)
+    rounding: the logits are bfloat16, whose step is 1/16 between 8 and 16): tokens may part only where the
+    plain run rates ours within two such steps of its own."""
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=5)
     expected = _plain(model_dir, "bfloat16", params)
-    for (tokens, _), (ref_tokens, ref_logprobs) in zip(_with_drafts(model_dir, "bfloat16", params, expected),
-                                                       expected):
+    for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(_with_drafts(model_dir, "bfloat16", params, expected),
+                                                              expected):
         step = next((i for i, (a, b) in enumerate(zip(tokens, ref_tokens)) if a != b), None)
         if step is None:
             assert tokens == ref_tokens
             continue
-        best = ref_logprobs[step]
-        assert tokens[step] in best, f"step {step}: {tokens[step]} is not among the plain run's two best {best}"
-        assert abs(best[tokens[step]].logprob - best[ref_tokens[step]].logprob) < 0.05
+        best, ours = ref_logprobs[step], logprobs[step]
+        where = f"step {step}: ours {tokens[:step + 1]} {ours}, plain {ref_tokens[:step + 1]} {best}"
+        assert tokens[step] in best, where
+        assert abs(best[tokens[step]].logprob - best[ref_tokens[step]].logprob) < 0.13, where

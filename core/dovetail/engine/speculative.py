@@ -121,6 +121,8 @@ class NgramProposer:
         limit = self.disable_by_batch_size
         if limit is not None and len(requests) + num_waiting > limit:
             allowed = False
+        if not allowed:  # nothing to look for: the next step need not wait for this one's tokens
+            self._rest = max(self._rest, 1)
         seen, looked, found = {}, False, False
         for req in requests:
             req.draft_token_ids = []
