@@ -216,6 +216,12 @@ class LLMEngine:
         self.proposer = NgramProposer(speculative, self.max_model_len) if speculative is not None else None
         #: Draft tokens proposed, and of them accepted, since start-up.
         self.num_draft_tokens = self.num_accepted_tokens = 0
+        if speculative is not None:
+            logger.info("speculative decoding: n-gram drafts of up to %d tokens, looked up by the last %d to %d "
+                        "tokens%s", speculative.num_speculative_tokens, speculative.prompt_lookup_max,
+                        speculative.prompt_lookup_min,
+                        "" if speculative.disable_by_batch_size is None
+                        else f", none while more than {speculative.disable_by_batch_size} sequences run or wait")
         self.startup_seconds = time.monotonic() - t0
         logger.info("engine ready in %.1fs: model %s (%s) on %s, dtype %s, attention %s, %d KV blocks of %d tokens, "
                     "world size %d (executor %s)", self.startup_seconds, self.model_path,
