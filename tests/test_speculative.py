@@ -58,6 +58,43 @@ def test_accepted_tokens_keep_drafts_while_they_match():
     assert accepted_tokens([3], []) == [3]
 
 
+class _Sequence:
+    """What the proposer reads of an engine request."""
+
+    def __init__(self, tokens, pending=0):
+        self.request_id, self.all_token_ids, self.num_pending = str(id(self)), list(tokens), pending
+        self.num_tokens, self.num_computed_tokens = len(tokens) + pending, len(tokens) + pending - 1
+        self.num_output_tokens, self.max_tokens = 0, 100
+        self.grammar, self.stop_scheduling, self.draft_token_ids = None, False, []
+
+
+def test_the_proposer_asks_for_the_tokens_only_when_it_will_look():
+    from dovetail.config import SpeculativeConfig
+    from dovetail.engine.speculative import IDLE_STEPS, NgramProposer
+
+    config = SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_max=2, prompt_lookup_min=1,
+                               disable_by_batch_size=2)
+    proposer = NgramProposer(config, max_model_len=1000)
+    repeating, plain = _Sequence([1, 2, 3, 1, 2]), _Sequence([1, 2, 3, 4, 5])
+    proposer.propose([repeating])
+    assert repeating.draft_token_ids == [3, 1, 2] and proposer.wants_tokens()  # found: look again next step
+    proposer.propose([plain])
+    assert plain.draft_token_ids == [] and not proposer.wants_tokens()  # none found: rest a while
+    waits = []
+    for _ in range(IDLE_STEPS):
+        proposer.propose([_Sequence([1, 2, 1], pending=1)])  # a token in flight: nothing to look at
+        waits.append(proposer.wants_tokens())
+    assert waits == [False] * (IDLE_STEPS - 1) + [True]
+    crowd = [_Sequence([1, 2, 1]) for _ in range(3)]
+    for _ in range(3):  # more than disable_by_batch_size: no drafts, and no step waits for them
+        proposer.propose(crowd)
+        assert not proposer.wants_tokens() and all(s.draft_token_ids == [] for s in crowd)
+    proposer.propose(crowd[:2], num_waiting=1)
+    assert not proposer.wants_tokens()
+    proposer.propose(crowd[:2])
+    assert crowd[0].draft_token_ids == [2, 1] and proposer.wants_tokens()
+
+
 def test_config_defaults_follow_vllm_and_bad_values_name_the_field():
     def lookup(**values):
         config = EngineArgs("m", speculative_config={"method": "ngram", "num_speculative_tokens": 2, **values})

@@ -122,22 +122,26 @@ class NgramProposer:
         if limit is not None and len(requests) + num_waiting > limit:
             allowed = False
         if not allowed:  # nothing to look for: the next step need not wait for this one's tokens
+            for req in requests:
+                req.draft_token_ids = []
             self._rest = max(self._rest, 1)
-        seen, looked, found = {}, False, False
+            return
+        looked, found = False, False
         for req in requests:
             req.draft_token_ids = []
-            if (not allowed or req.num_pending or req.grammar is not None or req.stop_scheduling
+            if (req.num_pending or req.grammar is not None or req.stop_scheduling
                     or req.num_tokens - req.num_computed_tokens != 1):
                 continue
             room = min(self.count, req.max_tokens - req.num_output_tokens - 1,
                        self.max_model_len - req.num_tokens - 1)
             if room <= 0:
                 continue
-            tokens, length = self._array(req)
-            seen[req.request_id] = (tokens, length)
+            tokens, length = self._tokens[req.request_id] = self._array(req)
             req.draft_token_ids = ngram_proposal(tokens, length, room, self.min_n, self.max_n)
             looked, found = True, found or bool(req.draft_token_ids)
-        self._tokens = seen
+        if len(self._tokens) > 2 * len(requests) + 64:  # forget the arrays of requests that have left
+            live = {req.request_id for req in requests}
+            self._tokens = {rid: entry for rid, entry in self._tokens.items() if rid in live}
         self._rest = 0 if found else (IDLE_STEPS if looked else max(0, self._rest - 1))
 
     def wants_tokens(self) -> bool:
