@@ -25,9 +25,10 @@ each configuration reaches, and only that; ``--sweep-prefill`` for prefill-only 
 first steps (28 prompts of 100-1024 tokens), with TFLOP/s; ``--sweep-splits`` KV splits of decode batches of
 8-192 long sequences (B1's last steps); ``--sweep-order`` 256 B1-like decodes by the order of their programs;
 ``--sweep-layout`` the same launches by the cache's block size, and one compact layer against the engine's layout
-(one cache per layer, blocks spread over each); ``--sweep-lengths`` the engine's decode launches at 64-256 sequences of one context length and
-of lengths spread over 100-2048 (longest first) with the same mean, and of twice that length: whether a launch
-loses its bandwidth to unequal lengths (its programs ending at different times) or to what every launch costs.
+(one cache per layer, blocks spread over each); ``--sweep-lengths`` the engine's decode launches at 64-256
+sequences of one context length and of lengths spread over 100-2048 (longest first) with the same mean, and of
+twice that length: whether a launch loses its bandwidth to unequal lengths (its programs ending at different
+times) or to what every launch costs.
 
 Usage::
 

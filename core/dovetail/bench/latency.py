@@ -52,7 +52,8 @@ def run(args) -> int:
                      "device": engine.platform.name, "attention_backend": engine.attention_backend.name,
                      "world_size": engine.world_size, "executor": engine.executor_name,
                      "kv_cache_blocks_per_rank": engine.num_blocks, "kv_block_size": engine.config.cache.block_size,
-                     "profile_summaries": summaries, "load_seconds": load_s, "speculative": draft_counts(engine)},
+                     "profile_summaries": summaries, "load_seconds": load_s,
+                     "speculative": draft_counts(engine)},
     }
     if args.compare_hf:
         from dovetail.bench.hf_peer import hf_latency, load_hf_model

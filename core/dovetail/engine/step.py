@@ -5,8 +5,9 @@ the workers see it (:class:`NewRequestData`), afterwards only the blocks it
 gained and how many tokens it computes. The workers keep their own mirror of
 each request (its tokens, sampling parameters and progress) and add the tokens
 they sample themselves, so the description never carries the tokens of a
-running request (but the draft tokens of speculative decoding). Everything here is plain data: it pickles for worker
-processes and Ray actors, and costs nothing to hand over in process.
+running request, but for the draft tokens of speculative decoding. Everything
+here is plain data: it pickles for worker processes and Ray actors, and costs
+nothing to hand over in process.
 
 A worker answers each step with a :class:`StepOutput`: the sampled tokens, in
 the order of the rows that sampled, and the logprobs that were asked for (a

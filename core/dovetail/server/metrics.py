@@ -2,7 +2,8 @@
 
 Counters and histograms are fed by :class:`RequestTracker` as each request's
 outputs arrive; gauges (running, waiting, KV-cache usage, prefix-cache hit
-rate, preemptions, speculative decoding's draft and accepted tokens) are read from the engine loop's latest stats at scrape time.
+rate, preemptions, speculative decoding's draft and accepted tokens) are read
+from the engine loop's latest stats at scrape time.
 Each server owns its registry, so several servers can live in one process.
 """
 
