@@ -90,3 +90,23 @@ def test_bfloat16_greedy_with_drafts_follows_plain_decoding_up_to_ties(model_dir
         where = f"step {step}: ours {tokens[:step + 1]} {ours}, plain {ref_tokens[:step + 1]} {best}"
         assert tokens[step] in best, where
         assert abs(best[tokens[step]].logprob - best[ref_tokens[step]].logprob) < 0.13, where
+
+
+def test_steps_with_drafts_replay_graphs_and_keep_float32_greedy_tokens(model_dir):
+    """TRITON captures speculative steps: with n-gram drafts (short proposals filled up) the steps replay their
+    graphs, and the tokens stay those of plain decoding."""
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, logprobs=1)
+    expected = _plain(model_dir, "float32", params)
+    llm = LLM(str(model_dir), dtype="float32", attention_backend="TRITON", speculative_config=NGRAM, **ENGINE)
+    graphs = llm.llm_engine.runner.verify_graphs
+    assert graphs is not None and graphs.q == NGRAM["num_speculative_tokens"] + 1
+    replays = []
+    original = graphs.run
+    graphs.run = lambda *a: replays.append(1) or original(*a)
+    got = _run(llm, params)
+    for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(got, expected):
+        assert tokens == ref_tokens
+        _logprobs_close(logprobs, ref_logprobs, tol=1e-3)
+    assert replays and llm.llm_engine.num_accepted_tokens > 0
+    del llm
+    torch.cuda.empty_cache()

@@ -89,12 +89,13 @@ class AttentionMetadataBuilder:
         return batch
 
     def build_for_graph(self, batch: "AttentionBatch", graph_size: int) -> Any:
-        """Metadata for a decode-only batch of ``graph_size`` sequences that a device graph replays.
+        """Metadata for a decode-only batch of ``graph_size`` sequences that a device graph replays (or, for a
+        backend that ``supports_uniform_query_graphs``, one of ``max_query_len`` tokens a sequence).
 
         Called when the graph of that size is captured, then before each of its
         replays. The batch's device tensors are the graph's static buffers (the
         same addresses every call, this step's values); padding sequences have
-        length 1 and write to a spare block; ``max_seq_len`` is an upper bound
+        length 1 (``max_query_len``) and write to a spare block; ``max_seq_len`` is an upper bound
         (``max_model_len``), and the ``*_cpu`` tensors hold this step's values.
         Whatever the captured forward reads from the device must stay at the
         same addresses for a given ``graph_size``: a planning backend re-plans
@@ -179,6 +180,10 @@ class AttentionBackend(ABC):
     supported_device_types: ClassVar[tuple[str, ...] | None] = None
     #: Whether the backend's forward can be captured in a CUDA graph for decode.
     supports_graph_capture: ClassVar[bool] = False
+    #: Whether it can also be captured for batches whose sequences all compute the same number of tokens
+    #: (speculative decoding's steps: the last token and the drafts), built by ``build_for_graph`` with
+    #: ``max_query_len`` tokens a sequence and no decodes.
+    supports_uniform_query_graphs: ClassVar[bool] = False
 
     @classmethod
     def available(cls) -> str | None:
@@ -266,4 +271,5 @@ class AttentionBackend(ABC):
             "logit_softcap": cls.supports_logit_softcap,
             "gqa": cls.supports_gqa,
             "graph_capture": cls.supports_graph_capture,
+            "uniform_query_graphs": cls.supports_uniform_query_graphs,
         }

@@ -208,6 +208,7 @@ class TritonBackend(AttentionBackend):
     supports_gqa = True
     supported_device_types = ("cuda", "xpu")
     supports_graph_capture = True
+    supports_uniform_query_graphs = True
 
     @classmethod
     def available(cls) -> str | None:

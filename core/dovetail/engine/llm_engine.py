@@ -216,6 +216,8 @@ class LLMEngine:
         self.proposer = NgramProposer(speculative, self.max_model_len) if speculative is not None else None
         #: Draft tokens proposed, and of them accepted, since start-up.
         self.num_draft_tokens = self.num_accepted_tokens = 0
+        if self.proposer is not None:
+            self.proposer.graph_batch = max(self.executor.collective_rpc("verify_graph_sizes")[0] or [0])
         if speculative is not None:
             logger.info("speculative decoding: n-gram drafts of up to %d tokens, looked up by the last %d to %d "
                         "tokens%s", speculative.num_speculative_tokens, speculative.prompt_lookup_max,

@@ -52,6 +52,8 @@ KV_CACHE_DTYPES = {
 
 #: Largest decode batch captured in a graph by default; bigger decode steps run eagerly.
 MAX_GRAPH_BATCH = 512
+#: Largest batch of speculative decoding's steps captured in a graph (drafts pay at small batches).
+MAX_VERIFY_GRAPH_BATCH = 64
 
 
 def graph_batch_sizes(max_num_seqs: int, capture_sizes: list[int] | None = None,
@@ -156,8 +158,11 @@ class ModelRunner:
                  dtype: torch.dtype, kv_cache_dtype: str, device: torch.device, *, max_num_seqs: int = 256,
                  max_model_len: int | None = None, enforce_eager: bool = False,
                  cudagraph_capture_sizes: list[int] | None = None, max_cudagraph_capture_size: int | None = None,
-                 micro_batch_tokens: int | None = None, pooler: Pooler | None = None, lora_slots: int = 0):
+                 micro_batch_tokens: int | None = None, pooler: Pooler | None = None, lora_slots: int = 0,
+                 speculative_tokens: int = 0):
         self.model = model
+        #: Speculative decoding's drafts a step (0: none), whose steps get graphs of their own.
+        self.speculative_tokens = speculative_tokens
         #: LoRA slots of the model's layers (0: no LoRA): each step tells them each token's slot.
         self.lora_slots = lora_slots
         #: Set for a pooling model: steps return pooled hidden states, never logits, and run no graphs.
@@ -187,6 +192,8 @@ class ModelRunner:
                            and backend.supports_graph_capture and max_model_len is not None)
         self.graph_sizes = graph_batch_sizes(max_num_seqs, cudagraph_capture_sizes, max_cudagraph_capture_size)
         self.graphs: DecodeGraphs | None = None
+        #: Speculative decoding's steps (every sequence with ``speculative_tokens`` drafts), where captured.
+        self.verify_graphs: DecodeGraphs | None = None
         #: Steps of at least this many tokens run as two overlapped micro-batches (None: every step whole).
         self.micro_batch_tokens = self._micro_batch_tokens(micro_batch_tokens)
         self._side_stream = (torch.Stream(device=device) if self.micro_batch_tokens and platform.is_accelerator
@@ -240,6 +247,10 @@ class ModelRunner:
                 self.graphs = DecodeGraphs(self, self.graph_sizes)
             except NotImplementedError as exc:
                 logger.warning("decode steps run eagerly: %s (the platform declares supports_graph_capture)", exc)
+                return
+            verify_sizes = [s for s in self.graph_sizes if s <= MAX_VERIFY_GRAPH_BATCH]
+            if self.speculative_tokens and self.backend.supports_uniform_query_graphs and verify_sizes:
+                self.verify_graphs = DecodeGraphs(self, verify_sizes, self.speculative_tokens + 1)
 
     # -- inputs ------------------------------------------------------------------------------
 
@@ -297,6 +308,9 @@ class ModelRunner:
         sequences with a pending last token read their input from."""
         if self.graphs is not None and self.graphs.can_run(batch):
             return StepLogits(self.graphs.run(batch, block_tables, prev_tokens), list(batch.requests), {})
+        if self.verify_graphs is not None and self.verify_graphs.can_run(batch):
+            return StepLogits(self.verify_graphs.run(batch, block_tables, prev_tokens),
+                              [row for req in batch.requests for row in sampling_positions(req)], {})
         split = self._micro_batch_split(batch, block_tables)
         if split is None:
             input_ids, positions, attn = self.prepare(batch, block_tables)
@@ -416,28 +430,33 @@ class DecodeGraphs:
     the backend re-plan (``build_for_graph``) and replays. With a sharded LM
     head the buffer holds this rank's vocabulary columns, and the graph also
     writes the greedy tokens (a small gather in place of the logits').
+
+    With ``tokens_per_seq`` above 1 the graphs replay speculative decoding's steps instead: every sequence
+    computes its last token and ``tokens_per_seq - 1`` drafts, and every row's logits come out (sequence by
+    sequence), for a backend that ``supports_uniform_query_graphs``.
     """
 
-    def __init__(self, runner: ModelRunner, sizes: list[int]):
+    def __init__(self, runner: ModelRunner, sizes: list[int], tokens_per_seq: int = 1):
         self.runner = runner
         self.sizes = sizes
+        self.q = q = tokens_per_seq
         dev, n_max = runner.device, sizes[-1]
         self.width = -(-runner.max_model_len // runner.block_size)
         # One copy a step brings a size's token ids, positions and slots (contiguous, each size its own view),
         # the rows of the step in flight whose tokens are the inputs still pending, and the block tables; the
         # graph derives the lengths. Each host-to-device copy or small kernel between two graphs costs the
         # device several microseconds of idle, so the step's inputs take as few as they can.
-        self.staging = torch.zeros(n_max * 5 + -(-n_max * self.width // 2), dtype=torch.long, device=dev)
+        self.staging = torch.zeros(n_max * (3 * q + 2) + -(-n_max * self.width // 2), dtype=torch.long, device=dev)
         self.seq_lens = torch.ones(n_max, dtype=torch.int32, device=dev)
-        self.query_start_loc = torch.arange(n_max + 1, dtype=torch.int32, device=dev)
+        self.query_start_loc = torch.arange(n_max + 1, dtype=torch.int32, device=dev) * q
         self.block_table = torch.full((n_max, self.width), runner.spare_block, dtype=torch.int32, device=dev)
         self.views: dict[int, dict] = {}  # per size: the static buffers' slices an AttentionBatch holds
         self.graphs: dict[int, DeviceGraph] = {}
         self.logits: torch.Tensor | None = None  # every graph's output: the logits of its rows
         self.head = runner.sharded_head
-        self.greedy = torch.zeros(n_max, dtype=torch.long, device=dev) if self.head is not None else None
+        self.greedy = torch.zeros(n_max * q, dtype=torch.long, device=dev) if self.head is not None else None
         #: Each row's one-hot LoRA slot (rows of no adapter and padding rows: all 0), with LoRA.
-        self.lora_mask = (torch.zeros((n_max, runner.lora_slots), dtype=runner.dtype, device=dev)
+        self.lora_mask = (torch.zeros((n_max * q, runner.lora_slots), dtype=runner.dtype, device=dev)
                           if runner.lora_slots else None)
         pool = runner.platform.graph_pool()
         for size in reversed(sizes):  # largest first: the smaller graphs reuse its memory
@@ -446,8 +465,8 @@ class DecodeGraphs:
             input_ids, positions, _ = self._inputs(size)
 
             def logits_of(size=size, metadata=metadata, input_ids=input_ids, positions=positions):
-                torch.add(positions, 1, out=self.seq_lens[:size])
-                mask = self.lora_mask[:size] if self.lora_mask is not None else None
+                torch.add(positions.view(size, q)[:, -1], 1, out=self.seq_lens[:size])
+                mask = self.lora_mask[:size * q] if self.lora_mask is not None else None
                 with set_forward_context(metadata), lora_slots(mask):
                     return runner.sample_logits(runner.model(input_ids, positions))
 
@@ -456,77 +475,94 @@ class DecodeGraphs:
                 warm.greedy_tokens()
                 warm = warm.local
             if self.logits is None:
-                self.logits = torch.empty((n_max, warm.shape[1]), dtype=warm.dtype, device=dev)
+                self.logits = torch.empty((n_max * q, warm.shape[1]), dtype=warm.dtype, device=dev)
             del warm
 
             def forward(size=size, logits_of=logits_of):
                 logits = logits_of()
                 if self.head is not None:
-                    self.greedy[:size].copy_(logits.greedy_tokens())
+                    self.greedy[:size * q].copy_(logits.greedy_tokens())
                     logits = logits.local
-                self.logits[:size].copy_(logits)
+                self.logits[:size * q].copy_(logits)
 
             self.graphs[size], _ = runner.platform.capture_graph(forward, pool)
         runner.platform.synchronize()
-        logger.info("captured decode graphs for batch sizes %s", ", ".join(map(str, sizes)))
+        logger.info("captured %s graphs for batch sizes %s", "decode" if q == 1 else f"{q}-token verification",
+                    ", ".join(map(str, sizes)))
 
     def can_run(self, batch: ScheduledBatch) -> bool:
-        """Whether every sequence decodes exactly its last token and the batch fits a graph."""
-        return len(batch.requests) <= self.sizes[-1] and all(
-            n == 1 and req.num_computed_tokens + 1 == req.num_tokens
-            for req, n in zip(batch.requests, batch.num_new_tokens))
+        """Whether every sequence computes exactly its last token (and ``tokens_per_seq - 1`` drafts) and the
+        batch fits a graph."""
+        if len(batch.requests) > self.sizes[-1]:
+            return False
+        if self.q == 1:
+            return all(n == 1 and req.num_computed_tokens + 1 == req.num_tokens
+                       for req, n in zip(batch.requests, batch.num_new_tokens))
+        drafts = self.q - 1
+        return all(n == self.q and len(req.draft_token_ids) == drafts and req.num_computed_tokens + 1 == req.num_tokens
+                   for req, n in zip(batch.requests, batch.num_new_tokens))
 
     def run(self, batch: ScheduledBatch, block_tables: list[list[int]],
             prev_tokens: torch.Tensor | None = None) -> torch.Tensor | ShardedLogits:
-        """The logits ``[len(batch.requests), vocab]`` of a decode-only step (with a sharded LM head, this rank's
-        columns of them and the greedy tokens)."""
-        n = len(batch.requests)
+        """The logits ``[len(batch.requests) * tokens_per_seq, vocab]`` of the step (with a sharded LM head, this
+        rank's columns of them and the greedy tokens)."""
+        n, q = len(batch.requests), self.q
         size = next(s for s in self.sizes if s >= n)
         attn = self._load(batch.requests, block_tables, size, pending_inputs(batch), prev_tokens)
         if self.lora_mask is not None:
             slots = [r.lora_slot for r in batch.requests] + [-1] * (size - n)
-            self.lora_mask[:size].copy_(self.runner.lora_mask(slots))
+            self.lora_mask[:size * q].copy_(self.runner.lora_mask(slots, None if q == 1 else [q] * size))
         self.runner.metadata_builder.build_for_graph(attn, size)
         self.graphs[size].replay()
         if self.head is not None:
-            return ShardedLogits(self.head, self.logits[:n], self.greedy[:n])
-        return self.logits[:n]
+            return ShardedLogits(self.head, self.logits[:n * q], self.greedy[:n * q])
+        return self.logits[:n * q]
 
     def _inputs(self, size: int) -> torch.Tensor:
-        """The token ids, positions and slots ``[3, size]`` that the graph of ``size`` reads."""
-        return self.staging[:3 * size].view(3, size)
+        """The token ids, positions and slots ``[3, size * tokens_per_seq]`` that the graph of ``size`` reads."""
+        return self.staging[:3 * size * self.q].view(3, size * self.q)
 
     def _load(self, requests: list[RequestState], block_tables: list[list[int]], size: int,
               pending: tuple[list[int], list[int]] = ([], []), prev_tokens: torch.Tensor | None = None,
               ) -> AttentionBatch:
         """Write a decode batch padded to ``size`` into the static buffers, with the tokens still pending read
         from ``prev_tokens`` (:func:`place_pending`); return its attention batch."""
-        runner, bs, spare = self.runner, self.runner.block_size, self.runner.spare_block
-        n = len(requests)
+        runner, bs, spare, q = self.runner, self.runner.block_size, self.runner.spare_block, self.q
+        n, width = len(requests), size * q
         dst, src = pending
         every_row = dst == list(range(n))  # the usual decode step: every input is the step in flight's token
         table = block_table_array(list(block_tables) + [[spare]] * (size - n), fill=spare)
-        rows = 3 * size + len(src) + (0 if every_row else len(dst))  # then the block tables, two to a row
+        rows = 3 * width + len(src) + (0 if every_row else len(dst))  # then the block tables, two to a row
         staged = np.zeros(rows + -(-table.size // 2), dtype=np.int64)
-        ids, positions, slots = staged[:3 * size].reshape(3, size)
-        positions[:n] = [req.num_computed_tokens for req in requests]
-        ids[:n] = [req.all_token_ids[req.num_computed_tokens] if req.num_computed_tokens < len(req.all_token_ids)
-                   else 0 for req in requests]
-        slots[:] = table[np.arange(size), positions // bs].astype(np.int64) * bs + positions % bs
-        staged[3 * size:rows] = src if every_row else src + dst
+        ids, positions, slots = staged[:3 * width].reshape(3, width)
+        if q == 1:
+            positions[:n] = [req.num_computed_tokens for req in requests]
+            ids[:n] = [req.all_token_ids[req.num_computed_tokens] if req.num_computed_tokens < len(req.all_token_ids)
+                       else 0 for req in requests]
+            columns = positions // bs
+        else:  # each sequence's last token and drafts; a padding sequence's q tokens from position 0
+            steps = np.tile(np.arange(q), size)
+            positions[:] = steps
+            positions[:n * q] += np.repeat(np.fromiter((req.num_computed_tokens for req in requests), np.int64, n), q)
+            ids[:n * q] = list(itertools.chain.from_iterable(
+                input_tokens(req, req.num_computed_tokens, q) for req in requests))
+            columns = positions // bs
+            columns[n * q:] = 0  # the spare block, however many tokens
+        slots[:] = table[np.repeat(np.arange(size), q), columns].astype(np.int64) * bs + positions % bs
+        staged[3 * width:rows] = src if every_row else src + dst
         staged.view(np.int32)[2 * rows:2 * rows + table.size] = table.ravel()
-        seq_lens = torch.from_numpy((positions + 1).astype(np.int32))
+        seq_lens = torch.from_numpy((positions.reshape(size, q)[:, -1] + 1).astype(np.int32))
         table = torch.from_numpy(table)
         copy_to_device(self.staging[:len(staged)], torch.from_numpy(staged))
         if dst:
-            place_pending(self._inputs(size)[0], None if every_row else self.staging[3 * size + len(src):rows],
-                          self.staging[3 * size:3 * size + len(src)], prev_tokens)
+            place_pending(self._inputs(size)[0], None if every_row else self.staging[3 * width + len(src):rows],
+                          self.staging[3 * width:3 * width + len(src)], prev_tokens)
         tables = self.staging.view(torch.int32)[2 * rows:2 * rows + table.numel()]
         self.block_table[:size, :table.shape[1]].copy_(tables.view(table.shape))
         if size not in self.views:
             self.views[size] = dict(query_start_loc=self.query_start_loc[:size + 1], seq_lens=self.seq_lens[:size],
                                     block_table=self.block_table[:size], slot_mapping=self._inputs(size)[2],
-                                    query_start_loc_cpu=torch.arange(size + 1, dtype=torch.int32))
-        return AttentionBatch(num_tokens=size, num_seqs=size, num_decodes=size, max_query_len=1,
+                                    query_start_loc_cpu=torch.arange(size + 1, dtype=torch.int32) * q)
+        return AttentionBatch(num_tokens=width, num_seqs=size, num_decodes=size if q == 1 else 0, max_query_len=q,
                               max_seq_len=runner.max_model_len, seq_lens_cpu=seq_lens, block_size=bs,
                               block_table_cpu=table, **self.views[size])

@@ -110,6 +110,9 @@ class NgramProposer:
         self.disable_by_batch_size = config.disable_by_batch_size
         #: Steps to run without looking for drafts (overlapped, where the engine overlaps steps).
         self._rest = 0
+        #: The largest batch whose steps with drafts replay a device graph (0: none), which needs every sequence
+        #: to carry ``num_speculative_tokens`` drafts: :meth:`propose` fills short proposals up to that.
+        self.graph_batch = 0
         self._tokens: dict[str, tuple[np.ndarray, int]] = {}
 
     def propose(self, requests: Collection, allowed: bool = True, num_waiting: int = 0) -> None:
@@ -126,7 +129,7 @@ class NgramProposer:
                 req.draft_token_ids = []
             self._rest = max(self._rest, 1)
             return
-        looked, found = False, False
+        looked, found, full_room = False, False, 0
         for req in requests:
             req.draft_token_ids = []
             if (req.num_pending or req.grammar is not None or req.stop_scheduling
@@ -136,13 +139,24 @@ class NgramProposer:
                        self.max_model_len - req.num_tokens - 1)
             if room <= 0:
                 continue
+            full_room += room == self.count
             tokens, length = self._tokens[req.request_id] = self._array(req)
             req.draft_token_ids = ngram_proposal(tokens, length, room, self.min_n, self.max_n)
             looked, found = True, found or bool(req.draft_token_ids)
+        if found and full_room == len(requests) <= self.graph_batch:
+            self._fill(requests)
         if len(self._tokens) > 2 * len(requests) + 64:  # forget the arrays of requests that have left
             live = {req.request_id for req in requests}
             self._tokens = {rid: entry for rid, entry in self._tokens.items() if rid in live}
         self._rest = 0 if found else (IDLE_STEPS if looked else max(0, self._rest - 1))
+
+    def _fill(self, requests: Collection) -> None:
+        """Give every sequence ``num_speculative_tokens`` drafts, repeating the last (of its proposal, else its
+        last token) where the proposal is shorter: the step then replays a graph. Any token is a valid draft:
+        one the model would not draw is simply not accepted."""
+        for req in requests:
+            drafts = req.draft_token_ids
+            drafts += [drafts[-1] if drafts else req.all_token_ids[-1]] * (self.count - len(drafts))
 
     def wants_tokens(self) -> bool:
         """Whether the next step should wait for every token of the one before, to look for drafts: after a step

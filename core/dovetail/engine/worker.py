@@ -176,7 +176,9 @@ class Worker:
                                                       if config.parallel.enable_dbo else None),
                                   pooler=(Pooler(config.model.pooler_config["pooling_type"]) if self.is_pooling
                                           else None),
-                                  lora_slots=lora.max_loras if lora.enable_lora else 0)
+                                  lora_slots=lora.max_loras if lora.enable_lora else 0,
+                                  speculative_tokens=(config.speculative.speculative_config.num_speculative_tokens
+                                                      if config.speculative.speculative_config is not None else 0))
         self.requests: dict[str, RequestState] = {}
         self._launched: collections.deque[_Launched] = collections.deque()
         self._last_tokens: torch.Tensor | None = None
@@ -402,6 +404,11 @@ class Worker:
         self._launched.clear()
         self._last_tokens = None
         self._unsampled = None
+
+    def verify_graph_sizes(self) -> list[int] | None:
+        """The batch sizes whose speculative steps (every sequence with all its drafts) replay a graph, if any."""
+        graphs = self.runner.verify_graphs
+        return list(graphs.sizes) if graphs is not None else None
 
     def startup_report(self) -> dict[str, float]:
         """:attr:`startup_phases`, each to the hundredth of a second."""
