@@ -107,6 +107,8 @@ def test_steps_with_drafts_replay_graphs_and_keep_float32_greedy_tokens(model_di
     for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(got, expected):
         assert tokens == ref_tokens
         _logprobs_close(logprobs, ref_logprobs, tol=1e-3)
-    assert replays and llm.llm_engine.num_accepted_tokens > 0
-    del llm
+    engine = llm.llm_engine
+    assert replays and engine.num_accepted_tokens > 0, (len(replays), engine.num_draft_tokens,
+                                                        engine.num_accepted_tokens)
+    del llm, engine
     torch.cuda.empty_cache()

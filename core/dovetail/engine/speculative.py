@@ -135,11 +135,11 @@ class NgramProposer:
             if (req.num_pending or req.grammar is not None or req.stop_scheduling
                     or req.num_tokens - req.num_computed_tokens != 1):
                 continue
-            room = min(self.count, req.max_tokens - req.num_output_tokens - 1,
-                       self.max_model_len - req.num_tokens - 1)
+            length_room = self.max_model_len - req.num_tokens - 1
+            room = min(self.count, req.max_tokens - req.num_output_tokens - 1, length_room)
             if room <= 0:
                 continue
-            full_room += room == self.count
+            full_room += length_room >= self.count
             tokens, length = self._tokens[req.request_id] = self._array(req)
             req.draft_token_ids = ngram_proposal(tokens, length, room, self.min_n, self.max_n)
             looked, found = True, found or bool(req.draft_token_ids)
@@ -153,7 +153,8 @@ class NgramProposer:
     def _fill(self, requests: Collection) -> None:
         """Give every sequence ``num_speculative_tokens`` drafts, repeating the last (of its proposal, else its
         last token) where the proposal is shorter: the step then replays a graph. Any token is a valid draft:
-        one the model would not draw is simply not accepted."""
+        one the model would not draw is simply not accepted, and tokens past ``max_tokens`` are dropped by the
+        engine (the model's length still bounds them)."""
         for req in requests:
             drafts = req.draft_token_ids
             drafts += [drafts[-1] if drafts else req.all_token_ids[-1]] * (self.count - len(drafts))
