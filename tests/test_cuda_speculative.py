@@ -92,14 +92,20 @@ def test_bfloat16_greedy_with_drafts_follows_plain_decoding_up_to_ties(model_dir
         assert abs(best[tokens[step]].logprob - best[ref_tokens[step]].logprob) < 0.13, where
 
 
-def test_steps_with_drafts_replay_graphs_and_keep_float32_greedy_tokens(model_dir):
-    """TRITON captures speculative steps: with n-gram drafts (short proposals filled up) the steps replay their
-    graphs, and the tokens stay those of plain decoding."""
+@pytest.mark.parametrize("proposer", ["ngram", "knowing"])
+def test_steps_with_drafts_replay_graphs_and_keep_float32_greedy_tokens(model_dir, proposer):
+    """TRITON captures speculative steps: with n-gram drafts (short proposals filled up), and with drafts that
+    are the right continuation but for their third token, the steps replay their graphs, and the tokens stay
+    those of plain decoding."""
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, logprobs=1)
     expected = _plain(model_dir, "float32", params)
     llm = LLM(str(model_dir), dtype="float32", attention_backend="TRITON", speculative_config=NGRAM, **ENGINE)
-    graphs = llm.llm_engine.runner.verify_graphs
+    engine = llm.llm_engine
+    graphs = engine.runner.verify_graphs
     assert graphs is not None and graphs.q == NGRAM["num_speculative_tokens"] + 1
+    if proposer == "knowing":
+        engine.proposer = _KnowingProposer({(tuple(p), 0): tokens for p, (tokens, _) in zip(PROMPTS, expected)},
+                                           NGRAM["num_speculative_tokens"], 2)
     replays = []
     original = graphs.run
     graphs.run = lambda *a: replays.append(1) or original(*a)
@@ -107,8 +113,9 @@ def test_steps_with_drafts_replay_graphs_and_keep_float32_greedy_tokens(model_di
     for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(got, expected):
         assert tokens == ref_tokens
         _logprobs_close(logprobs, ref_logprobs, tol=1e-3)
-    engine = llm.llm_engine
-    assert replays and engine.num_accepted_tokens > 0, (len(replays), engine.num_draft_tokens,
-                                                        engine.num_accepted_tokens)
+    counts = (len(replays), engine.num_draft_tokens, engine.num_accepted_tokens)
+    assert replays and engine.num_draft_tokens > 0, counts
+    if proposer == "knowing":
+        assert engine.num_accepted_tokens > 0, counts
     del llm, engine
     torch.cuda.empty_cache()
