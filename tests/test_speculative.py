@@ -270,6 +270,32 @@ def test_preempted_requests_with_drafts_give_the_same_tokens(tiny_llama_dir):
     assert speculative.llm_engine.scheduler.num_preemptions > 0
 
 
+@pytest.mark.parametrize("num_blocks", [2, 3])
+def test_drafts_take_only_the_blocks_left_once_every_sequence_has_its_own(num_blocks):
+    from dovetail.engine.kv_cache_manager import KVCacheManager
+    from dovetail.engine.request import Request
+    from dovetail.engine.scheduler import Scheduler
+
+    config = EngineArgs("m", max_num_seqs=4, max_num_batched_tokens=64).create_engine_config()
+    scheduler = Scheduler(config, KVCacheManager(num_blocks, block_size=4, enable_prefix_caching=False), 64)
+    first, second = (Request(name, None, prompt, SamplingParams(max_tokens=10), set())
+                     for name, prompt in (("a", [1, 2, 3]), ("b", [4, 5, 6])))
+    scheduler.add(first)
+    scheduler.add(second)
+    batch = scheduler.schedule()  # both prompts, a block each
+    for request, n in zip(batch.requests, batch.num_new_tokens):
+        request.num_computed_tokens += n
+        request.append_token(7)
+    first.draft_token_ids = [8, 9]  # past its block: a third block
+    batch = scheduler.schedule()
+    scheduled = {r.request_id: n for r, n in zip(batch.requests, batch.num_new_tokens)}
+    assert not batch.preempted
+    if num_blocks == 2:  # no block left for the drafts: dropped, and both sequences decode
+        assert scheduled == {"a": 1, "b": 1} and first.draft_token_ids == []
+    else:
+        assert scheduled == {"a": 3, "b": 1} and first.draft_token_ids == [8, 9]
+
+
 def test_no_drafts_while_the_batch_is_larger_than_disable_by_batch_size(tiny_llama_dir):
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     counts = {}

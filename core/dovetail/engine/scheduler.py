@@ -158,10 +158,7 @@ class Scheduler:
         for request in order:
             if request not in self.running or budget[0] <= 0 or request.stop_scheduling:
                 continue
-            drafts = request.draft_token_ids
-            num_new = min(request.num_tokens - request.num_computed_tokens + len(drafts), budget[0])
-            if drafts:
-                del drafts[num_new - 1:]  # the budget's room after the last token
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget[0])
             while not self.kv.allocate(request, num_new):
                 victim = self._victim()
                 self._preempt(victim, batch, budget)
@@ -171,6 +168,7 @@ class Scheduler:
                 batch.requests.append(request)
                 batch.num_new_tokens.append(num_new)
                 budget[0] -= num_new
+        self._add_drafts(batch, budget)
         if batch.preempted:
             return self._ordered(batch)
         now = time.monotonic()
@@ -208,6 +206,21 @@ class Scheduler:
             batch.num_new_tokens.append(num_new)
             budget[0] -= num_new
         return self._ordered(batch)
+
+    def _add_drafts(self, batch: ScheduledBatch, budget: list[int]) -> None:
+        """Speculative decoding: extend each scheduled decode by its drafts, as far as the token budget and the
+        free blocks go, once every running sequence has its own token; drafts never cost a sequence its place."""
+        for i, request in enumerate(batch.requests):
+            drafts = request.draft_token_ids
+            if not drafts:
+                continue
+            extra = min(len(drafts), budget[0])
+            if extra and self.kv.allocate(request, batch.num_new_tokens[i] + extra):
+                del drafts[extra:]
+                batch.num_new_tokens[i] += extra
+                budget[0] -= extra
+            else:
+                drafts.clear()
 
     def _running_adapters(self) -> set[int]:
         return {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
