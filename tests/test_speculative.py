@@ -96,6 +96,22 @@ def test_the_proposer_asks_for_the_tokens_only_when_it_will_look():
     assert crowd[0].draft_token_ids == [2, 1] and proposer.wants_tokens()
 
 
+def test_short_proposals_are_filled_up_where_the_steps_replay_graphs():
+    from dovetail.config import SpeculativeConfig
+    from dovetail.engine.speculative import NgramProposer
+
+    config = SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_max=2, prompt_lookup_min=1)
+    proposer = NgramProposer(config, max_model_len=1000)
+    repeating, plain, last = _Sequence([1, 2, 3, 1, 2]), _Sequence([4, 5, 6, 7]), _Sequence([1, 2, 1])
+    last.num_output_tokens, last.max_tokens = 9, 10  # its next token is its last: nothing proposed for it
+    proposer.graph_batch = 4
+    proposer.propose([repeating, plain, last])
+    assert [s.draft_token_ids for s in (repeating, plain, last)] == [[3, 1, 2], [7, 7, 7], [1, 1, 1]]
+    proposer.graph_batch = 2  # more sequences than the largest graph: proposals as they are
+    proposer.propose([repeating, plain, last])
+    assert [s.draft_token_ids for s in (repeating, plain, last)] == [[3, 1, 2], [], []]
+
+
 def test_config_defaults_follow_vllm_and_bad_values_name_the_field():
     def lookup(**values):
         config = EngineArgs("m", speculative_config={"method": "ngram", "num_speculative_tokens": 2, **values})

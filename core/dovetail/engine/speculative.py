@@ -136,10 +136,10 @@ class NgramProposer:
                     or req.num_tokens - req.num_computed_tokens != 1):
                 continue
             length_room = self.max_model_len - req.num_tokens - 1
+            full_room += length_room >= self.count
             room = min(self.count, req.max_tokens - req.num_output_tokens - 1, length_room)
             if room <= 0:
                 continue
-            full_room += length_room >= self.count
             tokens, length = self._tokens[req.request_id] = self._array(req)
             req.draft_token_ids = ngram_proposal(tokens, length, room, self.min_n, self.max_n)
             looked, found = True, found or bool(req.draft_token_ids)
