@@ -47,18 +47,23 @@ class ReplayPlatform(CpuPlatform):
         return ReplayGraph(fn), out
 
 
-class DeviceOnlyDecodeImpl(ReferenceAttentionImpl):
-    """Decode-only batches read nothing from the host: whole block-table rows, masked by seq_lens."""
+class DeviceOnlyImpl(ReferenceAttentionImpl):
+    """Decode-only batches, and batches whose sequences all compute the same number of tokens (a speculative
+    step's graph), read nothing from the host: whole block-table rows, masked by seq_lens."""
 
     def forward(self, q, k, v, kv_cache, metadata):
-        if metadata.num_decodes != metadata.num_seqs:
+        width = metadata.max_query_len
+        uniform = metadata.num_decodes == 0 and metadata.num_tokens == metadata.num_seqs * width
+        if metadata.num_decodes != metadata.num_seqs and not uniform:
             return super().forward(q, k, v, kv_cache, metadata)
         heads, size = kv_cache.shape[-2], kv_cache.shape[-1]
         kv_cache[0].view(-1, heads, size).index_copy_(0, metadata.slot_mapping, k)
         kv_cache[1].view(-1, heads, size).index_copy_(0, metadata.slot_mapping, v)
         keys, values = gather_kv(kv_cache, metadata.block_table, metadata.block_table.shape[1])
         k_len = metadata.seq_lens.long()
-        return attend(q.unsqueeze(1), keys, values, (k_len - 1).view(-1, 1), k_len, self.spec).squeeze(1).to(q.dtype)
+        q_pos = (k_len - width).view(-1, 1) + torch.arange(width).view(1, -1)
+        out = attend(q.view(metadata.num_seqs, width, *q.shape[1:]), keys, values, q_pos, k_len, self.spec)
+        return out.reshape(q.shape).to(q.dtype)
 
 
 def test_graph_batch_sizes_default_to_vllms_list():
@@ -103,7 +108,7 @@ def test_replayed_decode_steps_match_hf(tiny_llama_dir, hf_reference):
     runner = llm.llm_engine.runner
     assert runner.graphs is None, "the CPU platform captures no graphs"  # pinned: a GPU host would pick cuda, and bf16
     for layer in runner.attention_layers:
-        layer.impl = DeviceOnlyDecodeImpl(layer.spec)
+        layer.impl = DeviceOnlyImpl(layer.spec)
     runner.platform, runner.use_graphs = ReplayPlatform(), True
     runner.capture_graphs()
     assert runner.graphs.sizes == [1, 2, 4, 6]
@@ -121,7 +126,7 @@ def replaying_engine(path, **kwargs):
     llm = LLM(str(path), device="cpu", attention_backend="REFERENCE", max_num_seqs=6, **kwargs)
     runner = llm.llm_engine.runner
     for layer in runner.attention_layers:
-        layer.impl = DeviceOnlyDecodeImpl(layer.spec)
+        layer.impl = DeviceOnlyImpl(layer.spec)
     runner.platform, runner.use_graphs = ReplayPlatform(), True
     runner.capture_graphs()
     return llm
@@ -174,7 +179,7 @@ def test_steps_above_the_largest_captured_size_run_eagerly(tiny_llama_dir, hf_re
               cudagraph_capture_sizes=[2, 3])
     runner = llm.llm_engine.runner
     for layer in runner.attention_layers:
-        layer.impl = DeviceOnlyDecodeImpl(layer.spec)
+        layer.impl = DeviceOnlyImpl(layer.spec)
     runner.platform, runner.use_graphs = ReplayPlatform(), True
     runner.capture_graphs()
     assert runner.graphs.sizes == [2, 3]
@@ -193,7 +198,7 @@ def replayed_tp_job(path: str, graphs: bool) -> dict:
     llm = LLM(path, device="cpu", attention_backend="REFERENCE", max_num_seqs=6)
     runner = llm.llm_engine.runner
     for layer in runner.attention_layers:
-        layer.impl = DeviceOnlyDecodeImpl(layer.spec)
+        layer.impl = DeviceOnlyImpl(layer.spec)
     if graphs:
         runner.platform, runner.use_graphs = ReplayPlatform(), True
         runner.capture_graphs()

@@ -12,7 +12,6 @@ from __future__ import annotations
 import random
 
 import numpy as np
-import torch
 import pytest
 
 from dovetail import LLM, SamplingParams
@@ -382,46 +381,18 @@ def test_server_with_drafts_streams_what_plain_decoding_gives(tiny_llama_dir):
     assert 0 < after[1] - before[1] <= after[0] - before[0]
 
 
-class _DeviceOnlyImpl:
-    """Stand-in captured attention: decode-only and uniform batches (every sequence the same number of tokens)
-    read only the batch's device tensors, as a replayed graph's kernels would."""
-
-    @staticmethod
-    def wrap(impl_cls):
-        from dovetail.attention.reference import attend, gather_kv
-
-        class DeviceOnly(impl_cls):
-            def forward(self, q, k, v, kv_cache, metadata):
-                width = metadata.max_query_len
-                if metadata.num_tokens != metadata.num_seqs * width or metadata.num_decodes not in (0,
-                                                                                                    metadata.num_seqs):
-                    return super().forward(q, k, v, kv_cache, metadata)
-                heads, size = kv_cache.shape[-2], kv_cache.shape[-1]
-                kv_cache[0].view(-1, heads, size).index_copy_(0, metadata.slot_mapping, k)
-                kv_cache[1].view(-1, heads, size).index_copy_(0, metadata.slot_mapping, v)
-                keys, values = gather_kv(kv_cache, metadata.block_table, metadata.block_table.shape[1])
-                k_len = metadata.seq_lens.long()
-                q_pos = (k_len - width).view(-1, 1) + torch.arange(width).view(1, -1)
-                out = attend(q.view(metadata.num_seqs, width, *q.shape[1:]), keys, values, q_pos, k_len, self.spec)
-                return out.reshape(q.shape).to(q.dtype)
-
-        return DeviceOnly
-
-
 def test_steps_with_drafts_replay_their_graphs_and_match_hf(tiny_llama_dir, tiny_llama_hf):
     """Where the backend captures uniform batches, every sequence gets all its drafts (short proposals filled
     up) and the step replays a graph of its own: static buffers, padding sequences in the spare block."""
-    from dovetail.attention.reference import ReferenceAttentionImpl
-    from test_cuda_graph_runner import ReplayPlatform
+    from test_cuda_graph_runner import DeviceOnlyImpl, ReplayPlatform
 
     max_tokens = [24, 20, 13, 9]
     llm = LLM(str(tiny_llama_dir), max_num_seqs=6, speculative_config=NGRAM, **COMMON)
     engine = llm.llm_engine
     runner = engine.runner
     assert runner.verify_graphs is None, "the CPU platform captures no graphs"
-    device_only = _DeviceOnlyImpl.wrap(ReferenceAttentionImpl)
     for layer in runner.attention_layers:
-        layer.impl = device_only(layer.spec)
+        layer.impl = DeviceOnlyImpl(layer.spec)
     runner.platform, runner.use_graphs = ReplayPlatform(), True
     runner.backend = type("UniformReference", (runner.backend,), {"supports_uniform_query_graphs": True})
     runner.capture_graphs()

@@ -421,7 +421,7 @@ def test_moe_decode_steps_run_in_a_stand_in_capture_without_host_synchronisation
 
     from dovetail import LLM, SamplingParams
     from dovetail.layers.moe import FusedMoE
-    from test_cuda_graph_runner import DeviceOnlyDecodeImpl, ReplayGraph, ReplayPlatform
+    from test_cuda_graph_runner import DeviceOnlyImpl, ReplayGraph, ReplayPlatform
     from tiny_models import assert_greedy_matches, hf_greedy, load_hf, save_model
 
     class GuardedReplayPlatform(ReplayPlatform):
@@ -449,7 +449,7 @@ def test_moe_decode_steps_run_in_a_stand_in_capture_without_host_synchronisation
     for layer in layers:
         layer.ops = TritonFusedOps()
     for layer in runner.attention_layers:
-        layer.impl = DeviceOnlyDecodeImpl(layer.spec)
+        layer.impl = DeviceOnlyImpl(layer.spec)
     runner.platform, runner.use_graphs = GuardedReplayPlatform(), True
     runner.capture_graphs()
     assert runner.graphs.sizes == [1, 2, 4]
