@@ -628,16 +628,17 @@ class LLMEngine:
         constrained = []
         for row, (req, token, info) in enumerate(zip(in_flight.requests, result.token_ids, result.logprobs)):
             req.num_pending -= 1
-            tokens = [(token, info)]
+            accepted = ()  # a speculative row's tokens after its first
             if req.draft_token_ids:
-                tokens += result.draft_rows.get(row, ())
-                self._settle_drafts(req, len(tokens) - 1)
+                accepted = result.draft_rows.get(row, ())
+                self._settle_drafts(req, len(accepted))
             if req.is_finished or req.request_id not in self._requests:
                 continue  # finished by an earlier token, or aborted, while this step ran
-            for token, info in tokens:
-                self.outputs.append_token(req, token, info, now)
+            self.outputs.append_token(req, token, info, now)
+            for token, info in accepted:
                 if req.is_finished:
                     break
+                self.outputs.append_token(req, token, info, now)
             if req.grammar is not None and not req.is_finished:
                 constrained.append((req, token))
             if req.is_finished:
