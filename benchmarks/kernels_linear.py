@@ -1,7 +1,7 @@
 """The linear layers' kernels on a GPU: cuBLAS against the engine's GEMVs, 16-bit and FP8, shape by shape.
 
     python benchmarks/kernels_linear.py [--model llama-3.1-8b] [--ms 1,2,4,8,16,64,256] [--shapes qkv,o]
-        [--tp N] [--blas] [--tunable] [--configs] [--best N] [--json results.json]
+        [--tp N] [--blas] [--tunable] [--configs] [--gated-configs] [--best N] [--json results.json]
 
 For the projections of a named shape (qkv, o, gate_up, down of one layer, the LM head, a mixture of experts'
 router) and M tokens it
@@ -16,7 +16,11 @@ times, from CUDA graphs (how the engine runs decode):
   layers call), the Triton :func:`~dovetail.triton.gemv.fp8_gemv` and ``torch._scaled_mm`` with per-token
   activation scales; ``--configs`` adds grids of ``GemvConfig`` for the Triton FP8 and 16-bit GEMVs (tensor-core
   tiles, and at up to 4 rows register sums with their split of K), and ``--best N`` prints only the N fastest
-  16-bit and the N fastest FP8 paths of each product.
+  16-bit and the N fastest FP8 paths of each product;
+- for gate_up, the product with its SiLU-and-mul: ``F.linear`` then the activation's kernel (``F.linear+act``),
+  the platform's ``FusedOps.linear_gated`` (what the engine's MLPs call) and the gated Triton GEMV
+  (:func:`~dovetail.triton.gemv.gemv_gated`), with ``--gated-configs`` its tile grid; ``--best N`` keeps the N
+  fastest.
 
 Each graph runs ``CALLS`` products cycling over enough weight copies (at least 256 MB) that none is read from
 L2; a time is the median of ``REPLAYS`` replays. Every kernel is first checked against the float reference
@@ -132,8 +136,44 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.float() - ref).abs().max() / ref.abs().max())
 
 
+def gated_paths(x, ws, ops, configs: bool) -> dict:
+    """The gate/up projection with SiLU-and-mul: cuBLAS's product then the activation's kernel, the platform's
+    ``FusedOps.linear_gated`` (those two where it has no gated kernel for the size), the gated Triton GEMV, and with
+    ``configs`` its tile grid (``block_n`` weight rows a program, half gate and half up)."""
+    from dovetail.triton.gemv import GemvConfig, gemv_gated, split_k_for
+
+    n, k = ws[0].shape
+    half = n // 2
+    full = x.float() @ ws[0].float().t()
+    ref = ops.silu_and_mul(full.to(x.dtype)).float()
+
+    def fused(i):
+        out = ops.linear_gated(x, ws[i % len(ws)], None, "silu")
+        return ops.silu_and_mul(ops.linear(x, ws[i % len(ws)])) if out is None else out
+
+    paths = {"F.linear+act": (lambda i: ops.silu_and_mul(F.linear(x, ws[i % len(ws)])), ref),
+             "FusedOps.linear_gated": (fused, ref),
+             "triton gemv gated": (lambda i: gemv_gated(x, ws[i % len(ws)]), ref)}
+    if configs:
+        m = x.shape[0]
+        for bm, bn, bk, stages in BF16_GRID:
+            if bm > max(16, m) or bn < 32 or half % (bn // 2):
+                continue
+            cfg = GemvConfig(bn, bk, 4, stages, split_k_for(n, k, bn, bk, m, bm), True, block_m=bm)
+            paths[f"triton gemv gated m{bm} n{bn} k{bk} s{stages} split{cfg.split_k}"] = (
+                lambda i, cfg=cfg: gemv_gated(x, ws[i % len(ws)], config=cfg), ref)
+    return paths
+
+
+def path_kind(path: str) -> str:
+    """What a path computes: ``fp8`` products, ``gated`` (a gate/up product and its activation), else ``16-bit``."""
+    if path.startswith("fp8"):
+        return "fp8"
+    return "gated" if "gated" in path or path.endswith("+act") else "16-bit"
+
+
 def bench_shape(n: int, k: int, ms: list[int], ops, quant_kernels, configs: bool, blas: bool = False,
-                tunable: bool = False) -> dict:
+                tunable: bool = False, gated: bool = False, gated_configs: bool = False) -> dict:
     from dovetail.quantization import quant_ops
     from dovetail.quantization.fp8_scaled_mm import fp8_linear_scaled_mm
     from dovetail.triton.gemv import GemvConfig, fp8_gemv, gemv, split_k_for
@@ -181,6 +221,8 @@ def bench_shape(n: int, k: int, ms: list[int], ops, quant_kernels, configs: bool
                     cfg = GemvConfig(bn, bk, 4, stages, split, False)
                     paths[f"triton gemv sums n{bn} k{bk} s{stages} split{split}"] = (
                         lambda i, cfg=cfg: gemv(x, ws[i % len(ws)], config=cfg), ref16)
+        if gated:
+            paths.update(gated_paths(x, ws, ops, gated_configs))
         row = {}
         for name, (fn, ref) in paths.items():
             try:
@@ -203,6 +245,7 @@ def main() -> None:
     p.add_argument("--blas", action="store_true", help="also F.linear under cuBLAS and under cuBLASLt")
     p.add_argument("--tunable", action="store_true", help="also F.linear under torch's TunableOp (cuBLASLt, tuned)")
     p.add_argument("--configs", action="store_true", help="also grids of Triton GEMV configurations (FP8, 16-bit)")
+    p.add_argument("--gated-configs", action="store_true", help="also the gated Triton GEMV's tile grid (gate_up)")
     p.add_argument("--best", type=int, default=0,
                    help="print only the N fastest 16-bit and N fastest FP8 paths of each product")
     p.add_argument("--json", default=None)
@@ -227,16 +270,18 @@ def main() -> None:
     for name in args.shapes.split(","):
         n, k = rank_share(name, *projections(config)[name], args.tp)
         results["shapes"][name] = rows = bench_shape(n, k, ms, ops, quant_kernels, args.configs, args.blas,
-                                                     args.tunable)
+                                                     args.tunable, gated=name == "gate_up",
+                                                     gated_configs=args.gated_configs)
         for m, row in rows.items():
             cells = []
             shown = row.items()
             if args.best:
                 timed = sorted(((p, r) for p, r in row.items() if "us" in r), key=lambda pr: pr[1]["us"])
-                shown = ([pr for pr in timed if not pr[0].startswith("fp8")][:args.best]
-                         + [pr for pr in timed if pr[0].startswith("fp8")][:args.best])
+                shown = [pr for kind in ("16-bit", "fp8", "gated") for pr in
+                         [pr for pr in timed if path_kind(pr[0]) == kind][:args.best]]
                 shown += [(p, r) for p, r in row.items()
-                          if (p.startswith("F.linear") or p == "FusedOps.linear") and (p, r) not in shown]
+                          if (p in ("FusedOps.linear", "FusedOps.linear_gated", "triton gemv gated")
+                              or p.startswith("F.linear")) and (p, r) not in shown]
             for path, r in shown:
                 if "us" in r:
                     weight_bytes = n * k * (1 if path.startswith("fp8") else 2)

@@ -168,8 +168,9 @@ def qwen3_dir(tmp_path_factory):
 
 @pytest.mark.parametrize("model", ["llama", "qwen3"])
 def test_one_sequence_at_a_time_matches_hf(model, model_dir, qwen3_dir):
-    """Batch-1 decode in CUDA graphs: the Triton GEMV for every linear but the LM head, PDL between the kernels,
-    and for Qwen 3 the q/k norms fused into the rotary kernel; float16 against HF's float32 greedy."""
+    """Batch-1 decode in CUDA graphs: the Triton GEMV for every linear but the LM head (the gate/up projection and
+    SiLU in one gated GEMV), PDL between the kernels, and for Qwen 3 the q/k norms fused into the rotary kernel;
+    float16 against HF's float32 greedy."""
     path = model_dir if model == "llama" else qwen3_dir
     hf = load_hf(path).cuda()
     llm = LLM(str(path), attention_backend="TRITON", **{**ENGINE, "dtype": "float16"})

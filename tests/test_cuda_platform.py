@@ -344,7 +344,7 @@ def test_flash_attn_4_on_hopper_keeps_the_block_size(monkeypatch):
 
 def test_hopper_runs_linears_of_up_to_dovetail_gemv_max_rows_tokens_on_the_triton_gemv(monkeypatch):
     from dovetail.errors import ConfigError
-    from dovetail.triton.fused_ops import GEMV_MAX_ROWS
+    from dovetail.triton.fused_ops import GATED_GEMV_MAX_ROWS, GEMV_MAX_ROWS
 
     monkeypatch.setattr(CudaPlatform, "capability", lambda self, index=0: (9, 0))
     monkeypatch.delenv("DOVETAIL_GEMV_MAX_ROWS", raising=False)
@@ -356,9 +356,19 @@ def test_hopper_runs_linears_of_up_to_dovetail_gemv_max_rows_tokens_on_the_trito
     monkeypatch.setenv("DOVETAIL_GEMV_MAX_ROWS", "-3")
     with pytest.raises(ConfigError, match="DOVETAIL_GEMV_MAX_ROWS='-3': expected a whole number"):
         CudaPlatform().fused_ops()
+    monkeypatch.setenv("DOVETAIL_GEMV_MAX_ROWS", "1")
+    monkeypatch.delenv("DOVETAIL_GATED_GEMV_MAX_ROWS", raising=False)
+    assert CudaPlatform().fused_ops().gated_gemv_max_rows == GATED_GEMV_MAX_ROWS
+    monkeypatch.setenv("DOVETAIL_GATED_GEMV_MAX_ROWS", "64")
+    assert CudaPlatform().fused_ops().gated_gemv_max_rows == 64
+    monkeypatch.setenv("DOVETAIL_GATED_GEMV_MAX_ROWS", "many")
+    with pytest.raises(ConfigError, match="DOVETAIL_GATED_GEMV_MAX_ROWS='many': expected a whole number"):
+        CudaPlatform().fused_ops()
     monkeypatch.setattr(CudaPlatform, "capability", lambda self, index=0: (8, 0))
     monkeypatch.setenv("DOVETAIL_GEMV_MAX_ROWS", "256")
-    assert CudaPlatform().fused_ops().gemv_max_rows == 0, "cuBLAS before Hopper"
+    monkeypatch.setenv("DOVETAIL_GATED_GEMV_MAX_ROWS", "64")
+    ops = CudaPlatform().fused_ops()
+    assert ops.gemv_max_rows == 0 and ops.gated_gemv_max_rows == 0, "cuBLAS before Hopper"
 
 
 def test_micro_batches_run_their_products_on_cublas_and_restore_the_library(monkeypatch):

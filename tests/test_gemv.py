@@ -27,7 +27,8 @@ from dovetail.quantization.fp8_scaled_mm import fp8_linear_scaled_mm  # noqa: E4
 from dovetail.quantization.gpu_kernels import GpuQuantKernels, use_fp8_gemv  # noqa: E402
 from dovetail.triton import gemv as gemv_module  # noqa: E402
 from dovetail.triton import next_power_of_2  # noqa: E402
-from dovetail.triton.gemv import INTERPRETED, GemvConfig, default_config, fp8_gemv, gemv  # noqa: E402
+from dovetail.ops import FusedOps  # noqa: E402
+from dovetail.triton.gemv import INTERPRETED, GemvConfig, default_config, fp8_gemv, gemv, gemv_gated  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 #: Register sums (split over 3 slices of K), tensor-core dot (split in 2), several K steps each.
@@ -92,6 +93,38 @@ def test_16_bit_weights_match_f_linear(m, dtype, config):
     assert_close(gemv(*on(x, w)), x.float() @ w.float().t(), dtype)
     with pytest.raises(ValueError, match="x's dtype"):
         gemv(*on(x, w.to(torch.float64)))
+
+
+#: Gated launches: register sums over 8 weight rows (4 outputs) split over 3 slices of K; the dot over 32 weight
+#: rows (16 outputs) split in 2; the dot over blocks of 32 rows of x, unsplit.
+GATED_CONFIGS = {"default": None, "sum-split3": GemvConfig(8, 32, split_k=3),
+                 "dot-split2": GemvConfig(32, 16, split_k=2, dot=True),
+                 "dot-rows32": GemvConfig(32, 32, dot=True, block_m=32)}
+
+
+@pytest.mark.parametrize("config", GATED_CONFIGS, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m, activation", [(1, "silu"), (5, "gelu_tanh"), (21, "silu")])
+def test_gated_gemv_is_the_product_then_the_activation(m, activation, dtype, config):
+    """``gemv_gated`` over a ragged [gate | up] weight (24 outputs, K 72) and a bias: the torch definition of the
+    activation over the float product rounded to ``dtype``, within an ulp of each rounding on the way."""
+    gen = torch.Generator().manual_seed(m)
+    x, w, bias = (torch.randn(*shape, generator=gen).to(dtype) for shape in ((m, 72), (48, 72), (48,)))
+    product = (x.float() @ w.float().t() + bias.float()).to(dtype)
+    act = FusedOps().silu_and_mul if activation == "silu" else FusedOps().gelu_tanh_and_mul
+    out = gemv_gated(*on(x, w, bias), activation=activation, config=GATED_CONFIGS[config])
+    assert out.shape == (m, 24)
+    want = act(product).float()
+    bound = 1e-5 * want.abs().max() + (0 if dtype == torch.float32 else 4 * torch.finfo(dtype).eps) * (
+        want.abs() + act(product.float()).abs())
+    err = (out.cpu().float() - want).abs()
+    assert out.dtype == dtype and bool((err <= bound).all()), f"max error {float(err.max()):.3g}"
+    no_bias = gemv_gated(*on(x, w), activation=activation, config=GATED_CONFIGS[config]).cpu().float()
+    assert (no_bias - act((x.float() @ w.float().t()).to(dtype)).float()).abs().max() <= bound.max()
+    with pytest.raises(ValueError, match="gate | up"):
+        gemv_gated(*on(x, w[:47]))
+    with pytest.raises(ValueError, match="activation 'relu'"):
+        gemv_gated(*on(x, w), activation="relu")
 
 
 @pytest.mark.parametrize("m, block_m", [(20, 32), (40, 64), (40, 16)])

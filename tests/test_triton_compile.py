@@ -60,14 +60,14 @@ ROTARY_LLAMA = dict(NUM_HEADS=32, NUM_KV_HEADS=8, HEADS_PAD=32, KV_HEADS_PAD=8, 
                     NORM=False, WEIGHT_FP32=False, CACHE_WRITE=False, BLOCK_SIZE=1, HEAD_PAD=128)
 
 
-def gemv_variant(weight, dot, split_k, block_n, block_k, num_stages, even=False):
+def gemv_variant(weight, dot, split_k, block_n, block_k, num_stages, even=False, gated=False):
     from dovetail.triton.gemv import _gemv_kernel
 
     types = dict(x_ptr="*bf16", w_ptr="*fp8e4nv" if weight == "fp8" else "*bf16", scale_ptr="*fp32",
                  bias_ptr="*bf16", out_ptr="*bf16", part_ptr="*fp32", count_ptr="*i32")
     constexprs = dict(HAS_BIAS=True, SPLIT_K=split_k, BLOCK_M=16 if dot else 1, BLOCK_N=block_n, BLOCK_K=block_k,
                       DOT=dot, DOT_FP32=False, W_FP8=weight == "fp8", HAS_SCALE=weight == "fp8", PDL_TRIGGER=2,
-                      EVEN=even)
+                      EVEN=even, GATED=gated, GELU_TANH=False)
     return _gemv_kernel, types, constexprs, dict(num_warps=4, num_stages=num_stages)
 
 
@@ -216,6 +216,8 @@ def _variants():
         "gemv fp8 dot split-k": gemv_variant("fp8", True, 4, 64, 128, 3),
         "gemv fp8 dot, tiles dividing the weight": gemv_variant("fp8", True, 4, 64, 256, 3, even=True),
         "gemv bf16 register sums": gemv_variant("bf16", False, 1, 8, 1024, 3),
+        "gemv bf16 gated register sums (one token)": gemv_variant("bf16", False, 1, 4, 1024, 3, even=True, gated=True),
+        "gemv bf16 gated dot split-k": gemv_variant("bf16", True, 2, 32, 128, 3, gated=True),
         **moe_variants(),
     }
 
@@ -310,10 +312,47 @@ def test_aligned_variants_specialise_what_the_launcher_would():
     assert not specialised & {"block_table_ptr", "seq_lens_ptr", "num_seqs", "stride_table", "scale", "HEAD_SIZE"}
 
 
-@pytest.mark.parametrize("target", ["cuda:90", "hip:gfx942"])
-def test_kernels_compile_for(target):
+TARGETS = ["cuda:90", "hip:gfx942"]
+
+
+@pytest.fixture(scope="module")
+def compilations(tmp_path_factory):
+    """Both targets' compilations, started together at the first test that needs one: each is one process, so on
+    a machine of two cores the second compiles beside the first instead of after it. Output goes to files, so that
+    neither process waits on a pipe nobody reads yet."""
     pytest.importorskip("triton")
-    result = _run_compiler_script(target)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    directory = tmp_path_factory.mktemp("triton-compile")
+    running = {}
+    for target in TARGETS:
+        out, err = (open(directory / f"{target.replace(':', '-')}.{kind}", "w+") for kind in ("out", "err"))
+        running[target] = (subprocess.Popen([sys.executable, __file__, target], stdout=out, stderr=err, text=True,
+                                            env=env), out, err)
+    yield running
+    for process, out, err in running.values():
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        out.close()
+        err.close()
+
+
+def _finished(running) -> subprocess.CompletedProcess:
+    process, out, err = running
+    try:
+        process.wait(timeout=600)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        raise
+    out.seek(0)
+    err.seek(0)
+    return subprocess.CompletedProcess(process.args, process.returncode, out.read(), err.read())
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_kernels_compile_for(target, compilations):
+    result = _finished(compilations[target])
     if result.returncode == 3:
         pytest.skip(result.stdout.strip())
     assert result.returncode == 0, result.stderr[-3000:]

@@ -196,7 +196,7 @@ def test_fused_ops_conformance_on_gpu(dtype):
     from dovetail import testing
     from dovetail.triton.fused_ops import GEMV_MAX_ROWS, TritonFusedOps
 
-    testing.check_fused_ops(TritonFusedOps(gemv_max_rows=GEMV_MAX_ROWS), "cuda", dtype)
+    testing.check_fused_ops(TritonFusedOps(gemv_max_rows=GEMV_MAX_ROWS, gated_gemv_max_rows=64), "cuda", dtype)
 
 
 @pytest.mark.parametrize("dtype", HALF)

@@ -83,6 +83,9 @@ def test_linear_routing_to_the_triton_gemv():
     w = torch.randn(8, 16, dtype=torch.bfloat16)
     assert not gemv_applies(torch.randn(1, 16, dtype=torch.bfloat16), w, None)  # a CPU tensor
     assert TritonFusedOps().gemv_max_rows == 0  # only a platform that measured the GEMV faster turns it on
+    assert TritonFusedOps().gated_gemv_max_rows == 0
+    assert TritonFusedOps(gated_gemv_max_rows=8).linear_gated(torch.randn(1, 16, dtype=torch.bfloat16), w, None,
+                                                              "silu") is None  # a CPU tensor: the two steps
     if torch.cuda.is_available() and torch.version.hip is None and torch.cuda.get_device_capability()[0] == 9:
         from dovetail_cuda.platform import CudaPlatform
 
@@ -94,6 +97,38 @@ def test_linear_routing_to_the_triton_gemv():
                             torch.randn(151936, 16, device="cuda", dtype=torch.bfloat16), None)
         assert not gemv_applies(torch.randn(1, 16, device="cuda"), w.float(), None)
         assert not gemv_applies(torch.randn(0, 16, device="cuda", dtype=torch.bfloat16), w, None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 3, 16, 64, 65])
+def test_gated_projections_of_few_tokens_run_the_gated_gemv_on_the_gpu(m):
+    """An MLP's merged gate/up layer with SiLU through ``forward_gated``: up to ``gated_gemv_max_rows`` tokens one
+    gated GEMV (the same values as cuBLAS's product and the activation, within bfloat16 rounding), in a CUDA
+    graph too; more tokens the two steps."""
+    from dovetail.layers.activation import SiluAndMul
+    from dovetail.quantization.unquantized import UnquantizedMethod
+    from dovetail.triton.fused_ops import TritonFusedOps
+
+    ops = TritonFusedOps(gated_gemv_max_rows=64)
+    layer = torch.nn.Module()
+    layer.ops = ops
+    gen = torch.Generator(device="cuda").manual_seed(m)
+    layer.weight = torch.randn(2 * 7168, 4096, device="cuda", generator=gen).bfloat16() * 0.02
+    x = torch.randn(m, 4096, device="cuda", generator=gen).bfloat16()
+    method = UnquantizedMethod()
+    activation = SiluAndMul(type("Ctx", (), {"ops": ops})())
+    fused = method.apply_gated(layer, x, None, activation.name)
+    assert (fused is None) == (m > 64)
+    want = activation(torch.nn.functional.linear(x, layer.weight))
+    if fused is None:
+        return
+    torch.testing.assert_close(fused, want, atol=0.02, rtol=0.02)
+    graph, out = torch.cuda.CUDAGraph(), None
+    with torch.cuda.graph(graph):
+        out = method.apply_gated(layer, x, None, activation.name)
+    x.copy_(torch.randn(m, 4096, device="cuda", generator=gen).bfloat16())
+    graph.replay()
+    torch.testing.assert_close(out, activation(torch.nn.functional.linear(x, layer.weight)), atol=0.02, rtol=0.02)
 
 
 @pytest.mark.gpu

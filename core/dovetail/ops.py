@@ -22,6 +22,14 @@ class FusedOps:
         """``x @ weight.T + bias``: every unquantized linear layer and the LM head call this."""
         return F.linear(x, weight, bias)
 
+    def linear_gated(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                     activation: str) -> torch.Tensor | None:
+        """``act(y[..., :N]) * y[..., N:]`` for ``y = linear(x, weight, bias)`` over a merged ``[gate | up]`` weight
+        ``[2N, K]`` (``activation``: ``silu`` or ``gelu_tanh``) in one kernel, or None where these ops have none for
+        the operands: the layer then calls :meth:`linear` and the activation. An override equals those two steps,
+        gate and up rounded to x's dtype before the activation."""
+        return None
+
     def lora_expand(self, shrunk: torch.Tensor, mask: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
                     out_sizes: list[int], rank: int) -> torch.Tensor:
         """LoRA's expand step, in place (:mod:`dovetail.lora.layer`): ``out[:, part p] += (shrunk[:, part p], each

@@ -20,3 +20,6 @@ class UnquantizedMethod(QuantMethod):
 
     def apply(self, layer, x, bias):
         return layer.ops.linear(x, layer.weight, bias)
+
+    def apply_gated(self, layer, x, bias, activation):
+        return layer.ops.linear_gated(x, layer.weight, bias, activation)

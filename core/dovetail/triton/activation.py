@@ -19,14 +19,20 @@ def _act_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, d, GELU_TANH: tl.c
     mask = cols < d
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + d + cols, mask=mask, other=0.0).to(tl.float32)
+    dtype = out_ptr.dtype.element_ty
+    tl.store(out_ptr + row * stride_out + cols, act_and_mul_rounded(gate, up, dtype, GELU_TANH).to(dtype), mask=mask)
+
+
+@triton.jit
+def act_and_mul_rounded(gate, up, dtype: tl.constexpr, GELU_TANH: tl.constexpr):
+    """``act(gate) * up`` in float32, rounded to ``dtype`` after the activation, as the torch definition is
+    (the caller rounds the product): shared with the gated GEMV, so both give the same values."""
     if GELU_TANH:
         inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
         act = 0.5 * gate * (2.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0))
     else:
         act = gate / (1.0 + tl.exp(-gate))
-    # Rounded after the activation and after the product, as the torch definition is.
-    dtype = out_ptr.dtype.element_ty
-    tl.store(out_ptr + row * stride_out + cols, (act.to(dtype).to(tl.float32) * up).to(dtype), mask=mask)
+    return act.to(dtype).to(tl.float32) * up
 
 
 def act_and_mul(x: torch.Tensor, gelu_tanh: bool = False) -> torch.Tensor:

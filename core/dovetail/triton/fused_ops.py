@@ -20,6 +20,10 @@ from dovetail.triton import activation, argmax, fused_moe, gemv, lora, moe_routi
 #: llama-3.1-8b and qwen3-0.6b, and on their LM heads by 10-12% with register sums over 4 weight rows; at 2
 #: and 4 tokens cuBLAS was faster on most (benchmarks/RESULTS.md, Kernels).
 GEMV_MAX_ROWS = 1
+#: The most tokens for which a Hopper GPU runs a 16-bit gate/up projection and its activation as one gated GEMV
+#: (:func:`dovetail.triton.gemv.gemv_gated`): where it beat cuBLAS's product and the activation's kernel together
+#: (benchmarks/RESULTS.md, Kernels).
+GATED_GEMV_MAX_ROWS = 1
 
 
 def gemv_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -46,18 +50,28 @@ class TritonFusedOps(FusedOps):
 
     ``gemv_max_rows``: the most tokens for which 16-bit linears run the Triton GEMV (0, the default:
     never; the platform that creates these ops sets it where the GEMV beat its GEMM library).
+    ``gated_gemv_max_rows``: likewise for a merged gate/up projection and its activation in one GEMV
+    (:meth:`linear_gated`), where that beat the GEMM library's product and the activation's kernel.
     """
 
     name = "triton"
 
-    def __init__(self, gemv_max_rows: int = 0):
+    def __init__(self, gemv_max_rows: int = 0, gated_gemv_max_rows: int = 0):
         super().__init__()
         self.gemv_max_rows = gemv_max_rows
+        self.gated_gemv_max_rows = gated_gemv_max_rows
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.gemv_max_rows and gemv_applies(x, weight, bias, self.gemv_max_rows):
             return gemv.gemv(x, weight, bias)
         return super().linear(x, weight, bias)
+
+    def linear_gated(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                     activation: str) -> torch.Tensor | None:
+        if (self.gated_gemv_max_rows and activation in gemv.GATED_ACTIVATIONS and weight.shape[0] % 2 == 0
+                and gemv_applies(x, weight, bias, self.gated_gemv_max_rows)):
+            return gemv.gemv_gated(x, weight, bias, activation)
+        return None
 
     def lora_expand(self, shrunk: torch.Tensor, mask: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
                     out_sizes: list[int], rank: int) -> torch.Tensor:

@@ -7,6 +7,11 @@ pass over the FP8 weight: half the bytes of a bfloat16 GEMV. :func:`gemv` is the
 a float16/bfloat16 weight without scales (``F.linear``); at one token it beats cuBLAS on
 Hopper GPUs (``TritonFusedOps.linear`` uses it there; benchmarks/RESULTS.md, Kernels).
 
+:func:`gemv_gated` is the same kernel over a merged ``[gate | up]`` weight ``[2N, K]`` with the MLP's gated
+activation applied before the store: a program reads the gate and the up rows of its outputs, so one launch
+replaces the product and the activation's kernel (``TritonFusedOps.linear_gated``; at one token it took
+0.6-3% off batch-1 decode on an H100, benchmarks/RESULTS.md).
+
 Each program owns ``BLOCK_N`` outputs for ``BLOCK_M`` rows of ``x`` (all of them for M <= 16),
 streams its weight rows over K (or over one of ``SPLIT_K`` slices of K) in ``BLOCK_K`` chunks,
 converts them and accumulates in float32; the per-channel scale and the bias are applied once at
@@ -43,6 +48,7 @@ import triton
 import triton.language as tl
 
 from dovetail.triton import next_power_of_2
+from dovetail.triton.activation import act_and_mul_rounded
 from dovetail.triton.multiprocessors import multiprocessor_count
 from dovetail.triton.pdl import launch_kwargs, pdl_launch_dependents, pdl_wait, use_pdl
 
@@ -53,7 +59,8 @@ def _gemv_kernel(
     M, N, K, stride_xm, stride_wn, stride_om, k_chunk,
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, DOT: tl.constexpr, DOT_FP32: tl.constexpr, W_FP8: tl.constexpr, HAS_SCALE: tl.constexpr,
-    USE_PDL: tl.constexpr, PDL_TRIGGER: tl.constexpr, EVEN: tl.constexpr,
+    USE_PDL: tl.constexpr, PDL_TRIGGER: tl.constexpr, EVEN: tl.constexpr, GATED: tl.constexpr,
+    GELU_TANH: tl.constexpr,
 ):
     pdl_wait(USE_PDL)
     if PDL_TRIGGER == 1:
@@ -67,64 +74,110 @@ def _gemv_kernel(
     col_ok = cols < N
     x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_xm
     w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_wn
+    if GATED:  # N outputs of [gate | up]: weight rows N + cols are the up projection's of the same outputs
+        up_rows = w_ptr + (cols + N)[:, None].to(tl.int64) * stride_wn
     k_start = pid_k * k_chunk
     k_end = tl.minimum(K, k_start + k_chunk)
     if DOT:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if GATED:
+            acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     else:
         acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+        if GATED:
+            acc3_up = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         if EVEN:  # the tiles divide N and K: only x's rows past M are masked
             w = tl.load(w_rows + ks[None, :])
+            if GATED:
+                w_up = tl.load(up_rows + ks[None, :])
             a = tl.load(x_rows + ks[None, :], mask=row_ok[:, None], other=0.0)
         else:
             k_ok = ks < K
             w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            if GATED:
+                w_up = tl.load(up_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
             a = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        # e4m3 -> float16 is one packed conversion per two values (and exact); triton's direct
-        # e4m3 -> bfloat16 costs several, which made the kernel compute-bound on Hopper.
-        if W_FP8:
-            w = w.to(tl.float16)
         if DOT:
-            if DOT_FP32:
-                acc += tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
-            else:
-                acc += tl.dot(a, tl.trans(w.to(a.dtype)))
+            acc = _accumulate(acc, a, w, DOT, DOT_FP32, W_FP8)
+            if GATED:
+                acc_up = _accumulate(acc_up, a, w_up, DOT, DOT_FP32, W_FP8)
         else:
-            acc3 += a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+            acc3 = _accumulate(acc3, a, w, DOT, DOT_FP32, W_FP8)
+            if GATED:
+                acc3_up = _accumulate(acc3_up, a, w_up, DOT, DOT_FP32, W_FP8)
     if PDL_TRIGGER == 2:
         pdl_launch_dependents(USE_PDL)
     if not DOT:
         acc = tl.sum(acc3, axis=2)
+        if GATED:
+            acc_up = tl.sum(acc3_up, axis=2)
+    if not GATED:
+        acc_up = acc  # unused
     out_mask = row_ok[:, None] & col_ok[None, :]
     if SPLIT_K > 1:
         # Each slice stores its partial sums; the last of this tile's programs to finish (counted in
-        # count_ptr, which it resets to 0 for the next call) adds them up.
-        parts = part_ptr + rows[:, None].to(tl.int64) * N + cols[None, :]
-        tl.store(parts + pid_k * M * N, acc, mask=out_mask)
+        # count_ptr, which it resets to 0 for the next call) adds them up. A gated slice's are [gate | up].
+        part_n = 2 * N if GATED else N
+        parts = part_ptr + rows[:, None].to(tl.int64) * part_n + cols[None, :]
+        tl.store(parts + pid_k * M * part_n, acc, mask=out_mask)
+        if GATED:
+            tl.store(parts + pid_k * M * part_n + N, acc_up, mask=out_mask)
         tl.debug_barrier()
         tile = count_ptr + pid_m * tl.num_programs(0) + pid_n
         done = tl.atomic_add(tile, 1, sem="acq_rel")
         if done == SPLIT_K - 1:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for s in tl.static_range(SPLIT_K):  # in slice order, whichever program is last: deterministic
-                acc += tl.load(parts + s * M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
+                acc += tl.load(parts + s * M * part_n, mask=out_mask, other=0.0, cache_modifier=".cg")
+                if GATED:
+                    acc_up += tl.load(parts + s * M * part_n + N, mask=out_mask, other=0.0, cache_modifier=".cg")
             tl.atomic_xchg(tile, 0)
-            _finish(acc, scale_ptr, bias_ptr, out_ptr, rows, cols, col_ok, out_mask, stride_om, HAS_BIAS, HAS_SCALE)
+            _finish(acc, acc_up, scale_ptr, bias_ptr, out_ptr, rows, cols, col_ok, out_mask, stride_om, N, HAS_BIAS,
+                    HAS_SCALE, GATED, GELU_TANH)
     else:
-        _finish(acc, scale_ptr, bias_ptr, out_ptr, rows, cols, col_ok, out_mask, stride_om, HAS_BIAS, HAS_SCALE)
+        _finish(acc, acc_up, scale_ptr, bias_ptr, out_ptr, rows, cols, col_ok, out_mask, stride_om, N, HAS_BIAS,
+                HAS_SCALE, GATED, GELU_TANH)
 
 
 @triton.jit
-def _finish(acc, scale_ptr, bias_ptr, out_ptr, rows, cols, col_ok, out_mask, stride_om, HAS_BIAS: tl.constexpr,
-            HAS_SCALE: tl.constexpr):
+def _accumulate(acc, a, w, DOT: tl.constexpr, DOT_FP32: tl.constexpr, W_FP8: tl.constexpr):
+    """``acc`` plus this K step's products: ``[BLOCK_M, BLOCK_N]`` with ``DOT``, else the register sums'
+    ``[BLOCK_M, BLOCK_N, BLOCK_K]``."""
+    # e4m3 -> float16 is one packed conversion per two values (and exact); triton's direct
+    # e4m3 -> bfloat16 costs several, which made the kernel compute-bound on Hopper.
+    if W_FP8:
+        w = w.to(tl.float16)
+    if DOT:
+        if DOT_FP32:
+            acc += tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+        else:
+            acc += tl.dot(a, tl.trans(w.to(a.dtype)))
+    else:
+        acc += a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+    return acc
+
+
+@triton.jit
+def _scaled(acc, scale_ptr, bias_ptr, cols, col_ok, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr):
     if HAS_SCALE:
         acc = acc * tl.load(scale_ptr + cols, mask=col_ok, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=out_mask)
+    return acc
+
+
+@triton.jit
+def _finish(acc, acc_up, scale_ptr, bias_ptr, out_ptr, rows, cols, col_ok, out_mask, stride_om, N,
+            HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, GATED: tl.constexpr, GELU_TANH: tl.constexpr):
+    dtype = out_ptr.dtype.element_ty
+    out = _scaled(acc, scale_ptr, bias_ptr, cols, col_ok, HAS_BIAS, HAS_SCALE)
+    if GATED:  # gate and up rounded to the output's dtype first, as the unfused product writes them
+        up = _scaled(acc_up, scale_ptr, bias_ptr, cols + N, col_ok, HAS_BIAS, HAS_SCALE)
+        out = act_and_mul_rounded(out.to(dtype).to(tl.float32), up.to(dtype).to(tl.float32), dtype, GELU_TANH)
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :], out.to(dtype), mask=out_mask)
 
 
 #: Whether triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``), whose numpy has no bfloat16.
@@ -232,9 +285,30 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     return _gemv(x, weight, None, bias, config)
 
 
-def _gemv(x, weight, scale, bias, config):
+def gemv_gated(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, activation: str = "silu",
+               config: GemvConfig | None = None) -> torch.Tensor:
+    """``act(y[..., :N]) * y[..., N:]`` for ``y = F.linear(x, weight, bias)`` and a merged 16-bit ``[gate | up]``
+    weight ``[2N, K]``, in one launch: each program reads the gate and the up rows of its outputs, so the product
+    ``y`` is never written. ``activation``: ``silu`` or ``gelu_tanh``. Gate and up are rounded to x's dtype before
+    the activation, so the result is the unfused product's and :func:`dovetail.triton.activation.act_and_mul`'s.
+    ``config.block_n`` counts weight rows a program reads (half of them gate rows); None takes
+    :func:`default_config` of the whole weight."""
+    if (weight.dim() != 2 or weight.shape[1] != x.shape[-1] or weight.dtype != x.dtype or weight.shape[0] % 2
+            or activation not in GATED_ACTIVATIONS):
+        raise ValueError(f"gemv_gated: x [..., {x.shape[-1]}] {x.dtype}, weight {tuple(weight.shape)} {weight.dtype} "
+                         f"and activation {activation!r} do not describe one [2N, K] [gate | up] weight of x's dtype "
+                         f"and one of {GATED_ACTIVATIONS}")
+    return _gemv(x, weight, None, bias, config, gated=True, gelu_tanh=activation == "gelu_tanh")
+
+
+#: The activations :func:`gemv_gated` applies.
+GATED_ACTIVATIONS = ("silu", "gelu_tanh")
+
+
+def _gemv(x, weight, scale, bias, config, gated: bool = False, gelu_tanh: bool = False):
     k = x.shape[-1]
-    n = weight.shape[0]
+    rows_read = weight.shape[0]
+    n = rows_read // 2 if gated else rows_read
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
@@ -244,22 +318,24 @@ def _gemv(x, weight, scale, bias, config):
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out.reshape(*x.shape[:-1], n)
-    cfg = config or default_config(m, n, k, weight.element_size(), multiprocessor_count(x.device))
+    cfg = config or default_config(m, rows_read, k, weight.element_size(), multiprocessor_count(x.device))
     bias_arg = bias.contiguous() if bias is not None else (scale if scale is not None else out)
     block_m = max(16, cfg.block_m) if cfg.dot else min(16, next_power_of_2(m))
+    # A gated program reads block_n weight rows: half of them gate rows, the other half those outputs' up rows.
+    block_n = max(16 if cfg.dot else 1, cfg.block_n // 2) if gated else cfg.block_n
     k_chunk = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
-    grid = (triton.cdiv(n, cfg.block_n), cfg.split_k, triton.cdiv(m, block_m))
+    grid = (triton.cdiv(n, block_n), cfg.split_k, triton.cdiv(m, block_m))
     if cfg.split_k == 1:
         part = counts = out
     else:
-        part = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device)
+        part = torch.empty((cfg.split_k, m, rows_read if gated else n), dtype=torch.float32, device=x.device)
         counts = _tile_counters(x.device, grid[0] * grid[2])
     _gemv_kernel[grid](x2, weight, out if scale is None else scale, bias_arg, out, part, counts, m, n, k,
                        x2.stride(0), weight.stride(0), out.stride(0), k_chunk, HAS_BIAS=bias is not None,
-                       SPLIT_K=cfg.split_k, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                       SPLIT_K=cfg.split_k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=cfg.block_k,
                        DOT=cfg.dot, DOT_FP32=INTERPRETED or x.dtype == torch.float32,
                        W_FP8=weight.element_size() == 1, HAS_SCALE=scale is not None, PDL_TRIGGER=cfg.pdl_trigger,
-                       EVEN=n % cfg.block_n == 0 and k % cfg.block_k == 0,
+                       EVEN=n % block_n == 0 and k % cfg.block_k == 0, GATED=gated, GELU_TANH=gelu_tanh,
                        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kwargs(use_pdl(x.device)))
     return out.reshape(*x.shape[:-1], n)
 

@@ -68,11 +68,24 @@ def gemv_max_rows() -> int:
     instead of cuBLAS (default :data:`dovetail.triton.fused_ops.GEMV_MAX_ROWS`; 0 keeps every linear on cuBLAS)."""
     from dovetail.triton.fused_ops import GEMV_MAX_ROWS
 
-    text = os.environ.get("DOVETAIL_GEMV_MAX_ROWS", "").strip()
+    return _rows_setting("DOVETAIL_GEMV_MAX_ROWS", GEMV_MAX_ROWS)
+
+
+def gated_gemv_max_rows() -> int:
+    """``DOVETAIL_GATED_GEMV_MAX_ROWS``: the most tokens whose 16-bit gate/up projections run the core's gated
+    Triton GEMV on Hopper (the product and the activation in one launch) instead of cuBLAS and the activation's
+    kernel (default :data:`dovetail.triton.fused_ops.GATED_GEMV_MAX_ROWS`; 0 turns it off)."""
+    from dovetail.triton.fused_ops import GATED_GEMV_MAX_ROWS
+
+    return _rows_setting("DOVETAIL_GATED_GEMV_MAX_ROWS", GATED_GEMV_MAX_ROWS)
+
+
+def _rows_setting(variable: str, default: int) -> int:
+    text = os.environ.get(variable, "").strip()
     if not text:
-        return GEMV_MAX_ROWS
+        return default
     if not text.isdigit():
-        raise ConfigError(f"DOVETAIL_GEMV_MAX_ROWS={text!r}: expected a whole number of tokens (0 turns the GEMV off)")
+        raise ConfigError(f"{variable}={text!r}: expected a whole number of tokens (0 turns the GEMV off)")
     return int(text)
 
 
@@ -163,10 +176,12 @@ class CudaPlatform(TorchDevicePlatform):
 
     def fused_ops(self):
         """The core's Triton fused ops; on Hopper, 16-bit linears of up to :func:`gemv_max_rows` tokens on the
-        Triton GEMV, which beat cuBLAS there at one token (benchmarks/RESULTS.md, Kernels)."""
+        Triton GEMV, which beat cuBLAS there at one token, and gate/up projections of up to
+        :func:`gated_gemv_max_rows` tokens on the gated GEMV (benchmarks/RESULTS.md, Kernels)."""
         ops = super().fused_ops()
         if self.capability(None)[0] == 9 and hasattr(ops, "gemv_max_rows"):
             ops.gemv_max_rows = gemv_max_rows()
+            ops.gated_gemv_max_rows = gated_gemv_max_rows()
         return ops
 
     def all_reduce_kernel(self, group, device):
