@@ -193,6 +193,7 @@ run_bench() {
   local round model backend variant kind args word n=0
   IFS='|' read -r -a variants <<<"$FLAGS"
   [ ${#variants[@]} -eq 0 ] && variants=("")
+  [[ "$FLAGS" == *"|" ]] && variants+=("")  # read drops a last, empty variant: "FLAGS=x|" is x, then the defaults
   for round in $(seq "$ROUNDS"); do
     for model in $MODELS; do
       for backend in $BACKENDS; do
