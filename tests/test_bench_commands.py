@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import random
 
+import pytest
+
 from dovetail.bench.throughput import workload
 from dovetail.bench.workload import b1_requests, greedy_inputs, random_requests
 from dovetail.cli.main import build_parser, main
@@ -242,6 +244,24 @@ def test_latency_reports_decode_time_per_token(tiny_llama_dir, tmp_path, monkeyp
     assert result["ms_per_token"] > 0 and len(result["ms_per_token_runs"]) == 2
     assert frozen[-12:] == [True] * 12, "the timed steps run with the heap frozen, as LLM.generate's do"
     assert not frozen_heap.is_frozen()
+
+
+def test_latency_of_a_batch_decodes_its_requests_together(tiny_llama_dir, tmp_path, monkeypatch):
+    """``--batch-size 3``: every timed step decodes the three requests at once; a batch below one is refused."""
+    from dovetail.engine.llm_engine import LLMEngine
+
+    batches, step = [], LLMEngine.step
+    monkeypatch.setattr(LLMEngine, "step", lambda self: batches.append(len(self.scheduler.running)) or step(self))
+    out = tmp_path / "latency.json"
+    rc = main(["--log-level", "WARNING", "bench", "latency", "--model", str(tiny_llama_dir), "--device", "cpu",
+               "--input-len", "12", "--output-len", "6", "--repeats", "1", "--batch-size", "3",
+               "--output-json", str(out)])
+    assert rc == 0
+    result = json.loads(out.read_text())
+    assert result["batch_size"] == 3 and result["dovetail"]["ms_per_token"] > 0
+    assert batches[-6:] == [0] + [3] * 5, "the timed run's first step admits its requests, each step after holds 3"
+    with pytest.raises(SystemExit, match="--batch-size: must be at least 1"):
+        main(["bench", "latency", "--model", str(tiny_llama_dir), "--device", "cpu", "--batch-size", "0"])
 
 
 def test_moe_shapes_are_qwen3_30b_a3b_and_its_first_half():

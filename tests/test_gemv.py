@@ -138,6 +138,20 @@ def test_dot_blocks_of_more_than_16_rows(m, block_m):
         assert_close(out, x.float() @ w.float().t(), torch.bfloat16)
 
 
+def test_gated_tiles_follow_the_rows_of_x_and_the_weight():
+    """One row: register sums over the whole weight's tile; 2-16 rows: the dot over 16 rows, 64 weight rows a
+    program where that makes three programs a multiprocessor, else 32; more: the plain tiles."""
+    from dovetail.triton.gemv import gated_config
+
+    assert gated_config(1, 14336, 4096) == default_config(1, 14336, 4096, 2)
+    assert not gated_config(1, 14336, 4096).dot
+    for m in (2, 8, 16):
+        assert gated_config(m, 14336, 4096)[:6] == (32, 128, 4, 3, 1, True)  # llama-3.1-8b TP=2: 224 programs of 64
+        assert gated_config(m, 25600, 5120).block_n == 64 and gated_config(m, 25600, 5120).block_m == 16
+    assert gated_config(8, 25600, 5120, multiprocessors=160).block_n == 32
+    assert gated_config(17, 14336, 4096) == default_config(17, 14336, 4096, 2)
+
+
 def test_the_default_tiles_of_many_rows_take_blocks_of_rows():
     """Past 16 rows the default reads the weight once per block of up to 64 rows, not once per 16."""
     assert default_config(48, 5120, 2048, 2).block_m == 64

@@ -1,4 +1,7 @@
-"""``dovetail bench latency``: B2 (GPU) / C2 (CPU) batch-1 decode, ms per output token, prefill excluded."""
+"""``dovetail bench latency``: B2 (GPU) / C2 (CPU) batch-1 decode, ms per output token, prefill excluded.
+
+``--batch-size N`` decodes N requests of the same lengths together (random prompts of their own): the figure is
+then the time of one decode step of N sequences."""
 
 from __future__ import annotations
 
@@ -15,15 +18,18 @@ def add_parser(sub) -> None:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3, help="runs; the median is reported")
+    p.add_argument("--batch-size", type=int, default=1,
+                   help="requests decoded together; the figure is then one decode step's time (default 1: B2/C2)")
     p.set_defaults(func=run)
 
 
-def _decode_ms(engine, prompt_ids: list[int], output_len: int, request_id: str) -> tuple[float, float]:
-    """(prefill ms, decode ms per token) of one request run alone."""
+def _decode_ms(engine, prompts: list[list[int]], output_len: int, request_id: str) -> tuple[float, float]:
+    """(prefill ms, decode ms per step) of ``prompts`` run together, alone in the engine."""
     from dovetail.sampling_params import SamplingParams
 
-    engine.add_request(request_id, {"prompt_token_ids": prompt_ids},
-                       SamplingParams(temperature=0, ignore_eos=True, max_tokens=output_len))
+    for index, prompt_ids in enumerate(prompts):
+        engine.add_request(f"{request_id}-{index}", {"prompt_token_ids": prompt_ids},
+                           SamplingParams(temperature=0, ignore_eos=True, max_tokens=output_len))
     t0 = time.perf_counter()
     first = None
     while engine.has_unfinished_requests():
@@ -37,16 +43,21 @@ def _decode_ms(engine, prompt_ids: list[int], output_len: int, request_id: str) 
 def run(args) -> int:
     import statistics
 
+    if args.batch_size < 1:
+        raise SystemExit(f"--batch-size: must be at least 1 (got {args.batch_size})")
+    if args.batch_size > 1 and args.compare_hf:
+        raise SystemExit("--compare-hf: HF runs batch-1 decode only; leave out --batch-size")
     llm, model_dir, kwargs, load_s = build_llm(args)
     engine = llm.llm_engine
-    prompt = random_requests(1, (args.input_len, args.input_len), (1, 1), engine.vocab_size,
-                             args.workload_seed)[0].prompt_token_ids
-    _decode_ms(engine, prompt, 8, "warmup")
+    prompts = [r.prompt_token_ids for r in random_requests(args.batch_size, (args.input_len, args.input_len), (1, 1),
+                                                           engine.vocab_size, args.workload_seed)]
+    _decode_ms(engine, prompts, 8, "warmup")
     with profiled(llm, args.profile) as summaries, frozen_heap():  # as LLM.generate runs its steps
-        runs = [_decode_ms(engine, prompt, args.output_len, f"r{i}") for i in range(args.repeats)]
+        runs = [_decode_ms(engine, prompts, args.output_len, f"r{i}") for i in range(args.repeats)]
+    prompt = prompts[0]
     result = {
         "benchmark": "latency", "model": args.model or "c1", "engine_args": kwargs, "environment": environment(engine.platform),
-        "input_len": args.input_len, "output_len": args.output_len,
+        "input_len": args.input_len, "output_len": args.output_len, "batch_size": args.batch_size,
         "dovetail": {"ms_per_token": statistics.median(r[1] for r in runs),
                      "ms_per_token_runs": [r[1] for r in runs], "prefill_ms": statistics.median(r[0] for r in runs),
                      "device": engine.platform.name, "attention_backend": engine.attention_backend.name,

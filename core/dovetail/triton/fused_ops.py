@@ -23,7 +23,7 @@ GEMV_MAX_ROWS = 1
 #: The most tokens for which a Hopper GPU runs a 16-bit gate/up projection and its activation as one gated GEMV
 #: (:func:`dovetail.triton.gemv.gemv_gated`): where it beat cuBLAS's product and the activation's kernel together
 #: (benchmarks/RESULTS.md, Kernels).
-GATED_GEMV_MAX_ROWS = 1
+GATED_GEMV_MAX_ROWS = 16
 
 
 def gemv_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -259,6 +259,22 @@ def default_config(m: int, n: int, k: int, weight_bytes: int = 1, multiprocessor
                       block_m=block_m)
 
 
+@functools.lru_cache(maxsize=None)
+def gated_config(m: int, rows: int, k: int, multiprocessors: int = 132) -> GemvConfig:
+    """The gated GEMV's launch parameters for ``x [m, k]`` and a 16-bit ``[gate | up]`` weight of ``rows`` rows.
+
+    One row: :func:`default_config`'s register sums over the whole weight. 2 to 16 rows: the tensor-core dot over
+    16 rows of x, 128 of K a step, 3 stages, unsplit, over 64 weight rows a program (32 outputs) while that makes
+    at least three programs a multiprocessor, else 32. On an H100 that was the fastest of ``kernels_linear.py
+    --gated-configs``'s grid, or within 1% of it, at 2-16 rows on llama-3.1-8b, its TP=2 rank and a qwen3-32b
+    TP=2 rank (benchmarks/RESULTS.md, Kernels). More rows: :func:`default_config`.
+    """
+    if m == 1 or m > 16:
+        return default_config(m, rows, k, 2, multiprocessors)
+    block_n = 64 if triton.cdiv(rows, 64) >= 3 * multiprocessors else 32
+    return GemvConfig(block_n, 128, num_warps=4, num_stages=3, split_k=1, dot=True, block_m=16)
+
+
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None,
              config: GemvConfig | None = None) -> torch.Tensor:
     """``(x.float() @ (weight.float() * weight_scale[:, None]).T + bias)`` in x's dtype.
@@ -292,7 +308,7 @@ def gemv_gated(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     ``y`` is never written. ``activation``: ``silu`` or ``gelu_tanh``. Gate and up are rounded to x's dtype before
     the activation, so the result is the unfused product's and :func:`dovetail.triton.activation.act_and_mul`'s.
     ``config.block_n`` counts weight rows a program reads (half of them gate rows); None takes
-    :func:`default_config` of the whole weight."""
+    :func:`gated_config`."""
     if (weight.dim() != 2 or weight.shape[1] != x.shape[-1] or weight.dtype != x.dtype or weight.shape[0] % 2
             or activation not in GATED_ACTIVATIONS):
         raise ValueError(f"gemv_gated: x [..., {x.shape[-1]}] {x.dtype}, weight {tuple(weight.shape)} {weight.dtype} "
@@ -318,7 +334,12 @@ def _gemv(x, weight, scale, bias, config, gated: bool = False, gelu_tanh: bool =
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out.reshape(*x.shape[:-1], n)
-    cfg = config or default_config(m, rows_read, k, weight.element_size(), multiprocessor_count(x.device))
+    if config is not None:
+        cfg = config
+    elif gated:
+        cfg = gated_config(m, rows_read, k, multiprocessor_count(x.device))
+    else:
+        cfg = default_config(m, rows_read, k, weight.element_size(), multiprocessor_count(x.device))
     bias_arg = bias.contiguous() if bias is not None else (scale if scale is not None else out)
     block_m = max(16, cfg.block_m) if cfg.dot else min(16, next_power_of_2(m))
     # A gated program reads block_n weight rows: half of them gate rows, the other half those outputs' up rows.
