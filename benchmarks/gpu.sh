@@ -146,7 +146,9 @@ if step == "throughput":
 elif step == "latency":
     d = data["dovetail"]
     base["backend"] = d.get("attention_backend", backend)
-    figures.append(("B2", d["ms_per_token"], "ms/token", {"runs": d["ms_per_token_runs"]}))
+    batch = data.get("batch_size", 1)
+    figures.append(("B2" if batch == 1 else f"decode step, {batch} sequences", d["ms_per_token"],
+                    "ms/token" if batch == 1 else "ms/step", {"runs": d["ms_per_token_runs"]}))
 elif step == "startup":
     base["backend"] = data.get("attention_backend", backend)
     if data.get("tensor_parallel_size", 1) > 1:

@@ -9,8 +9,8 @@ Hopper GPUs (``TritonFusedOps.linear`` uses it there; benchmarks/RESULTS.md, Ker
 
 :func:`gemv_gated` is the same kernel over a merged ``[gate | up]`` weight ``[2N, K]`` with the MLP's gated
 activation applied before the store: a program reads the gate and the up rows of its outputs, so one launch
-replaces the product and the activation's kernel (``TritonFusedOps.linear_gated``; at one token it took
-0.6-3% off batch-1 decode on an H100, benchmarks/RESULTS.md).
+replaces the product and the activation's kernel (``TritonFusedOps.linear_gated``, up to 16 tokens; on an H100
+it took 0.6-3% off batch-1 decode and 2-4% off decode steps of 8 sequences, benchmarks/RESULTS.md).
 
 Each program owns ``BLOCK_N`` outputs for ``BLOCK_M`` rows of ``x`` (all of them for M <= 16),
 streams its weight rows over K (or over one of ``SPLIT_K`` slices of K) in ``BLOCK_K`` chunks,
