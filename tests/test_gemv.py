@@ -102,9 +102,15 @@ GATED_CONFIGS = {"default": None, "sum-split3": GemvConfig(8, 32, split_k=3),
                  "dot-rows32": GemvConfig(32, 32, dot=True, block_m=32)}
 
 
-@pytest.mark.parametrize("config", GATED_CONFIGS, ids=str)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("m, activation", [(1, "silu"), (5, "gelu_tanh"), (21, "silu")])
+#: (rows, activation, dtype, launch): each launch in both dtypes and both activations, at one row (the register sums
+#: of batch-1 decode), at a few (the dot over 16 rows) and past 16 (blocks of 32 rows, two blocks of 16 sums).
+GATED_CASES = [(1, "silu", torch.bfloat16, "default"), (1, "gelu_tanh", torch.float32, "sum-split3"),
+               (3, "silu", torch.float32, "dot-split2"), (5, "gelu_tanh", torch.bfloat16, "dot-split2"),
+               (5, "silu", torch.float32, "default"), (21, "silu", torch.bfloat16, "dot-rows32"),
+               (21, "gelu_tanh", torch.float32, "default"), (21, "silu", torch.bfloat16, "sum-split3")]
+
+
+@pytest.mark.parametrize("m, activation, dtype, config", GATED_CASES, ids=str)
 def test_gated_gemv_is_the_product_then_the_activation(m, activation, dtype, config):
     """``gemv_gated`` over a ragged [gate | up] weight (24 outputs, K 72) and a bias: the torch definition of the
     activation over the float product rounded to ``dtype``, within an ulp of each rounding on the way."""
