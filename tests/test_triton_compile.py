@@ -293,11 +293,18 @@ def specialised_attention_args() -> list[str]:
     return [kernel.arg_names[index] for (index,) in aligned_attrs(kernel, _signature(kernel, types, constexprs))]
 
 
-def _run_compiler_script(*args: str) -> subprocess.CompletedProcess:
-    """This file as a script, without ``TRITON_INTERPRET`` (kernels are then triton's JIT functions)."""
+def _compiler_env() -> dict[str, str]:
+    """The environment of this file run as a script: without ``TRITON_INTERPRET`` (kernels are then triton's JIT
+    functions)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    return subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, env=env, timeout=600)
+    return env
+
+
+def _run_compiler_script(*args: str) -> subprocess.CompletedProcess:
+    """This file as a script (:func:`_compiler_env`)."""
+    return subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, env=_compiler_env(),
+                          timeout=600)
 
 
 def test_aligned_variants_specialise_what_the_launcher_would():
@@ -321,8 +328,7 @@ def compilations(tmp_path_factory):
     a machine of two cores the second compiles beside the first instead of after it. Output goes to files, so that
     neither process waits on a pipe nobody reads yet."""
     pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    env = _compiler_env()
     directory = tmp_path_factory.mktemp("triton-compile")
     running = {}
     for target in TARGETS:

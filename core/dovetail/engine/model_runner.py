@@ -539,15 +539,13 @@ class DecodeGraphs:
             positions[:n] = [req.num_computed_tokens for req in requests]
             ids[:n] = [req.all_token_ids[req.num_computed_tokens] if req.num_computed_tokens < len(req.all_token_ids)
                        else 0 for req in requests]
-            columns = positions // bs
         else:  # each sequence's last token and drafts; a padding sequence's q tokens from position 0
-            steps = np.tile(np.arange(q), size)
-            positions[:] = steps
+            positions[:] = np.tile(np.arange(q), size)
             positions[:n * q] += np.repeat(np.fromiter((req.num_computed_tokens for req in requests), np.int64, n), q)
             ids[:n * q] = list(itertools.chain.from_iterable(
                 input_tokens(req, req.num_computed_tokens, q) for req in requests))
-            columns = positions // bs
-            columns[n * q:] = 0  # the spare block, however many tokens
+        columns = positions // bs
+        columns[n * q:] = 0  # a padding sequence's tokens all go to the spare block
         slots[:] = table[np.repeat(np.arange(size), q), columns].astype(np.int64) * bs + positions % bs
         staged[3 * width:rows] = src if every_row else src + dst
         staged.view(np.int32)[2 * rows:2 * rows + table.size] = table.ravel()

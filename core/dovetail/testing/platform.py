@@ -74,11 +74,11 @@ def check_fused_ops(ops: FusedOps, device: torch.device | str = "cpu", dtype: to
         x, weight, bias = rand(rows, in_features), rand(out_features, in_features), rand(out_features)
         close(ops.linear(x, weight, bias), ref.linear(x, weight, bias), "linear (with bias)")
         close(ops.linear(x, weight), ref.linear(x, weight), "linear")
+        gate_up, gate_up_bias = weight[:out_features // 2 * 2], bias[:out_features // 2 * 2]  # [gate | up] rows
         for activation, act in (("silu", ref.silu_and_mul), ("gelu_tanh", ref.gelu_tanh_and_mul)):
-            gated = ops.linear_gated(x, weight[:2 * (out_features // 2)], bias[:2 * (out_features // 2)], activation)
+            gated = ops.linear_gated(x, gate_up, gate_up_bias, activation)
             if gated is not None:
-                want = act(ref.linear(x, weight[:2 * (out_features // 2)], bias[:2 * (out_features // 2)]))
-                close(gated, want, f"linear_gated ({activation})")
+                close(gated, act(ref.linear(x, gate_up, gate_up_bias)), f"linear_gated ({activation})")
     for head_size, rotary_dim, heads, kv_heads in ((64, 64, 4, 2), (128, 128, 8, 8), (128, 64, 2, 1)):
         tokens, max_pos = 9, 64
         positions = torch.randint(0, max_pos, (tokens,), generator=gen).to(device)
