@@ -238,16 +238,17 @@ def test_decode_split_path_matches():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_launch_stores_and_attends_its_own_keys(dtype):
     """With ``new_kv`` the decode launch attends each decode's new key and value from ``k`` and ``v`` (the
-    cache's slot still holds garbage: NaN here) and stores them there, split or not, windowed or not."""
+    cache's slot still holds garbage: NaN here) and stores them there, split or not, windowed or not (each window
+    and each split count once, not every pair: the interpreter takes seconds a launch)."""
     from dovetail.triton.paged_attention import LaunchConfig, paged_attention
 
     case = make_case([1, 1, 1], [1, 30, 17], num_heads=4, num_kv_heads=2, dtype=dtype, seed=15)
     q, k, v, cache, batch = case
-    for window in (None, 1, 5):
+    for window, split_counts in ((None, (1, 2)), (1, (2,)), (5, (16,))):
         spec = spec_for(case, sliding_window=window)
         ref_cache = cache.clone()
         expected = ReferenceAttentionImpl(spec).forward(q, k, v, ref_cache, batch)
-        for splits in (1, 2, 16):
+        for splits in split_counts:
             tri_cache = cache.clone()
             tri_cache.view(2, -1, *cache.shape[-2:])[:, batch.slot_mapping] = float("nan")
             out = torch.full_like(q, float("nan"))
