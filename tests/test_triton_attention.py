@@ -238,8 +238,8 @@ def test_decode_split_path_matches():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_launch_stores_and_attends_its_own_keys(dtype):
     """With ``new_kv`` the decode launch attends each decode's new key and value from ``k`` and ``v`` (the
-    cache's slot still holds garbage: NaN here) and stores them there, split or not, windowed or not (each window
-    and each split count once, not every pair: the interpreter takes seconds a launch)."""
+    cache's slot still holds garbage: NaN here) and stores them there, split or not, windowed or not (every window
+    and every split count, not every pair of them: the interpreter takes seconds a launch)."""
     from dovetail.triton.paged_attention import LaunchConfig, paged_attention
 
     case = make_case([1, 1, 1], [1, 30, 17], num_heads=4, num_kv_heads=2, dtype=dtype, seed=15)
