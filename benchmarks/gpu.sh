@@ -47,8 +47,8 @@
 # from an earlier machine) is unpacked into ~/.cache.
 #
 # Results: $OUT/results.jsonl, one line per figure ("step", "model", "backend", "flags", "round", "value",
-# "unit", plus the machine and commit); the raw JSON of each command under $OUT/raw/; logs in $OUT/*.log;
-# $OUT/table.md, printed last.
+# "unit", "all_reduce" (the kernel rank 0 summed with; the table names it beside the backend), plus the machine
+# and commit); the raw JSON of each command under $OUT/raw/; logs in $OUT/*.log; $OUT/table.md, printed last.
 #
 # Examples:
 #   bash benchmarks/gpu.sh tests
@@ -130,6 +130,8 @@ try:
 except ValueError:
     data = json.loads(lines[-1])
 figures = []
+if step in ("throughput", "latency"):
+    base["all_reduce"] = data["dovetail"].get("all_reduce")
 if step == "throughput":
     d = data["dovetail"]
     base["backend"] = d.get("attention_backend", backend)
@@ -171,10 +173,14 @@ export GPU COMMIT
 run_tests() {
   log "pytest $TESTS"
   timeout "$TEST_TIMEOUT" python3 -m pytest -q -p no:cacheprovider $TESTS >"$OUT/tests.log" 2>&1
+  local rc=$? summary
   grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -20
-  tail -1 "$OUT/tests.log"
+  # pytest's count line; a run killed by the timeout or by a crash at exit has none, and says so
+  summary=$(grep -E "^(=+ )?[0-9]+ (passed|failed|errors?|skipped|deselected)|no tests ran" "$OUT/tests.log" | tail -1)
+  [ -n "$summary" ] || summary="no summary line (pytest exited $rc)"
+  echo "$summary"
   python3 -c "import json, sys; print(json.dumps({'step': 'tests', 'args': sys.argv[1], 'summary': sys.argv[2],
-'gpu': sys.argv[3], 'commit': sys.argv[4]}))" "$TESTS" "$(tail -1 "$OUT/tests.log")" "$GPU" "$COMMIT" \
+'rc': int(sys.argv[5]), 'gpu': sys.argv[3], 'commit': sys.argv[4]}))" "$TESTS" "$summary" "$GPU" "$COMMIT" "$rc" \
     >>"$OUT/results.jsonl"
 }
 
@@ -305,7 +311,8 @@ for r in rows:
 figures = collections.defaultdict(list)
 for r in rows:
     if "benchmark" in r:
-        figures[(r["benchmark"], r["model"], r["backend"], r["flags"], r["unit"])].append(r["value"])
+        backend = r["backend"] + (f", sums: {r['all_reduce']}" if r.get("all_reduce") else "")
+        figures[(r["benchmark"], r["model"], backend, r["flags"], r["unit"])].append(r["value"])
 if figures:
     gpu = next((r["gpu"] for r in rows if r.get("gpu")), "")
     commit = next((r["commit"] for r in rows if r.get("commit")), "")

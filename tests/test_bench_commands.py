@@ -55,6 +55,7 @@ def test_throughput_generates_every_requested_token(tiny_llama_dir, tmp_path):
     assert result["num_requests"] == 5 and result["dovetail"]["output_tokens"] == wanted
     assert result["dovetail"]["output_tokens_per_s"] > 0
     assert result["dovetail"]["kv_cache_blocks_per_rank"] > 0 and result["dovetail"]["world_size"] == 1
+    assert result["dovetail"]["executor"] == "uni" and result["dovetail"]["all_reduce"] is None
 
 
 def test_step_stats_charge_every_step_of_the_timed_run(tiny_llama_dir, tmp_path):
@@ -259,6 +260,7 @@ def test_latency_of_a_batch_decodes_its_requests_together(tiny_llama_dir, tmp_pa
     assert rc == 0
     result = json.loads(out.read_text())
     assert result["batch_size"] == 3 and result["dovetail"]["ms_per_token"] > 0
+    assert result["dovetail"]["all_reduce"] is None, "one rank sums nothing"
     assert batches[-6:] == [0] + [3] * 5, "the timed run's first step admits its requests, each step after holds 3"
     with pytest.raises(SystemExit, match="--batch-size: must be at least 1"):
         main(["bench", "latency", "--model", str(tiny_llama_dir), "--device", "cpu", "--batch-size", "0"])

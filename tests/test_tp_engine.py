@@ -246,6 +246,16 @@ def test_worker_processes_report_their_pids(feature_pair):
     assert all(os.path.exists(f"/proc/{pid}") for pid in pids)
 
 
+def test_benchmarks_name_the_all_reduce_they_ran_with(feature_pair):
+    """Figures at several ranks depend on the sum's kernel, which ``auto`` picks by machine: the bench commands
+    record rank 0's (on the CPU gloo's own, "backend"; none at one rank)."""
+    from dovetail.bench.common import all_reduce_kernel
+
+    one, two = feature_pair
+    assert all_reduce_kernel(two.llm_engine) == "backend"
+    assert all_reduce_kernel(one.llm_engine) is None
+
+
 def test_a_token_bitmask_reaches_every_rank(feature_pair):
     """The per-row bitmask of structured outputs travels with the step to each worker process."""
     import torch

@@ -78,6 +78,13 @@ def draft_counts(engine) -> dict | None:
             "acceptance_rate": engine.num_accepted_tokens / max(engine.num_draft_tokens, 1)}
 
 
+def all_reduce_kernel(engine) -> str | None:
+    """The kernel rank 0 sums its row-parallel outputs with (None with one rank): a figure at several ranks
+    depends on it, and which one ``auto`` takes depends on the machine (FlashInfer's fused kernels only once
+    built there)."""
+    return engine.executor.collective_rpc("describe")[0]["all_reduce"]
+
+
 def emit(result: dict, path: str | None) -> None:
     text = json.dumps(result, indent=2)
     print(text)

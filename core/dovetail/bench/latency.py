@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import time
 
-from dovetail.bench.common import add_common_arguments, build_llm, draft_counts, emit, environment, profiled
+from dovetail.bench.common import (add_common_arguments, all_reduce_kernel, build_llm, draft_counts, emit, environment,
+                                   profiled)
 from dovetail.bench.workload import random_requests
 from dovetail.engine.frozen_heap import frozen_heap
 
@@ -62,6 +63,7 @@ def run(args) -> int:
                      "ms_per_token_runs": [r[1] for r in runs], "prefill_ms": statistics.median(r[0] for r in runs),
                      "device": engine.platform.name, "attention_backend": engine.attention_backend.name,
                      "world_size": engine.world_size, "executor": engine.executor_name,
+                     "all_reduce": all_reduce_kernel(engine),
                      "kv_cache_blocks_per_rank": engine.num_blocks, "kv_block_size": engine.config.cache.block_size,
                      "profile_summaries": summaries, "load_seconds": load_s,
                      "speculative": draft_counts(engine)},

@@ -16,7 +16,8 @@ from __future__ import annotations
 import sys
 import time
 
-from dovetail.bench.common import add_common_arguments, build_llm, draft_counts, emit, environment, profiled
+from dovetail.bench.common import (add_common_arguments, all_reduce_kernel, build_llm, draft_counts, emit, environment,
+                                   profiled)
 from dovetail.bench.step_stats import format_summary, recorded_steps
 from dovetail.bench.workload import BenchRequest, greedy_inputs, parse_range, random_requests, warm_up
 
@@ -103,6 +104,7 @@ def run(args) -> int:
                      "output_tokens_per_s": out_tokens / elapsed, "total_tokens_per_s": (out_tokens + in_tokens) / elapsed,
                      "device": engine.platform.name, "attention_backend": engine.attention_backend.name,
                      "world_size": engine.world_size, "executor": engine.executor_name,
+                     "all_reduce": all_reduce_kernel(engine),
                      "kv_cache_blocks_per_rank": engine.num_blocks, "kv_block_size": engine.config.cache.block_size,
                      "profile_summaries": summaries, "load_seconds": load_s, "preemptions": engine.scheduler.num_preemptions,
                      "lora_adapters": args.lora_adapters, "speculative": draft_counts(engine)},
