@@ -1,7 +1,7 @@
 """The linear layers' kernels on a GPU: cuBLAS against the engine's GEMVs, 16-bit and FP8, shape by shape.
 
     python benchmarks/kernels_linear.py [--model llama-3.1-8b] [--ms 1,2,4,8,16,64,256] [--shapes qkv,o]
-        [--tp N] [--blas] [--tunable] [--configs] [--gated-configs] [--best N] [--json results.json]
+        [--tp N] [--blas] [--tunable] [--swapped] [--configs] [--gated-configs] [--best N] [--json results.json]
 
 For the projections of a named shape (qkv, o, gate_up, down of one layer, the LM head, a mixture of experts'
 router) and M tokens it
@@ -10,6 +10,9 @@ times, from CUDA graphs (how the engine runs decode):
 - ``F.linear`` on 16-bit weights (cuBLAS or cuBLASLt, as the platform set torch up); ``--blas`` adds it under
   each of torch's libraries (``F.linear cublas``, ``F.linear cublaslt``) and ``--tunable`` under torch's
   TunableOp (``F.linear tunableop``: every cuBLASLt algorithm timed for the shape, the fastest kept);
+  ``--swapped`` adds the product with its operands swapped, ``weight @ x.T`` (the library then tiles the
+  weight's rows as the long side and the tokens as the short one, and picks its kernel for that shape), as a
+  transposed view (``swapped view``) and copied back to ``[M, N]`` (``swapped copy``, what a layer would use);
 - the platform's ``FusedOps.linear`` (what the engine's 16-bit layers call: a Triton GEMV where the platform
   chose one, else ``F.linear``) and :func:`dovetail.triton.gemv.gemv` with its default configuration;
 - FP8 weights (e4m3, per-channel scales): the platform's ``QuantKernels.fp8_linear`` (what the engine's fp8
@@ -173,7 +176,8 @@ def path_kind(path: str) -> str:
 
 
 def bench_shape(n: int, k: int, ms: list[int], ops, quant_kernels, configs: bool, blas: bool = False,
-                tunable: bool = False, gated: bool = False, gated_configs: bool = False) -> dict:
+                tunable: bool = False, gated: bool = False, gated_configs: bool = False,
+                swapped: bool = False) -> dict:
     from dovetail.quantization import quant_ops
     from dovetail.quantization.fp8_scaled_mm import fp8_linear_scaled_mm
     from dovetail.triton.gemv import GemvConfig, fp8_gemv, gemv, split_k_for
@@ -203,6 +207,13 @@ def bench_shape(n: int, k: int, ms: list[int], ops, quant_kernels, configs: bool
         if blas:
             for library in ("cublas", "cublaslt"):
                 paths[f"F.linear {library}"] = (with_blas(library, linear), ref16)
+        if swapped:
+            paths["F.linear swapped view"] = (lambda i: torch.mm(ws[i % len(ws)], x.t()).t(), ref16)
+            paths["F.linear swapped copy"] = (lambda i: torch.mm(ws[i % len(ws)], x.t()).t().contiguous(), ref16)
+            if blas:
+                for library in ("cublas", "cublaslt"):
+                    paths[f"F.linear swapped copy {library}"] = (with_blas(library, paths["F.linear swapped copy"][0]),
+                                                                 ref16)
         if tunable:
             paths["F.linear tunableop"] = (with_tunable_op(with_blas("cublaslt", linear)), ref16)
         if configs:
@@ -244,6 +255,7 @@ def main() -> None:
     p.add_argument("--tp", type=int, default=1, help="one rank's share of each product at this tensor-parallel size")
     p.add_argument("--blas", action="store_true", help="also F.linear under cuBLAS and under cuBLASLt")
     p.add_argument("--tunable", action="store_true", help="also F.linear under torch's TunableOp (cuBLASLt, tuned)")
+    p.add_argument("--swapped", action="store_true", help="also the product with its operands swapped (weight @ x.T)")
     p.add_argument("--configs", action="store_true", help="also grids of Triton GEMV configurations (FP8, 16-bit)")
     p.add_argument("--gated-configs", action="store_true", help="also the gated Triton GEMV's tile grid (gate_up)")
     p.add_argument("--best", type=int, default=0,
@@ -271,7 +283,7 @@ def main() -> None:
         n, k = rank_share(name, *projections(config)[name], args.tp)
         results["shapes"][name] = rows = bench_shape(n, k, ms, ops, quant_kernels, args.configs, args.blas,
                                                      args.tunable, gated=name == "gate_up",
-                                                     gated_configs=args.gated_configs)
+                                                     gated_configs=args.gated_configs, swapped=args.swapped)
         for m, row in rows.items():
             cells = []
             shown = row.items()
