@@ -152,15 +152,6 @@ def variants(pdl: bool = False):
             for name, (kernel, types, constexprs, options) in _variants().items()}
 
 
-def cuda_variants():
-    """Kernels with NVIDIA inline assembly, compiled for CUDA targets only."""
-    from dovetail_cuda.l2_prefetch import _l2_prefetch_kernel
-
-    return {"l2 prefetch (CUDA plugin)": (_l2_prefetch_kernel, dict(base_ptr="*u8", row_bytes="i32",
-                                                                    prefix_bytes="i32", rows="i32"),
-                                          dict(BLOCK=128, USE_PDL=True), dict(num_warps=4))}
-
-
 def _variants():
     from dovetail.triton.activation import _act_and_mul_kernel
     from dovetail.triton.argmax import _chunk_max_kernel, _row_max_kernel
@@ -281,10 +272,7 @@ def compile_all(target_name: str) -> dict[str, dict]:
     backend, arch = target_name.split(":")
     target = GPUTarget(backend, int(arch) if backend == "cuda" else arch, 32 if backend == "cuda" else 64)
     errors, spills = {}, {}
-    every = variants(pdl=backend == "cuda")
-    if backend == "cuda":
-        every.update(cuda_variants())
-    for name, (kernel, types, constexprs, options) in every.items():
+    for name, (kernel, types, constexprs, options) in variants(pdl=backend == "cuda").items():
         signature = _signature(kernel, types, constexprs)
         for label, attrs in ((name, None), (f"{name}, aligned", aligned_attrs(kernel, signature))):
             try:

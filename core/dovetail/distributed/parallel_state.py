@@ -9,7 +9,6 @@ are identities, so single-device code pays nothing.
 from __future__ import annotations
 
 import contextlib
-import inspect
 from typing import Callable, Iterator, Optional
 
 import torch
@@ -25,7 +24,6 @@ _gathers_into_tensor = True
 _all_reduce_kernel: Optional[Callable[[torch.Tensor], bool]] = None
 #: The same kernel's all-reduce fused with the residual add and RMSNorm, where it has one.
 _fused_add_rms_norm: Optional[Callable] = None
-_fused_takes_next_weight = False
 
 
 def init_tensor_parallel(world_size: int, rank: int, backend: str, init_method: str,
@@ -60,15 +58,10 @@ def set_all_reduce_kernel(kernel: Optional[Callable[[torch.Tensor], bool]]) -> N
     A platform's :meth:`~dovetail.platform.Platform.all_reduce_kernel` supplies one (small decode messages
     through torch symmetric memory on NVLink); every rank must install the same. A kernel with an
     ``add_rms_norm(x, residual, weight, eps)`` method also serves :func:`all_reduce_add_rms_norm`: it returns
-    ``(rms_norm(sum(x) + residual) * weight, sum(x) + residual)`` in one pass, or None for what it does not take.
-    Where that method also takes a ``next_weight`` keyword, it is given the weight of the product that reads the
-    norm's output (a hint: the kernel may start bringing it toward the device's caches while the sum is under
-    way; the results must not depend on it)."""
-    global _all_reduce_kernel, _fused_add_rms_norm, _fused_takes_next_weight
+    ``(rms_norm(sum(x) + residual) * weight, sum(x) + residual)`` in one pass, or None for what it does not take."""
+    global _all_reduce_kernel, _fused_add_rms_norm
     _all_reduce_kernel = kernel
     _fused_add_rms_norm = getattr(kernel, "add_rms_norm", None)
-    _fused_takes_next_weight = (_fused_add_rms_norm is not None
-                                and "next_weight" in inspect.signature(_fused_add_rms_norm).parameters)
 
 
 @contextlib.contextmanager
@@ -117,18 +110,12 @@ def all_reduce(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                            add_rms_norm: Callable, next_weight: torch.Tensor | None = None
-                            ) -> tuple[torch.Tensor, torch.Tensor]:
+                            add_rms_norm: Callable) -> tuple[torch.Tensor, torch.Tensor]:
     """``add_rms_norm(all_reduce(x), residual, weight, eps)``: the platform kernel's fused pass where it takes the
-    message (one kernel instead of two, and the sum never round-trips through memory), else the two steps.
-    ``next_weight``, the weight of the product that reads the norm's output, goes to a kernel that takes it (see
-    :func:`set_all_reduce_kernel`)."""
+    message (one kernel instead of two, and the sum never round-trips through memory), else the two steps."""
     if _size > 1:
         if _fused_add_rms_norm is not None:
-            if next_weight is not None and _fused_takes_next_weight:
-                fused = _fused_add_rms_norm(x, residual, weight, eps, next_weight=next_weight)
-            else:
-                fused = _fused_add_rms_norm(x, residual, weight, eps)
+            fused = _fused_add_rms_norm(x, residual, weight, eps)
             if fused is not None:
                 return fused
         all_reduce(x)

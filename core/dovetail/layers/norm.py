@@ -19,8 +19,6 @@ class RMSNorm(nn.Module):
 
     ``all_reduce_input``: ``x`` is a rank's partial sum (a row-parallel layer left it unreduced) and the norm
     sums it over the ranks first, in one kernel with the residual add and the norm where the platform has one.
-    :meth:`set_next_product` names the layer whose product reads the norm's output: its weight goes with the sum
-    to the platform's kernel, which may bring it toward the device's caches while the sum is under way.
 
     ``x`` may be a mixture of experts' outputs before their weighted sum (:class:`~dovetail.moe_ops.ExpertOutputs`,
     from a layer that left the sum to its norm): the platform's ops sum them with the residual add and the norm.
@@ -35,16 +33,6 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
         self.weight.weight_offset = weight_offset
         self.all_reduce_input = False
-        self._next_product: tuple[nn.Module, ...] = ()  # a tuple, so the layer is not a submodule of the norm
-
-    def set_next_product(self, layer: nn.Module | None) -> None:
-        """The layer that multiplies this norm's output (its ``weight`` is the hint; None: no hint)."""
-        self._next_product = () if layer is None else (layer,)
-
-    def next_weight(self) -> torch.Tensor | None:
-        """The next product's weight, where :meth:`set_next_product` named a layer that has one."""
-        weight = getattr(self._next_product[0], "weight", None) if self._next_product else None
-        return weight if isinstance(weight, torch.Tensor) else None
 
     def process_weights_after_loading(self) -> None:
         if self.weight_offset:
@@ -57,8 +45,7 @@ class RMSNorm(nn.Module):
             x = x.summed()
         if self.all_reduce_input:
             if residual is not None:
-                return all_reduce_add_rms_norm(x, residual, self.weight, self.eps, self.ops.add_rms_norm,
-                                               self.next_weight())
+                return all_reduce_add_rms_norm(x, residual, self.weight, self.eps, self.ops.add_rms_norm)
             x = all_reduce(x)
         if residual is None:
             return self.ops.rms_norm(x, self.weight, self.eps)

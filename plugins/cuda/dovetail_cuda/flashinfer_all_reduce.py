@@ -64,9 +64,7 @@ class FlashInferFusedAllReduce:
     """``kernel(tensor)`` sums through :class:`SymmMemAllReduce`; ``add_rms_norm(x, residual, weight, eps)`` sums
     ``x`` over the group, adds ``residual`` and applies RMSNorm in one FlashInfer kernel, returning
     ``(normed, summed)``, for bfloat16 messages of at most ``max_bytes`` (None for others: the caller takes
-    the two steps). Given ``next_weight`` (the weight of the product after the norm), a graph-captured call
-    first asks L2 for the first bytes of its rows, which arrive while the sum runs
-    (:class:`~dovetail_cuda.l2_prefetch.L2Prefetch`).
+    the two steps).
 
     Building it is a collective (the buffers' rendezvous); every rank of ``group`` must build one. The first
     build compiles FlashInfer's kernels (cached on disk afterwards). ``one_shot``: True or False forces FlashInfer's
@@ -94,9 +92,6 @@ class FlashInferFusedAllReduce:
                                                _WORKSPACE_HIDDEN, group=group, create_metadata=True,
                                                use_symm_dev_mem=True)
         self._pointers = self._workspace[1]
-        from dovetail_cuda.l2_prefetch import L2Prefetch
-
-        self.prefetch = L2Prefetch(device)
 
     def __call__(self, tensor: torch.Tensor) -> bool:
         return self.plain(tensor)
@@ -108,13 +103,11 @@ class FlashInferFusedAllReduce:
                 and 0 < x.numel() * 2 <= self.max_bytes
                 and (self.one_shot is not False or x.shape[0] > self.world_size))  # two-shot splits the rows
 
-    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                     next_weight: torch.Tensor | None = None):
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
         if not self.takes(x, residual, weight):
             return None
         tokens, hidden = x.shape
         normed, summed = torch.empty_like(x), torch.empty_like(residual)
-        self.prefetch.before(next_weight)
         self._fuse(allreduce_in=x, world_size=self.world_size, world_rank=self.rank, token_num=tokens,
                    hidden_dim=hidden, workspace_ptrs=self._pointers, launch_with_pdl=self._pdl,
                    trigger_completion_at_end=True, fp32_acc=True, pattern_code=self._pattern, use_oneshot=self.one_shot,

@@ -160,14 +160,11 @@ class LlamaDecoderLayer(nn.Module):
 
     def leave_outputs_unreduced(self, input_is_unreduced: bool) -> None:
         """Attention and MLP return partial sums, which the norms after them all-reduce; this layer's input is
-        the previous layer's MLP output, unreduced too unless the layer is the first. Each norm also names the
-        projection that reads its output (the platform may prefetch its weight during the sum)."""
+        the previous layer's MLP output, unreduced too unless the layer is the first."""
         self.self_attn.leave_output_unreduced()
         self.mlp.leave_output_unreduced()
         self.post_attention_layernorm.all_reduce_input = True
         self.input_layernorm.all_reduce_input = input_is_unreduced
-        self.input_layernorm.set_next_product(getattr(self.self_attn, "qkv_proj", None))
-        self.post_attention_layernorm.set_next_product(getattr(self.mlp, "gate_up_proj", None))
 
     def forward(self, positions, hidden_states, residual):
         return run_to_end(self.forward_steps(positions, hidden_states, residual))
