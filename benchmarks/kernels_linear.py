@@ -204,16 +204,13 @@ def bench_shape(n: int, k: int, ms: list[int], ops, quant_kernels, configs: bool
             "fp8 scaled_mm": (lambda i: fp8_linear_scaled_mm(x, qs[i % len(qs)], scale), ref8),
         }
         linear = paths["F.linear"][0]
-        if blas:
-            for library in ("cublas", "cublaslt"):
-                paths[f"F.linear {library}"] = (with_blas(library, linear), ref16)
         if swapped:
             paths["F.linear swapped view"] = (lambda i: torch.mm(ws[i % len(ws)], x.t()).t(), ref16)
             paths["F.linear swapped copy"] = (lambda i: torch.mm(ws[i % len(ws)], x.t()).t().contiguous(), ref16)
-            if blas:
+        if blas:
+            for base in ("F.linear", "F.linear swapped copy") if swapped else ("F.linear",):
                 for library in ("cublas", "cublaslt"):
-                    paths[f"F.linear swapped copy {library}"] = (with_blas(library, paths["F.linear swapped copy"][0]),
-                                                                 ref16)
+                    paths[f"{base} {library}"] = (with_blas(library, paths[base][0]), ref16)
         if tunable:
             paths["F.linear tunableop"] = (with_tunable_op(with_blas("cublaslt", linear)), ref16)
         if configs:
