@@ -1,7 +1,8 @@
 """The linear layers' kernels on a GPU: cuBLAS against the engine's GEMVs, 16-bit and FP8, shape by shape.
 
     python benchmarks/kernels_linear.py [--model llama-3.1-8b] [--ms 1,2,4,8,16,64,256] [--shapes qkv,o]
-        [--tp N] [--blas] [--tunable] [--swapped] [--configs] [--gated-configs] [--best N] [--json results.json]
+        [--tp N] [--blas] [--tunable] [--swapped] [--configs] [--gated-configs] [--only PREFIXES] [--best N]
+        [--sustain SECONDS] [--json results.json]
 
 For the projections of a named shape (qkv, o, gate_up, down of one layer, the LM head, a mixture of experts'
 router) and M tokens it
@@ -25,6 +26,14 @@ times, from CUDA graphs (how the engine runs decode):
   (:func:`~dovetail.triton.gemv.gemv_gated`), with ``--gated-configs`` its tile grid; ``--best N`` keeps the N
   fastest.
 
+``--only`` keeps the paths whose names start with one of its comma-separated prefixes (``--only F.linear`` at
+prefill sizes, where the GEMVs have nothing to say).
+
+``--sustain S`` then runs one layer's four products back to back for S seconds at each M, under torch's default
+library setting, each library and (with ``--tunable``) TunableOp, twice in turn, and reports the TFLOP/s of each
+run's second half: the rate at the card's power cap, where the long runs of large products in prefill steps end
+up (a graph replay above lasts milliseconds, mostly at full clocks).
+
 Each graph runs ``CALLS`` products cycling over enough weight copies (at least 256 MB) that none is read from
 L2; a time is the median of ``REPLAYS`` replays. Every kernel is first checked against the float reference
 (largest error relative to the largest output). Prints µs per product, the weight bytes read per second and
@@ -39,6 +48,7 @@ import argparse
 import json
 import math
 import statistics
+import time
 
 import torch
 import torch.nn.functional as F
@@ -135,6 +145,35 @@ def time_graph(fn, before_replay=None) -> float:
     return statistics.median(times)
 
 
+def sustained_tflops(products, flop: int, seconds: float) -> float:
+    """TFLOP/s over the second half of ``seconds`` of ``products`` (callables) run back to back, ``flop`` a round."""
+    marks, start = [], time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        for product in products:
+            product(0)
+        torch.cuda.synchronize()
+        marks.append(time.perf_counter())
+    late = [t for t in marks if t - start >= seconds / 2]
+    return (len(late) - 1) * flop / (late[-1] - late[0]) / 1e12 if len(late) > 1 else math.nan
+
+
+def sustain_layer(shapes: dict[str, tuple[int, int]], m: int, seconds: float, tunable: bool) -> dict:
+    """One layer's products at ``m`` rows run for ``seconds`` under each library setting, twice in turn."""
+    ws = {name: torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for name, (n, k) in shapes.items()}
+    xs = {k: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _, k in shapes.values()}
+    flop = sum(2 * m * n * k for n, k in shapes.values())
+    plain = [lambda i, w=w: F.linear(xs[w.shape[1]], w) for w in ws.values()]
+    settings = {"F.linear": plain, **{f"F.linear {lib}": [with_blas(lib, fn) for fn in plain]
+                                      for lib in ("cublas", "cublaslt")}}
+    if tunable:
+        settings["F.linear tunableop"] = [with_tunable_op(with_blas("cublaslt", fn)) for fn in plain]
+    rates = {name: [] for name in settings}
+    for _ in range(2):
+        for name, products in settings.items():
+            rates[name].append(sustained_tflops(products, flop, seconds))
+    return rates
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.float() - ref).abs().max() / ref.abs().max())
 
@@ -177,7 +216,7 @@ def path_kind(path: str) -> str:
 
 def bench_shape(n: int, k: int, ms: list[int], ops, quant_kernels, configs: bool, blas: bool = False,
                 tunable: bool = False, gated: bool = False, gated_configs: bool = False,
-                swapped: bool = False) -> dict:
+                swapped: bool = False, only: tuple[str, ...] = ()) -> dict:
     from dovetail.quantization import quant_ops
     from dovetail.quantization.fp8_scaled_mm import fp8_linear_scaled_mm
     from dovetail.triton.gemv import GemvConfig, fp8_gemv, gemv, split_k_for
@@ -233,6 +272,8 @@ def bench_shape(n: int, k: int, ms: list[int], ops, quant_kernels, configs: bool
             paths.update(gated_paths(x, ws, ops, gated_configs))
         row = {}
         for name, (fn, ref) in paths.items():
+            if only and not name.startswith(only):
+                continue
             try:
                 err = rel_err(fn(0), ref)
                 row[name] = {"us": time_graph(fn), "rel_err": err}
@@ -255,6 +296,9 @@ def main() -> None:
     p.add_argument("--swapped", action="store_true", help="also the product with its operands swapped (weight @ x.T)")
     p.add_argument("--configs", action="store_true", help="also grids of Triton GEMV configurations (FP8, 16-bit)")
     p.add_argument("--gated-configs", action="store_true", help="also the gated Triton GEMV's tile grid (gate_up)")
+    p.add_argument("--only", default="", help="comma-separated prefixes: time only the paths whose names start so")
+    p.add_argument("--sustain", type=float, default=0,
+                   help="also run one layer's products for this many seconds at each M, by library setting")
     p.add_argument("--best", type=int, default=0,
                    help="print only the N fastest 16-bit and N fastest FP8 paths of each product")
     p.add_argument("--json", default=None)
@@ -280,7 +324,8 @@ def main() -> None:
         n, k = rank_share(name, *projections(config)[name], args.tp)
         results["shapes"][name] = rows = bench_shape(n, k, ms, ops, quant_kernels, args.configs, args.blas,
                                                      args.tunable, gated=name == "gate_up",
-                                                     gated_configs=args.gated_configs, swapped=args.swapped)
+                                                     gated_configs=args.gated_configs, swapped=args.swapped,
+                                                     only=tuple(filter(None, args.only.split(","))))
         for m, row in rows.items():
             cells = []
             shown = row.items()
@@ -310,6 +355,13 @@ def main() -> None:
                     for path in results["shapes"]["qkv"][m]}
             results.setdefault("decode_step_us", {})[m] = step
             print(f"one step's layer linears, M={m}: " + ", ".join(f"{p} {us / 1000:.3f} ms" for p, us in step.items()))
+    if args.sustain and len(layer) == 4:
+        shares = {s: rank_share(s, *projections(config)[s], args.tp) for s in layer}
+        for m in ms:
+            rates = sustain_layer(shares, m, args.sustain, args.tunable)
+            results.setdefault("sustained_tflops", {})[m] = rates
+            print(f"one layer's linears for {args.sustain:g} s, M={m}, TFLOP/s: "
+                  + ", ".join(f"{p} {' / '.join(f'{r:.1f}' for r in rs)}" for p, rs in rates.items()), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

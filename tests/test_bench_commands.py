@@ -340,20 +340,41 @@ def test_startup_reports_the_phases_of_a_fresh_process(tiny_llama_dir):
     assert sum(report["worker_phases"].values()) <= report["engine_phases"]["workers_and_weights_s"] + 0.02
 
 
-def test_the_linear_benchmark_takes_one_ranks_share_of_each_product():
-    """``benchmarks/kernels_linear.py --tp 2``: column-parallel products lose half their output features,
-    row-parallel ones half their input features, the router none."""
+def _kernels_linear():
     import importlib.util
     from pathlib import Path
-
-    from dovetail.bench import shapes
 
     spec = importlib.util.spec_from_file_location(
         "kernels_linear", Path(__file__).resolve().parents[1] / "benchmarks" / "kernels_linear.py")
     kernels_linear = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(kernels_linear)
+    return kernels_linear
+
+
+def test_the_linear_benchmark_takes_one_ranks_share_of_each_product():
+    """``benchmarks/kernels_linear.py --tp 2``: column-parallel products lose half their output features,
+    row-parallel ones half their input features, the router none."""
+    from dovetail.bench import shapes
+
+    kernels_linear = _kernels_linear()
     whole = kernels_linear.projections(shapes.SHAPES["llama-3.1-8b"].config())
     shares = {name: kernels_linear.rank_share(name, n, k, 2) for name, (n, k) in whole.items()}
     assert shares == {"qkv": (3072, 4096), "o": (4096, 2048), "gate_up": (14336, 4096), "down": (4096, 7168),
                       "lm_head": (64128, 4096)}
     assert kernels_linear.rank_share("router", 128, 2048, 2) == (128, 2048)
+
+
+def test_the_linear_benchmarks_sustained_rate_counts_only_the_second_half(monkeypatch):
+    """``kernels_linear.py --sustain``: rounds of the first half (before the card reaches its power cap) are left
+    out; the rate is the FLOPs of the later rounds over the time between their ends."""
+    kernels_linear = _kernels_linear()
+    clock = [0.0]
+    monkeypatch.setattr(kernels_linear.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(kernels_linear.torch.cuda, "synchronize", lambda: None)
+    round_seconds = iter([0.3] * 2 + [0.1] * 100)  # two slow rounds while the card warms, then fast ones
+
+    def product(_):
+        clock[0] += next(round_seconds)
+
+    rate = kernels_linear.sustained_tflops([product], flop=10**12, seconds=2.0)
+    assert rate == pytest.approx(10.0), "1e12 FLOPs a 0.1 s round: the 0.3 s rounds would lower it"
