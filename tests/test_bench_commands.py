@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 
 import pytest
 
@@ -285,6 +286,7 @@ def test_moe_shapes_are_qwen3_30b_a3b_and_its_first_half():
     assert abs((half - embeddings) * 2 - (full - embeddings)) < 1e-5  # the layers, less one final norm
     path, defaults = materialize("qwen3-moe-15b-a3b")
     config = AutoConfig.from_pretrained(path)
+    shutil.rmtree(path)
     assert config.architectures == ["Qwen3MoeForCausalLM"] and defaults["load_format"] == "dummy"
     assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size) == (128, 8, 768)
 
