@@ -29,10 +29,10 @@ times, from CUDA graphs (how the engine runs decode):
 ``--only`` keeps the paths whose names start with one of its comma-separated prefixes (``--only F.linear`` at
 prefill sizes, where the GEMVs have nothing to say).
 
-``--sustain S`` then runs one layer's four products back to back for S seconds at each M, under torch's default
-library setting, each library and (with ``--tunable``) TunableOp, twice in turn, and reports the TFLOP/s of each
-run's second half: the rate at the card's power cap, where the long runs of large products in prefill steps end
-up (a graph replay above lasts milliseconds, mostly at full clocks).
+``--sustain S`` then runs one layer's four products back to back for S seconds at each M, under the library
+setting the platform gave torch (the engine's), under each library and (with ``--tunable``) under TunableOp, twice
+in turn, and reports the TFLOP/s of each run's second half: the rate at the card's power cap, where the long runs
+of large products in prefill steps end up (a graph replay above lasts milliseconds, mostly at full clocks).
 
 Each graph runs ``CALLS`` products cycling over enough weight copies (at least 256 MB) that none is read from
 L2; a time is the median of ``REPLAYS`` replays. Every kernel is first checked against the float reference
@@ -303,6 +303,8 @@ def main() -> None:
                    help="print only the N fastest 16-bit and N fastest FP8 paths of each product")
     p.add_argument("--json", default=None)
     args = p.parse_args()
+    if args.sustain and not {"qkv", "o", "gate_up", "down"} <= set(args.shapes.split(",")):
+        p.error("--sustain runs a whole layer: --shapes must name qkv, o, gate_up and down")
 
     from dovetail import selection
     from dovetail.bench import shapes
