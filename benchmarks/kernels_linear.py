@@ -322,8 +322,8 @@ def main() -> None:
     results = {"model": args.model, "tp": args.tp, "gpu": torch.cuda.get_device_name(), "platform": platform.name,
                "fused_ops": type(ops).__name__, "quant_kernels": type(quant_kernels).__name__, "shapes": {}}
     print(json.dumps({k: v for k, v in results.items() if k != "shapes"}))
-    for name in args.shapes.split(","):
-        n, k = rank_share(name, *projections(config)[name], args.tp)
+    shares = {name: rank_share(name, *projections(config)[name], args.tp) for name in args.shapes.split(",")}
+    for name, (n, k) in shares.items():
         results["shapes"][name] = rows = bench_shape(n, k, ms, ops, quant_kernels, args.configs, args.blas,
                                                      args.tunable, gated=name == "gate_up",
                                                      gated_configs=args.gated_configs, swapped=args.swapped,
@@ -357,10 +357,9 @@ def main() -> None:
                     for path in results["shapes"]["qkv"][m]}
             results.setdefault("decode_step_us", {})[m] = step
             print(f"one step's layer linears, M={m}: " + ", ".join(f"{p} {us / 1000:.3f} ms" for p, us in step.items()))
-    if args.sustain and len(layer) == 4:
-        shares = {s: rank_share(s, *projections(config)[s], args.tp) for s in layer}
+    if args.sustain:
         for m in ms:
-            rates = sustain_layer(shares, m, args.sustain, args.tunable)
+            rates = sustain_layer({s: shares[s] for s in layer}, m, args.sustain, args.tunable)
             results.setdefault("sustained_tflops", {})[m] = rates
             print(f"one layer's linears for {args.sustain:g} s, M={m}, TFLOP/s: "
                   + ", ".join(f"{p} {' / '.join(f'{r:.1f}' for r in rs)}" for p, rs in rates.items()), flush=True)
