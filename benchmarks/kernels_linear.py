@@ -75,20 +75,6 @@ BF16_SUM_GRID = [(bn, bk, stages, split) for bn in (4, 8, 16) for bk in (512, 10
                  for split in (1, 2)]
 
 
-def projections(config) -> dict[str, tuple[int, int]]:
-    """(N, K) of one layer's merged projections, of the LM head and, for mixtures of experts, of the router."""
-    head = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    q, kv = config.num_attention_heads * head, config.num_key_value_heads * head
-    shapes = {"qkv": (q + 2 * kv, config.hidden_size), "o": (config.hidden_size, q),
-              "gate_up": (2 * config.intermediate_size, config.hidden_size),
-              "down": (config.hidden_size, config.intermediate_size),
-              "lm_head": (config.vocab_size, config.hidden_size)}
-    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
-    if experts:
-        shapes["router"] = (experts, config.hidden_size)
-    return shapes
-
-
 def rank_share(name: str, n: int, k: int, tp: int) -> tuple[int, int]:
     """(N, K) of one of ``tp`` ranks' share of projection ``name`` (the router stays whole)."""
     if name in ("o", "down"):
@@ -308,6 +294,7 @@ def main() -> None:
 
     from dovetail import selection
     from dovetail.bench import shapes
+    from dovetail.bench.shapes import projections
 
     platform = selection.create_platform(selection.resolve_platform_name(args.device))
     platform.device(0)

@@ -11,11 +11,16 @@ One request of 128 prompt tokens is generated twice, with 1 and with 65 output t
 kernel's total time, divided by 64, is its cost per decode step (prefill and start-up cancel out).
 ``--b1 N`` instead profiles the first N of B1's requests (docs/benchmarks.md) in one ``generate`` and sums
 the kernels by group (attention, matrix products, norms/rotary/activation/KV write, other) against the wall
-time.
+time. With ``--prefill-only`` each request generates one token, so every step is a prefill step, and the
+matrix products' rate is printed in TFLOP/s (the layers' products' FLOPs over the group's time, which holds
+the LM head's few rows too), to set
+beside ``kernels_linear.py --sustain`` on the same card: the products as the engine's prefill runs them
+against the same products back to back.
 
 ``--trace FILE`` reads a trace that ``dovetail bench ... --profile`` wrote (one per rank, under
 ``DOVETAIL_TORCH_PROFILER_DIR``; a whole B1 as the engine runs it, graphs included) instead of running a model:
-the device's busy share of the span, each kernel's summed time and the groups', the idle time by the
+the device's busy share of the span, each kernel's summed time and the groups' (and the groups' outside graph
+replays: the eager steps, which at B1 are the prefill steps), the idle time by the
 length of the gap it fell in, the short gaps' idle time by the kernels on either side, the time between one
 graph replay and the next (where a decode step's inputs are copied), and the longest gaps with the kernels on
 either side and the host's longest calls meanwhile. With programmatic
@@ -100,10 +105,25 @@ def decode_step_kernels(llm) -> dict:
             "kernels": [{"name": k[:140], **v} for k, v in ranked if abs(v["us"]) > 0.05]}
 
 
-def b1_kernels(llm, num: int) -> dict:
+def layer_product_flops(model_dir: str, tokens: int) -> int:
+    """FLOPs of the layers' matrix products (qkv, o, gate/up, down) over ``tokens`` tokens of a dense model."""
+    from transformers import AutoConfig
+
+    from dovetail.bench.shapes import projections
+
+    config = AutoConfig.from_pretrained(model_dir)
+    shapes = projections(config)
+    return 2 * tokens * config.num_hidden_layers * sum(n * k for name, (n, k) in shapes.items()
+                                                       if name in ("qkv", "o", "gate_up", "down"))
+
+
+def b1_kernels(llm, num: int, prefill_only: bool = False) -> dict:
     from dovetail.bench.workload import b1_requests, greedy_inputs, warm_up
 
     requests = b1_requests(llm.llm_engine.vocab_size)[:num]
+    if prefill_only:
+        for request in requests:
+            request.output_len = 1
     prompts, params = greedy_inputs(requests)
     warm_up(llm, prompts, params)
     start = time.perf_counter()
@@ -114,6 +134,7 @@ def b1_kernels(llm, num: int) -> dict:
         groups[group_of(name)] += us / 1e6
     ranked = sorted(kernels.items(), key=lambda kv: -kv[1][0])
     return {"requests": num, "wall_s": wall, "output_tokens": sum(r.output_len for r in requests),
+            "prompt_tokens": sum(len(r.prompt_token_ids) for r in requests),
             "kernel_s": sum(us for us, _ in kernels.values()) / 1e6, "groups_s": dict(groups),
             "kernels": [{"name": k[:140], "s": us / 1e6, "calls": c} for k, (us, c) in ranked[:40]]}
 
@@ -226,17 +247,21 @@ def trace_summary(path: str) -> dict:
             busy += max(0.0, e["ts"] + e["dur"] - covered)
         if covered is None or e["ts"] + e["dur"] >= covered:
             covered, last = e["ts"] + e["dur"], e["name"]
+    launches = _graph_launches(trace_events)
     by_name, calls = collections.Counter(), collections.Counter()
+    outside_graphs: dict[str, float] = collections.defaultdict(float)
     for e in events:
         by_name[e["name"]] += e["dur"]
         calls[e["name"]] += 1
+        if e.get("args", {}).get("correlation") not in launches:
+            outside_graphs[group_of(e["name"])] += e["dur"] / 1e6
     total = sum(by_name.values())
     groups: dict[str, float] = collections.defaultdict(float)
     for name, t in by_name.items():
         groups[group_of(name)] += t / 1e6
     return {"trace": path, "span_s": (end - start) / 1e6, "busy_s": busy / 1e6, "kernel_s": total / 1e6,
-            "between_graphs": _between_graphs(events, trace_events),
-            "groups_s": dict(groups), "idle_s_by_gap_us": {f"<{limit:g}": idle[limit] / 1e6 for limit in GAP_CLASSES},
+            "between_graphs": _between_graphs(events, launches),
+            "groups_s": dict(groups), "outside_graphs_groups_s": dict(outside_graphs), "idle_s_by_gap_us": {f"<{limit:g}": idle[limit] / 1e6 for limit in GAP_CLASSES},
             "kernels": [{"name": name, "s": t / 1e6, "calls": calls[name]} for name, t in by_name.most_common()],
             "short_idle_between": [{"after": a, "before": b, "s": t / 1e6}
                                    for (a, b), t in idle_between.most_common(15)],
@@ -245,12 +270,16 @@ def trace_summary(path: str) -> dict:
                              for gap, at, a, b in sorted(long_gaps, reverse=True)[:15]]}
 
 
-def _between_graphs(events: list, trace_events: list) -> dict | None:
+def _graph_launches(trace_events: list) -> set:
+    """The correlation ids of the trace's graph replays (``cudaGraphLaunch``), which their kernels carry."""
+    return {e["args"]["correlation"] for e in trace_events if e.get("name") == "cudaGraphLaunch"
+            and e.get("ph") == "X" and "correlation" in e.get("args", {})}
+
+
+def _between_graphs(events: list, launches: set) -> dict | None:
     """The device's time from one graph replay's last kernel to the next one's first (the step's inputs copied
     and prepared between them): how many intervals, their median and total, and the median count of copies and
     kernels in one. None when the trace has no graph replays."""
-    launches = {e["args"]["correlation"] for e in trace_events if e.get("name") == "cudaGraphLaunch"
-                and e.get("ph") == "X" and "correlation" in e.get("args", {})}
     spans: dict[int, list[float]] = {}
     for e in events:
         correlation = e.get("args", {}).get("correlation")
@@ -287,6 +316,8 @@ def print_trace_summary(summary: dict) -> None:
     print(f"{summary['trace']}: span {span:.3f} s, busy {summary['busy_s']:.3f} s "
           f"({summary['busy_s'] / span:.1%}), kernels summed {summary['kernel_s']:.3f} s")
     print("  " + ", ".join(f"{group} {seconds:.3f} s" for group, seconds in summary["groups_s"].items()))
+    print("  of which outside graph replays (the eager steps: prefills): "
+          + ", ".join(f"{group} {seconds:.3f} s" for group, seconds in summary["outside_graphs_groups_s"].items()))
     print("  idle by gap (µs): " + ", ".join(f"{gap} {seconds * 1e3:.1f} ms"
                                             for gap, seconds in summary["idle_s_by_gap_us"].items()))
     for kernel in summary["kernels"][:25]:
@@ -313,10 +344,14 @@ def main() -> int:
     p.add_argument("--quantization", default=None)
     p.add_argument("--attention-backend", default=None)
     p.add_argument("--b1", type=int, default=0, help="profile the first N requests of B1 instead")
+    p.add_argument("--prefill-only", action="store_true",
+                   help="with --b1: one output token a request, and the products' TFLOP/s")
     p.add_argument("--stages", action="store_true", help="time the host's engine stages instead of kernels")
     p.add_argument("--enforce-eager", action="store_true", help="with --stages: no graphs")
     p.add_argument("--json", default=None)
     args = p.parse_args()
+    if args.prefill_only and (not args.b1 or args.stages):
+        p.error("--prefill-only profiles B1's prefill steps: it needs --b1 N and no --stages")
     if args.trace:
         summaries = [trace_summary(path) for path in args.trace]
         for summary in summaries:
@@ -341,10 +376,14 @@ def main() -> int:
         for row in stages["stages"]:
             print(f"  {row['stage']:<36} {row['s']:8.3f} s {100 * row['s'] / stages['wall_s']:5.1f}%  x{row['calls']}")
     elif args.b1:
-        result["b1"] = b1 = b1_kernels(llm, args.b1)
+        result["b1"] = b1 = b1_kernels(llm, args.b1, args.prefill_only)
         print(f"B1 x{args.b1} eager: wall {b1['wall_s']:.2f} s, kernels {b1['kernel_s']:.2f} s, "
-              f"{b1['output_tokens']} output tokens")
+              f"{b1['prompt_tokens']} prompt and {b1['output_tokens']} output tokens")
         print("  " + ", ".join(f"{group} {seconds:.3f} s" for group, seconds in b1["groups_s"].items()))
+        if args.prefill_only:
+            b1["matmul_tflops"] = (layer_product_flops(model_dir, b1["prompt_tokens"])
+                                   / b1["groups_s"]["matmul"] / 1e12)
+            print(f"  the layers' products: {b1['matmul_tflops']:.1f} TFLOP/s")
         for kernel in b1["kernels"][:25]:
             print(f"{kernel['s']:8.3f} s {kernel['calls']:7d} calls  {kernel['name'][:110]}")
     else:

@@ -359,7 +359,7 @@ def test_the_linear_benchmark_takes_one_ranks_share_of_each_product():
     from dovetail.bench import shapes
 
     kernels_linear = _kernels_linear()
-    whole = kernels_linear.projections(shapes.SHAPES["llama-3.1-8b"].config())
+    whole = shapes.projections(shapes.SHAPES["llama-3.1-8b"].config())
     shares = {name: kernels_linear.rank_share(name, n, k, 2) for name, (n, k) in whole.items()}
     assert shares == {"qkv": (3072, 4096), "o": (4096, 2048), "gate_up": (14336, 4096), "down": (4096, 7168),
                       "lm_head": (64128, 4096)}

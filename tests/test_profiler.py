@@ -23,6 +23,18 @@ def _profiled_ops(summary_path: str) -> str:
     return text
 
 
+def _profile_step():
+    """``benchmarks/profile_step.py`` as a module."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "profile_step", Path(__file__).resolve().parents[1] / "benchmarks" / "profile_step.py")
+    profile_step = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(profile_step)
+    return profile_step
+
+
 def _trace_events(directory, rank: int) -> list:
     (trace,) = directory.glob(f"rank{rank}.*.pt.trace.json.gz")
     with gzip.open(trace, "rt") as f:
@@ -101,13 +113,7 @@ def test_the_trace_summary_adds_busy_time_once_and_classes_the_idle_gaps(tmp_pat
     """``benchmarks/profile_step.py --trace``: overlapping kernels (programmatic dependent launch) count once
     towards the busy time, each gap counts in its length class and a short one towards the kernels on either
     side of it, host events are left out of the device's time, and the longest gaps name the host's calls then."""
-    import importlib.util
-    from pathlib import Path
-
-    spec = importlib.util.spec_from_file_location(
-        "profile_step", Path(__file__).resolve().parents[1] / "benchmarks" / "profile_step.py")
-    profile_step = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(profile_step)
+    profile_step = _profile_step()
 
     def kernel(name, ts, dur):
         return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur}
@@ -139,18 +145,13 @@ def test_the_trace_summary_adds_busy_time_once_and_classes_the_idle_gaps(tmp_pat
     assert gap["host"] == ["aten::mm 1500us", "cudaStreamSynchronize 1400us"], \
         "the host's calls by their time within the gap, the one spanning far more than the gap left out"
     assert summary["between_graphs"] is None, "no graph replays in this trace"
+    assert summary["outside_graphs_groups_s"] == pytest.approx(summary["groups_s"]), "without replays every kernel is eager"
 
 
 def test_the_trace_summary_times_what_runs_between_graph_replays(tmp_path):
     """The interval from one replay's last kernel to the next replay's first, and the copies and kernels the
     step's inputs take in it, found by the replays' launch correlation ids."""
-    import importlib.util
-    from pathlib import Path
-
-    spec = importlib.util.spec_from_file_location(
-        "profile_step", Path(__file__).resolve().parents[1] / "benchmarks" / "profile_step.py")
-    profile_step = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(profile_step)
+    profile_step = _profile_step()
 
     def op(name, ts, dur, correlation, cat="kernel"):
         return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "args": {"correlation": correlation}}
@@ -166,5 +167,30 @@ def test_the_trace_summary_times_what_runs_between_graph_replays(tmp_path):
     path = tmp_path / "rank0.1.pt.trace.json.gz"
     with gzip.open(path, "wt") as f:
         json.dump({"traceEvents": events}, f)
-    between = profile_step.trace_summary(str(path))["between_graphs"]
+    summary = profile_step.trace_summary(str(path))
+    between = summary["between_graphs"]
     assert between == {"intervals": 2, "median_us": 45.0, "total_s": pytest.approx(90e-6), "median_ops": 1.5}
+    assert summary["groups_s"]["matmul"] == pytest.approx(130e-6)
+    assert summary["outside_graphs_groups_s"] == {"other": pytest.approx(6e-6)}, \
+        "the eager steps' groups hold only the copies and the gather, none of the replays' kernels"
+
+
+def test_the_prefill_profiles_rate_counts_the_layers_products_flops(tmp_path):
+    """``profile_step.py --b1 N --prefill-only``: the FLOPs its TFLOP/s divides are 2 x tokens x the layers'
+    qkv, o, gate/up and down weights (GQA's narrower k and v counted as such, the LM head left out)."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                intermediate_size=96, vocab_size=1000).save_pretrained(tmp_path)
+    per_layer = 64 * (64 + 2 * 32) + 64 * 64 + 2 * 96 * 64 + 96 * 64
+    assert _profile_step().layer_product_flops(str(tmp_path), tokens=10) == 2 * 10 * 3 * per_layer
+
+
+def test_prefill_only_needs_b1_and_no_stages(monkeypatch, capsys):
+    profile_step = _profile_step()
+    for argv in (["--prefill-only"], ["--b1", "4", "--stages", "--prefill-only"]):
+        monkeypatch.setattr("sys.argv", ["profile_step.py", *argv])
+        with pytest.raises(SystemExit) as exit_info:
+            profile_step.main()
+        assert exit_info.value.code == 2
+        assert "--prefill-only profiles B1's prefill steps" in capsys.readouterr().err

@@ -126,3 +126,17 @@ def materialize(model: str, with_tokenizer: bool = False) -> tuple[str, dict]:
         config.eos_token_id = fast.eos_token_id
     config.save_pretrained(str(directory))
     return str(directory), {"load_format": "dummy", "dtype": shape.dtype}
+
+
+def projections(config) -> dict[str, tuple[int, int]]:
+    """(N, K) of one layer's merged projections, of the LM head and, for mixtures of experts, of the router."""
+    head = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    q, kv = config.num_attention_heads * head, config.num_key_value_heads * head
+    shapes = {"qkv": (q + 2 * kv, config.hidden_size), "o": (config.hidden_size, q),
+              "gate_up": (2 * config.intermediate_size, config.hidden_size),
+              "down": (config.hidden_size, config.intermediate_size),
+              "lm_head": (config.vocab_size, config.hidden_size)}
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    if experts:
+        shapes["router"] = (experts, config.hidden_size)
+    return shapes
