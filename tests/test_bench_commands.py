@@ -343,14 +343,9 @@ def test_startup_reports_the_phases_of_a_fresh_process(tiny_llama_dir):
 
 
 def _kernels_linear():
-    import importlib.util
-    from pathlib import Path
+    from repo_scripts import load_script
 
-    spec = importlib.util.spec_from_file_location(
-        "kernels_linear", Path(__file__).resolve().parents[1] / "benchmarks" / "kernels_linear.py")
-    kernels_linear = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(kernels_linear)
-    return kernels_linear
+    return load_script("benchmarks/kernels_linear.py")
 
 
 def test_the_linear_benchmark_takes_one_ranks_share_of_each_product():

@@ -6,7 +6,6 @@ The held-out problems come from the training script's own definition
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
 import re
@@ -18,6 +17,7 @@ import pytest
 
 from dovetail import LLM, SamplingParams
 from dovetail.llm import default_model
+from repo_scripts import load_script
 from tiny_models import assert_greedy_matches, hf_greedy
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,14 +26,7 @@ NUM_HELD_OUT = 100
 MAX_BYTES = 10 * 1024 * 1024
 
 
-def _load_training_script():
-    spec = importlib.util.spec_from_file_location("train_bundled_model", ROOT / "scripts" / "train_bundled_model.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-train = _load_training_script()
+train = load_script("scripts/train_bundled_model.py")
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
 
 

@@ -24,15 +24,9 @@ def _profiled_ops(summary_path: str) -> str:
 
 
 def _profile_step():
-    """``benchmarks/profile_step.py`` as a module."""
-    import importlib.util
-    from pathlib import Path
+    from repo_scripts import load_script
 
-    spec = importlib.util.spec_from_file_location(
-        "profile_step", Path(__file__).resolve().parents[1] / "benchmarks" / "profile_step.py")
-    profile_step = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(profile_step)
-    return profile_step
+    return load_script("benchmarks/profile_step.py")
 
 
 def _trace_events(directory, rank: int) -> list:
