@@ -13,9 +13,8 @@ kernel's total time, divided by 64, is its cost per decode step (prefill and sta
 the kernels by group (attention, matrix products, norms/rotary/activation/KV write, other) against the wall
 time. With ``--prefill-only`` each request generates one token, so every step is a prefill step, and the
 matrix products' rate is printed in TFLOP/s (the layers' products' FLOPs over the group's time, which holds
-the LM head's few rows too), to set
-beside ``kernels_linear.py --sustain`` on the same card: the products as the engine's prefill runs them
-against the same products back to back.
+the LM head's few rows too; dense models only), to set beside ``kernels_linear.py --sustain`` on the same
+card: the products as the engine's prefill runs them against the same products back to back.
 
 ``--trace FILE`` reads a trace that ``dovetail bench ... --profile`` wrote (one per rank, under
 ``DOVETAIL_TORCH_PROFILER_DIR``; a whole B1 as the engine runs it, graphs included) instead of running a model:
@@ -113,6 +112,8 @@ def layer_product_flops(model_dir: str, tokens: int) -> int:
 
     config = AutoConfig.from_pretrained(model_dir)
     shapes = projections(config)
+    if "router" in shapes:
+        raise SystemExit(f"--prefill-only counts a dense model's products; {model_dir} routes to experts")
     return 2 * tokens * config.num_hidden_layers * sum(n * k for name, (n, k) in shapes.items()
                                                        if name in ("qkv", "o", "gate_up", "down"))
 
@@ -261,7 +262,8 @@ def trace_summary(path: str) -> dict:
         groups[group_of(name)] += t / 1e6
     return {"trace": path, "span_s": (end - start) / 1e6, "busy_s": busy / 1e6, "kernel_s": total / 1e6,
             "between_graphs": _between_graphs(events, launches),
-            "groups_s": dict(groups), "outside_graphs_groups_s": dict(outside_graphs), "idle_s_by_gap_us": {f"<{limit:g}": idle[limit] / 1e6 for limit in GAP_CLASSES},
+            "groups_s": dict(groups), "outside_graphs_groups_s": dict(outside_graphs),
+            "idle_s_by_gap_us": {f"<{limit:g}": idle[limit] / 1e6 for limit in GAP_CLASSES},
             "kernels": [{"name": name, "s": t / 1e6, "calls": calls[name]} for name, t in by_name.most_common()],
             "short_idle_between": [{"after": a, "before": b, "s": t / 1e6}
                                    for (a, b), t in idle_between.most_common(15)],
@@ -365,6 +367,7 @@ def main() -> int:
     from dovetail.llm import LLM
 
     model_dir, defaults = shapes.materialize(args.model)
+    flops_per_token = layer_product_flops(model_dir, 1) if args.prefill_only else 0
     llm = LLM(model_dir, device=args.device, attention_backend=args.attention_backend, quantization=args.quantization,
               enforce_eager=True if not args.stages else (args.enforce_eager or None), **defaults)
     engine = llm.llm_engine
@@ -381,8 +384,7 @@ def main() -> int:
               f"{b1['prompt_tokens']} prompt and {b1['output_tokens']} output tokens")
         print("  " + ", ".join(f"{group} {seconds:.3f} s" for group, seconds in b1["groups_s"].items()))
         if args.prefill_only:
-            b1["matmul_tflops"] = (layer_product_flops(model_dir, b1["prompt_tokens"])
-                                   / b1["groups_s"]["matmul"] / 1e12)
+            b1["matmul_tflops"] = flops_per_token * b1["prompt_tokens"] / b1["groups_s"]["matmul"] / 1e12
             print(f"  the layers' products: {b1['matmul_tflops']:.1f} TFLOP/s")
         for kernel in b1["kernels"][:25]:
             print(f"{kernel['s']:8.3f} s {kernel['calls']:7d} calls  {kernel['name'][:110]}")

@@ -180,6 +180,15 @@ def test_the_prefill_profiles_rate_counts_the_layers_products_flops(tmp_path):
     assert _profile_step().layer_product_flops(str(tmp_path), tokens=10) == 2 * 10 * 3 * per_layer
 
 
+def test_the_prefill_profiles_rate_refuses_a_mixture_of_experts(tmp_path):
+    from transformers import Qwen3MoeConfig
+
+    Qwen3MoeConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                   moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2).save_pretrained(tmp_path)
+    with pytest.raises(SystemExit, match="counts a dense model's products; .* routes to experts"):
+        _profile_step().layer_product_flops(str(tmp_path), tokens=10)
+
+
 def test_prefill_only_needs_b1_and_no_stages(monkeypatch, capsys):
     profile_step = _profile_step()
     for argv in (["--prefill-only"], ["--b1", "4", "--stages", "--prefill-only"]):
