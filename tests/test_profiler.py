@@ -139,7 +139,8 @@ def test_the_trace_summary_adds_busy_time_once_and_classes_the_idle_gaps(tmp_pat
     assert gap["host"] == ["aten::mm 1500us", "cudaStreamSynchronize 1400us"], \
         "the host's calls by their time within the gap, the one spanning far more than the gap left out"
     assert summary["between_graphs"] is None, "no graph replays in this trace"
-    assert summary["outside_graphs_groups_s"] == pytest.approx(summary["groups_s"]), "without replays every kernel is eager"
+    assert summary["outside_graphs_groups_s"] == pytest.approx(summary["groups_s"]), \
+        "without replays every kernel is eager"
 
 
 def test_the_trace_summary_times_what_runs_between_graph_replays(tmp_path):
