@@ -104,8 +104,8 @@ def decode_step_kernels(llm) -> dict:
             "kernels": [{"name": k[:140], **v} for k, v in ranked if abs(v["us"]) > 0.05]}
 
 
-def layer_product_flops(model_dir: str, tokens: int) -> int:
-    """FLOPs of the layers' matrix products (qkv, o, gate/up, down) over ``tokens`` tokens of a dense model."""
+def layer_product_flops_per_token(model_dir: str) -> int:
+    """FLOPs of the layers' matrix products (qkv, o, gate/up, down) for one token of a dense model."""
     from transformers import AutoConfig
 
     from dovetail.bench.shapes import projections
@@ -114,8 +114,8 @@ def layer_product_flops(model_dir: str, tokens: int) -> int:
     shapes = projections(config)
     if "router" in shapes:
         raise SystemExit(f"--prefill-only counts a dense model's products; {model_dir} routes to experts")
-    return 2 * tokens * config.num_hidden_layers * sum(n * k for name, (n, k) in shapes.items()
-                                                       if name in ("qkv", "o", "gate_up", "down"))
+    return 2 * config.num_hidden_layers * sum(n * k for name, (n, k) in shapes.items()
+                                              if name in ("qkv", "o", "gate_up", "down"))
 
 
 def b1_kernels(llm, num: int, prefill_only: bool = False) -> dict:
@@ -367,7 +367,7 @@ def main() -> int:
     from dovetail.llm import LLM
 
     model_dir, defaults = shapes.materialize(args.model)
-    flops_per_token = layer_product_flops(model_dir, 1) if args.prefill_only else 0
+    flops_per_token = layer_product_flops_per_token(model_dir) if args.prefill_only else 0
     llm = LLM(model_dir, device=args.device, attention_backend=args.attention_backend, quantization=args.quantization,
               enforce_eager=True if not args.stages else (args.enforce_eager or None), **defaults)
     engine = llm.llm_engine

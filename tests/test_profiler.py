@@ -171,14 +171,14 @@ def test_the_trace_summary_times_what_runs_between_graph_replays(tmp_path):
 
 
 def test_the_prefill_profiles_rate_counts_the_layers_products_flops(tmp_path):
-    """``profile_step.py --b1 N --prefill-only``: the FLOPs its TFLOP/s divides are 2 x tokens x the layers'
-    qkv, o, gate/up and down weights (GQA's narrower k and v counted as such, the LM head left out)."""
+    """``profile_step.py --b1 N --prefill-only``: the FLOPs its TFLOP/s divides are, per prompt token, 2 x the
+    layers' qkv, o, gate/up and down weights (GQA's narrower k and v counted as such, the LM head left out)."""
     from transformers import LlamaConfig
 
     LlamaConfig(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
                 intermediate_size=96, vocab_size=1000).save_pretrained(tmp_path)
     per_layer = 64 * (64 + 2 * 32) + 64 * 64 + 2 * 96 * 64 + 96 * 64
-    assert _profile_step().layer_product_flops(str(tmp_path), tokens=10) == 2 * 10 * 3 * per_layer
+    assert _profile_step().layer_product_flops_per_token(str(tmp_path)) == 2 * 3 * per_layer
 
 
 def test_the_prefill_profiles_rate_refuses_a_mixture_of_experts(tmp_path):
@@ -187,7 +187,7 @@ def test_the_prefill_profiles_rate_refuses_a_mixture_of_experts(tmp_path):
     Qwen3MoeConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                    moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2).save_pretrained(tmp_path)
     with pytest.raises(SystemExit, match="counts a dense model's products; .* routes to experts"):
-        _profile_step().layer_product_flops(str(tmp_path), tokens=10)
+        _profile_step().layer_product_flops_per_token(str(tmp_path))
 
 
 def test_prefill_only_needs_b1_and_no_stages(monkeypatch, capsys):
